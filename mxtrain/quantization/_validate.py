@@ -1,0 +1,52 @@
+"""Argument checks shared by the reference quantizers (clear errors, no silent casts)."""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCALE_MODES = ("floor", "rceil", "even")
+ROUNDINGS = ("even", "nearest", "floor", "stochastic")
+
+
+def check_float_tensor(x, what: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        hint = " (cast with .float(): float64 is rounded to float32 first)" if x.dtype == torch.float64 else ""
+        raise TypeError(f"{what} must have dtype float32, bfloat16 or float16, got {x.dtype}{hint}")
+
+
+def check_choice(value, allowed: tuple[str, ...], what: str) -> str:
+    if not isinstance(value, str) or value.lower() not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
+    return value.lower()
+
+
+def check_block_size(block_size) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int (0 = one block per axis), got {type(block_size).__name__}")
+    if block_size < 0:
+        raise ValueError(f"block_size must be >= 0 (0 = one block for the whole axis), got {block_size}")
+    return block_size
+
+
+def normalize_axis(axis, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"axis must be an int, got {type(axis).__name__}")
+    if ndim == 0:
+        raise ValueError("cannot quantize a 0-d tensor along an axis; reshape it to 1-d first")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis} is out of range for a {ndim}-d tensor (allowed: {-ndim}..{ndim - 1})")
+    return axis % ndim
+
+
+def make_generator(seed, device: torch.device) -> torch.Generator | None:
+    """``None`` uses torch's global RNG; an int seeds a private generator; a Generator is used as is."""
+    if seed is None or isinstance(seed, torch.Generator):
+        return seed
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, a torch.Generator or None, got {type(seed).__name__}")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen

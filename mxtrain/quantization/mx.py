@@ -1,0 +1,195 @@
+"""MX block quantization: shared E8M0 exponents and element codes, exact, in pure PyTorch.
+
+Layout of a quantized plane: the block axis is moved last and zero-padded to
+``nblocks * block_size``; codes are one unsigned integer per element
+(``fmt.bits`` wide, in a uint8) and, with ``pack=True``, sub-byte codes are
+packed along that last axis (see :mod:`mxtrain.quantization.packing`). Scale
+bytes have shape ``[..., nblocks]`` with the same leading dims.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mxtrain.formats import E8M0, ElemFormat, parse_format
+from mxtrain.quantization._validate import (
+    ROUNDINGS, SCALE_MODES, check_block_size, check_choice, check_float_tensor, make_generator,
+    normalize_axis,
+)
+from mxtrain.quantization.rounding import (
+    FP32_ABS_MASK, FP32_BIAS, FP32_EXP_MASK, FP32_MANT_BITS, code_table, element_codes, grid_value,
+    round_to_grid,
+)
+
+FP32_MIN_NORMAL_EXP = -126
+
+
+def _scale_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2**(b-127), 2**(127-b))`` for every scale byte b, NaN at 0xFF (exact, subnormal 2**-127 included)."""
+    b = torch.arange(256, dtype=torch.float64)
+    up = torch.exp2(b - E8M0.bias)
+    down = torch.exp2(E8M0.bias - b)
+    up[E8M0.nan_code] = float("nan")
+    down[E8M0.nan_code] = float("nan")
+    return up.to(torch.float32).to(device), down.to(torch.float32).to(device)
+
+
+_SCALE_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def scale_values(scale_bytes: torch.Tensor) -> torch.Tensor:
+    """fp32 ``2**(byte - 127)`` of E8M0 scale bytes (0xFF -> NaN)."""
+    tables = _SCALE_TABLES.get(scale_bytes.device)
+    if tables is None:
+        tables = _SCALE_TABLES[scale_bytes.device] = _scale_tables(scale_bytes.device)
+    return tables[0][scale_bytes.long()]
+
+
+def _inverse_scale_values(scale_bytes: torch.Tensor) -> torch.Tensor:
+    tables = _SCALE_TABLES.get(scale_bytes.device)
+    if tables is None:
+        tables = _SCALE_TABLES[scale_bytes.device] = _scale_tables(scale_bytes.device)
+    return tables[1][scale_bytes.long()]
+
+
+def shared_exponent_bytes(amax_bits: torch.Tensor, fmt: ElemFormat, scale_mode: str) -> torch.Tensor:
+    """E8M0 scale bytes from the fp32 bit patterns of block amaxes (int32, sign clear).
+
+    ``floor``: ``floor(log2 amax) - emax``, an all-zero block taking amax = 2**-126
+    (microxcaling/OCP). ``even``: amax first rounded (half up) to ``mbits``
+    mantissa bits (torchao's EVEN). ``rceil``: ``ceil(log2(amax * fp32(1/max_norm)))``
+    with the product in fp32 (Transformer Engine / cuBLAS). All clamp to
+    [-127, 127]; a NaN or Inf amax gives 0xFF.
+    """
+    nonfinite = amax_bits >= FP32_EXP_MASK
+    if scale_mode == "rceil":
+        d = amax_bits.view(torch.float32) * torch.tensor(1.0 / fmt.max_norm, dtype=torch.float32)
+        d_bits = d.view(torch.int32)
+        biased = d_bits >> FP32_MANT_BITS
+        mant = d_bits & ((1 << FP32_MANT_BITS) - 1)
+        # subnormal d: 2**-127 < d < 2**-126 rounds up to -126, anything smaller to -127
+        round_up = torch.where(biased == 0, mant > (1 << (FP32_MANT_BITS - 1)), mant != 0)
+        exp = biased - FP32_BIAS + round_up.to(torch.int32)
+    else:
+        bits = amax_bits
+        if scale_mode == "even":
+            bits = bits + (1 << (FP32_MANT_BITS - 1 - fmt.mbits))
+        biased = bits >> FP32_MANT_BITS
+        # zero block: amax := 2**-126; fp32-subnormal amax: floor(log2) <= -127
+        exp = torch.where(biased == 0, torch.where(amax_bits == 0, FP32_MIN_NORMAL_EXP, -FP32_BIAS),
+                          biased - FP32_BIAS) - fmt.emax
+    scale = exp.clamp_(E8M0.min_exp, E8M0.max_exp) + E8M0.bias
+    return torch.where(nonfinite, E8M0.nan_code, scale).to(torch.uint8)
+
+
+def _to_blocks(x: torch.Tensor, axis: int, block_size: int) -> tuple[torch.Tensor, int]:
+    """fp32 view ``[..., nblocks, bs]`` of ``x`` with ``axis`` moved last, zero-padded; and bs."""
+    xf = x.float().movedim(axis, -1)
+    length = xf.shape[-1]
+    bs = block_size if block_size > 0 else max(length, 1)
+    nblocks = -(-length // bs)
+    pad = nblocks * bs - length
+    if pad:
+        xf = F.pad(xf, (0, pad))
+    return xf.reshape(*xf.shape[:-1], nblocks, bs), bs
+
+
+def _scaled_blocks(blocks: torch.Tensor, fmt: ElemFormat, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale bytes and the block values divided by their scale (exact: a power of two)."""
+    amax_bits = (blocks.view(torch.int32) & FP32_ABS_MASK).amax(dim=-1)
+    scale = shared_exponent_bytes(amax_bits, fmt, scale_mode)
+    y = blocks * _inverse_scale_values(scale).unsqueeze(-1)
+    return scale, y
+
+
+def _quantize_blocks(blocks, fmt, scale_mode, rounding, generator):
+    scale, y = _scaled_blocks(blocks, fmt, scale_mode)
+    codes = element_codes(y, fmt, rounding, generator)
+    nan_blocks = (scale == E8M0.nan_code).unsqueeze(-1)
+    codes = codes.masked_fill_(nan_blocks, 0)  # a NaN block's codes are 0; its scale says NaN
+    return codes.to(torch.uint8), scale
+
+
+def _check_common(x, fmt, block_size, scale_mode, rounding):
+    check_float_tensor(x)
+    fmt = parse_format(fmt)
+    block_size = check_block_size(block_size)
+    scale_mode = check_choice(scale_mode, SCALE_MODES, "scale_mode")
+    rounding = check_choice(rounding, ROUNDINGS, "rounding")
+    return fmt, block_size, scale_mode, rounding
+
+
+def quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, axis: "int | tuple[int, ...]" = -1,
+                scale_mode: str = "floor", rounding: str = "even",
+                seed: "int | torch.Generator | None" = None, pack: bool = True):
+    """Quantize ``x`` to MX: element codes plus one E8M0 scale per block, as an :class:`MXTensor`.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor, on any device.
+        fmt: element format name or alias (``"fp8_e4m3"``, ``"mxfp4"``, ``"int8"``...).
+        block_size: elements per block along ``axis``; 0 = one block for the whole
+            axis. A ragged last block is zero-padded (the padding is stored).
+        axis: block axis, or a tuple of axes to get one plane per axis (e.g.
+            ``(-1, 0)`` for the rowwise and columnwise planes of a 2-D tensor).
+        scale_mode: ``"floor"`` (OCP/microxcaling, elements saturate), ``"rceil"``
+            (Transformer Engine/cuBLAS, never saturates) or ``"even"`` (torchao EVEN).
+        rounding: ``"even"``, ``"nearest"`` (ties away), ``"floor"`` (toward zero), ``"stochastic"``.
+        seed: stochastic rounding: int seed or Generator (None: torch's global RNG).
+        pack: pack sub-byte codes (fp6 4-in-3 bytes, fp4/int4 two per byte, int2 four per byte).
+
+    A block holding NaN or +-Inf gets scale 0xFF (NaN) and dequantizes to all NaN.
+    """
+    from mxtrain.quantization.mxtensor import MXPlane, MXTensor
+    from mxtrain.quantization.packing import pack_codes
+
+    fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    if not axes:
+        raise ValueError("axis tuple must name at least one axis")
+    axes = tuple(normalize_axis(a, x.ndim) for a in axes)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axis tuple {axis} names an axis twice")
+    generator = make_generator(seed, x.device) if rounding == "stochastic" else None
+    planes = []
+    for ax in axes:
+        blocks, bs = _to_blocks(x, ax, block_size)
+        codes, scale = _quantize_blocks(blocks, fmt, scale_mode, rounding, generator)
+        codes = codes.reshape(*codes.shape[:-2], -1)
+        if pack:
+            codes = pack_codes(codes, fmt)
+        planes.append(MXPlane(data=codes, scale=scale, axis=ax, packed=pack))
+    return MXTensor(planes=tuple(planes), fmt=fmt.name, block_size=bs if block_size == 0 else block_size,
+                    shape=tuple(x.shape), dtype=x.dtype, scale_mode=scale_mode, rounding=rounding,
+                    whole_axis=block_size == 0)
+
+
+def fake_quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, axis: int = -1,
+                     scale_mode: str = "floor", rounding: str = "even",
+                     seed: "int | torch.Generator | None" = None) -> torch.Tensor:
+    """``quantize_mx(...).dequantize()`` in one pass, same shape and dtype as ``x``.
+
+    Bit-identical to the two-step path; it skips materialising codes. Used by the
+    CPU emulation of MX GEMM operands.
+    """
+    fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
+    ax = normalize_axis(axis, x.ndim)
+    generator = make_generator(seed, x.device) if rounding == "stochastic" else None
+    blocks, _ = _to_blocks(x, ax, block_size)
+    scale, y = _scaled_blocks(blocks, fmt, scale_mode)
+    q, e = round_to_grid(y, fmt, rounding, generator)
+    mag = grid_value(q, e, fmt).clamp_(max=fmt.max_norm)
+    out = torch.copysign(mag, y)
+    if fmt.is_int:
+        out.add_(0.0)  # two's complement has no -0: -0.0 + 0.0 == +0.0
+    out.mul_(scale_values(scale).unsqueeze(-1))
+    out = out.reshape(*out.shape[:-2], -1)[..., : x.shape[ax]]
+    return out.movedim(-1, ax).to(x.dtype)
+
+
+def dequantize_plane_values(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat) -> torch.Tensor:
+    """fp32 values ``code * 2**X`` of unpacked codes ``[..., nblocks*bs]`` with scales ``[..., nblocks]``."""
+    values = code_table(fmt, codes.device)[codes.long()]
+    nblocks = scale.shape[-1]
+    values = values.reshape(*values.shape[:-1], nblocks, -1) * scale_values(scale).unsqueeze(-1)
+    return values.reshape(*values.shape[:-2], -1)

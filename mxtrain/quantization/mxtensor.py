@@ -1,0 +1,155 @@
+"""MXTensor: MX element codes and their E8M0 scale bytes, owned together.
+
+The scale-inverse never lives apart from the bits it decodes (the lesson of
+Transformer Engine PR 1083): an :class:`MXTensor` is produced whole by a
+quantizer (reference or kernel) and consumed whole by dequantize, GEMM and
+communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from mxtrain.formats import ElemFormat, parse_format
+from mxtrain.quantization.mx import dequantize_plane_values
+from mxtrain.quantization.packing import unpack_codes
+
+__all__ = ["MXPlane", "MXTensor"]
+
+
+@dataclass(frozen=True)
+class MXPlane:
+    """One orientation of an MX tensor.
+
+    Attributes:
+        data: uint8 codes with the block axis moved last and zero-padded to
+            ``nblocks * block_size`` (packed along it when ``packed``).
+        scale: uint8 E8M0 bytes ``[..., nblocks]`` (same leading dims as ``data``).
+        axis: the block axis in the logical tensor (non-negative).
+        packed: whether sub-byte codes are packed.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    axis: int
+    packed: bool
+
+    def to(self, *args, **kwargs) -> "MXPlane":
+        return replace(self, data=self.data.to(*args, **kwargs), scale=self.scale.to(*args, **kwargs))
+
+
+@dataclass(frozen=True)
+class MXTensor:
+    """An MX-quantized tensor: one or more planes (block orientations) of codes with their scales.
+
+    ``rowwise`` is the plane blocked along the last axis, ``columnwise`` the one
+    blocked along the first axis of a 2-D tensor (what the transposed GEMM
+    operand needs). ``shape`` and ``dtype`` are the logical (original) ones.
+    """
+
+    planes: tuple[MXPlane, ...]
+    fmt: str
+    block_size: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    scale_mode: str = "floor"
+    rounding: str = "even"
+    whole_axis: bool = False
+
+    def __post_init__(self):
+        if not self.planes:
+            raise ValueError("an MXTensor needs at least one plane")
+        axes = [p.axis for p in self.planes]
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"planes must have distinct axes, got {axes}")
+
+    @property
+    def format(self) -> ElemFormat:
+        return parse_format(self.fmt)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.planes[0].data.device
+
+    def plane(self, axis: int | None = None) -> MXPlane:
+        """The plane blocked along ``axis`` (the first plane when None)."""
+        if axis is None:
+            return self.planes[0]
+        ax = axis % self.ndim if self.ndim else axis
+        for p in self.planes:
+            if p.axis == ax:
+                return p
+        raise ValueError(f"this MXTensor has no plane blocked along axis {axis}; "
+                         f"it has planes along {[p.axis for p in self.planes]}")
+
+    def _find(self, axis: int) -> MXPlane | None:
+        return next((p for p in self.planes if p.axis == axis), None)
+
+    @property
+    def rowwise(self) -> MXPlane | None:
+        return self._find(self.ndim - 1)
+
+    @property
+    def columnwise(self) -> MXPlane | None:
+        return self._find(0) if self.ndim >= 2 else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes plus scales over all planes."""
+        return sum(p.data.numel() * p.data.element_size() + p.scale.numel() for p in self.planes)
+
+    def codes(self, axis: int | None = None) -> torch.Tensor:
+        """Unpacked uint8 codes of a plane, in its stored layout (block axis last, padded)."""
+        p = self.plane(axis)
+        return unpack_codes(p.data, self.format) if p.packed else p.data
+
+    def dequantize(self, dtype: torch.dtype | None = None, axis: int | None = None) -> torch.Tensor:
+        """The values ``code * 2**X`` in the logical shape (exact in fp32), cast to ``dtype``.
+
+        ``dtype`` defaults to the dtype that was quantized. Casting to bf16/fp16
+        rounds only where a value falls outside their range or below their
+        subnormals (tiny scales); fp32 is always exact.
+        """
+        p = self.plane(axis)
+        values = dequantize_plane_values(self.codes(axis), p.scale, self.format)
+        moved = list(self.shape)
+        length = moved.pop(p.axis)
+        values = values[..., :length].reshape(*moved, length).movedim(-1, p.axis)
+        return values.to(dtype or self.dtype)
+
+    def to(self, *args, **kwargs) -> "MXTensor":
+        """Move every plane (codes and scales together) to a device."""
+        return replace(self, planes=tuple(p.to(*args, **kwargs) for p in self.planes))
+
+    def cpu(self) -> "MXTensor":
+        return self.to("cpu")
+
+    def cuda(self, device=None) -> "MXTensor":
+        return self.to(device or "cuda")
+
+    def __repr__(self) -> str:
+        orient = []
+        for p in self.planes:
+            name = "rowwise" if p.axis == self.ndim - 1 else ("columnwise" if p.axis == 0 else f"axis={p.axis}")
+            orient.append(f"{name}: data{list(p.data.shape)}{' packed' if p.packed else ''} "
+                          f"scale{list(p.scale.shape)}")
+        block = "whole-axis" if self.whole_axis else str(self.block_size)
+        return (f"MXTensor({self.fmt}, shape={list(self.shape)}, dtype={self.dtype}, block={block}, "
+                f"scale_mode={self.scale_mode}, rounding={self.rounding}, device={self.device}, "
+                f"nbytes={self.nbytes}, planes=[{'; '.join(orient)}])")
+
+
+def _register_safe_globals() -> None:
+    # torch.load(weights_only=True) (the default) accepts these classes
+    add = getattr(torch.serialization, "add_safe_globals", None)
+    if add is not None:
+        add([MXTensor, MXPlane])
+
+
+_register_safe_globals()

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs (pip packages, Debian data packages) and runs it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q torch==2.13.0 2>/dev/null || python3 -m pip install -q "torch>=2.11"
+python3 -m pip install -q -e ".[test,data]"
+if [ -f scripts/install_data.sh ]; then bash scripts/install_data.sh; fi
+export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
+exec python3 -m pytest -q -p no:cacheprovider tests "$@"
