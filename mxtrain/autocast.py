@@ -1,0 +1,125 @@
+"""``mx_autocast``: turn a recipe on for the code inside a ``with`` block or a decorated function.
+
+The active recipe lives in a :class:`contextvars.ContextVar`, so it is local to the
+current thread and asyncio task:
+
+* Nesting: the innermost ``mx_autocast`` wins and the outer one is restored on
+  exit, also when the block raises. ``mx_autocast(enabled=False)`` inside an
+  enabled block turns MX off for its body.
+* Threads: a ``threading.Thread`` starts with an empty context, so it does **not**
+  see an ``mx_autocast`` that was active where it was started; open one inside the
+  thread (``with mx_autocast(recipe=parent_recipe):``) or run the thread's target
+  in a copy of the caller's context (``contextvars.copy_context().run``, which is
+  what ``asyncio.to_thread`` does). (Free-threaded Python 3.14+ builds copy the
+  caller's context into new threads by default, so there a thread does see it.)
+* asyncio: a task copies the context when it is created, so it sees the
+  autocast active there, and its own ``mx_autocast`` does not leak into others.
+* Backward: autograd runs backward outside the ``with`` block, often on another
+  thread. Modules therefore call :func:`get_recipe` in forward and keep the
+  recipe on their autograd ctx; backward uses that, never the current state.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Callable, TypeVar
+
+from mxtrain.recipes import MXFP8Recipe, Recipe
+
+__all__ = ["mx_autocast", "get_recipe", "is_autocast_enabled"]
+
+_F = TypeVar("_F", bound=Callable)
+
+# Recipes are immutable, so every mx_autocast() without a recipe can share one.
+_DEFAULT_RECIPE = MXFP8Recipe()
+
+
+class _Frame:
+    """One entered ``mx_autocast``: its recipe (None = disabled) and how to undo it."""
+
+    __slots__ = ("recipe", "owner", "token")
+
+    def __init__(self, recipe: Recipe | None, owner: "mx_autocast") -> None:
+        self.recipe = recipe
+        self.owner = owner
+        self.token: contextvars.Token | None = None
+
+
+# Keeping the reset token in the frame (not on the mx_autocast object) makes one
+# mx_autocast object safe to enter again while already entered, and from several
+# threads at once: each entry's undo information lives in its own context.
+_ACTIVE_FRAME: contextvars.ContextVar[_Frame | None] = contextvars.ContextVar(
+    "mxtrain_mx_autocast_frame", default=None)
+
+
+class mx_autocast:
+    """Run MX-aware modules with ``recipe`` inside a ``with`` block, or for every call of a function.
+
+    Args:
+        enabled: bool. False turns MX off for the block, also inside an enabled
+            ``mx_autocast``; ``recipe`` is then checked but not used, so
+            ``mx_autocast(enabled=args.mx, recipe=recipe)`` works either way.
+        recipe: a recipe instance (:class:`~mxtrain.recipes.MXFP8Recipe`,
+            :class:`~mxtrain.recipes.MXRecipe`, ...). None with ``enabled=True``
+            means ``MXFP8Recipe()``.
+
+    ``with mx_autocast(...) as recipe:`` binds the active recipe (None when disabled).
+    As a decorator, ``@mx_autocast(recipe=r)`` enters a fresh context on every call,
+    so recursive and concurrent calls are safe. (A decorated generator function
+    gets the recipe only while the generator is created, not while it runs.)
+
+    See the module docstring for threads and for how modules use the recipe in backward.
+    """
+
+    def __init__(self, enabled: bool = True, recipe: Recipe | None = None) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"mx_autocast(enabled=...) must be a bool, got {type(enabled).__name__} {enabled!r}")
+        if recipe is not None and not isinstance(recipe, Recipe):
+            hint = (" (to build one from a string use mxtrain.recipes.recipe_from_string)"
+                    if isinstance(recipe, str) else "")
+            raise TypeError("mx_autocast(recipe=...) must be a recipe instance such as MXFP8Recipe() "
+                            f"or MXRecipe(...), or None; got {type(recipe).__name__} {recipe!r}{hint}")
+        self.enabled = enabled
+        # What get_recipe() returns inside this block.
+        self.recipe: Recipe | None = (recipe if recipe is not None else _DEFAULT_RECIPE) if enabled else None
+
+    def __enter__(self) -> Recipe | None:
+        frame = _Frame(self.recipe, self)
+        frame.token = _ACTIVE_FRAME.set(frame)
+        return self.recipe
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        frame = _ACTIVE_FRAME.get()
+        if frame is None or frame.owner is not self:
+            # Only reachable by calling __enter__/__exit__ by hand, out of order.
+            raise RuntimeError("mx_autocast exited out of order: the innermost active "
+                               "mx_autocast is not this one")
+        _ACTIVE_FRAME.reset(frame.token)
+        return False  # never swallow the exception
+
+    def __call__(self, func: _F) -> _F:
+        if not callable(func):
+            raise TypeError(f"mx_autocast(...) decorates a callable, got {type(func).__name__}")
+        enabled, recipe = self.enabled, self.recipe
+
+        @functools.wraps(func)
+        def run_with_recipe(*args, **kwargs):
+            with mx_autocast(enabled=enabled, recipe=recipe):
+                return func(*args, **kwargs)
+
+        return run_with_recipe  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"mx_autocast(enabled={self.enabled}, recipe={self.recipe!r})"
+
+
+def get_recipe() -> Recipe | None:
+    """The recipe of the innermost active ``mx_autocast`` in this context, or None when MX is off."""
+    frame = _ACTIVE_FRAME.get()
+    return None if frame is None else frame.recipe
+
+
+def is_autocast_enabled() -> bool:
+    """True inside an enabled ``mx_autocast`` (and not inside a nested disabled one)."""
+    return get_recipe() is not None
