@@ -1,6 +1,30 @@
-"""mxtrain: training and format exploration in Microscaling (MX) formats for PyTorch."""
+"""mxtrain: training and number-format exploration in Microscaling (MX) formats for PyTorch.
 
-from mxtrain import formats
-from mxtrain.formats import ElemFormat, parse_format, parse_elemwise_format
+```python
+import mxtrain
+with mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()):
+    y = mxtrain.LayerNormMLP(1024, 4096, activation="gelu")(x)
+y.sum().backward()
+```
+"""
+
+from mxtrain import formats, recipes
+from mxtrain.autocast import get_recipe, is_autocast_enabled, mx_autocast
+from mxtrain.formats import ElemFormat, parse_elemwise_format, parse_format
+from mxtrain.modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, mx_linear
+from mxtrain.quantization import MXTensor, fake_quantize_mx, quantize_elemwise, quantize_mx
+from mxtrain.recipes import (
+    ROLE_NAMES, MXFP4Recipe, MXFP6Recipe, MXFP8Recipe, MXINT8Recipe, MXRecipe, Recipe, RoleSpec,
+    recipe_from_dict, recipe_from_string,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "mx_autocast", "get_recipe", "is_autocast_enabled",
+    "Recipe", "RoleSpec", "MXRecipe", "MXFP8Recipe", "MXFP6Recipe", "MXFP4Recipe", "MXINT8Recipe",
+    "recipe_from_dict", "recipe_from_string", "ROLE_NAMES",
+    "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "mx_linear",
+    "MXTensor", "quantize_mx", "fake_quantize_mx", "quantize_elemwise",
+    "ElemFormat", "parse_format", "parse_elemwise_format", "formats", "recipes",
+]

@@ -1,0 +1,63 @@
+"""Pieces shared by the module autograd functions: role quantization, elementwise rounding, seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from mxtrain.kernels.dispatch import quantize
+from mxtrain.quantization import MXTensor, quantize_elemwise
+
+_GENERATORS: dict[tuple[int, torch.device], torch.Generator] = {}
+
+
+def recipe_generator(recipe, device: torch.device) -> torch.Generator | None:
+    """One generator per (recipe seed, device), advanced call after call: reproducible runs."""
+    if recipe is None or recipe.seed is None:
+        return None
+    key = (recipe.seed, device)
+    gen = _GENERATORS.get(key)
+    if gen is None:
+        gen = _GENERATORS[key] = torch.Generator(device=device)
+        gen.manual_seed(recipe.seed)
+    return gen
+
+
+def quantize_operand(t2d: torch.Tensor, specs_axes, generator) -> list["MXTensor | torch.Tensor"]:
+    """Quantize a 2-D tensor for several (RoleSpec, axis) uses; identical specs share one call.
+
+    A role whose format is None gets the tensor itself (high precision). A spec
+    given for two axes produces both planes in one quantize call, which is what
+    the one-pass rowwise+columnwise kernels do.
+    """
+    out: list = [None] * len(specs_axes)
+    groups: dict = {}
+    for i, (spec, axis) in enumerate(specs_axes):
+        if spec is None or spec.fmt is None:
+            out[i] = t2d
+        else:
+            groups.setdefault(spec, []).append((i, axis))
+    for spec, uses in groups.items():
+        axes = tuple(dict.fromkeys(axis for _, axis in uses))
+        mx = quantize(t2d, spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
+                      rounding=spec.rounding, seed=generator)
+        for i, _ in uses:
+            out[i] = mx
+    return out
+
+
+def round_elemwise(t: torch.Tensor, recipe) -> torch.Tensor:
+    """Round a norm/activation result to the recipe's elementwise precision (identity when unset)."""
+    if recipe is None or recipe.elemwise_format is None:
+        return t
+    return quantize_elemwise(t, recipe.elemwise_format, rounding=recipe.rounding,
+                             subnormals=recipe.elemwise_subnormals)
+
+
+def check_input(x: torch.Tensor, features: int, name: str, what: str = "last dimension") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} expects a torch.Tensor input, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype == torch.float64:
+        raise TypeError(f"{name} supports float32, bfloat16 and float16 inputs, got {x.dtype}")
+    if x.ndim < 1 or x.shape[-1] != features:
+        raise ValueError(f"{name} expects inputs of shape [..., {features}], got {list(x.shape)} "
+                         f"({what} must be {features})")

@@ -1,0 +1,107 @@
+"""LayerNormLinear: a norm (LayerNorm or RMSNorm) followed by an MX linear, fused.
+
+Saves for backward the block input (the norm recomputes from it) and the MX
+columnwise plane of the norm output (the wgrad operand), not the norm output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mxtrain.autocast import get_recipe
+from mxtrain.modules._common import check_input, recipe_generator, round_elemwise
+from mxtrain.modules.linear import init_linear_, mx_linear_backward, mx_linear_forward
+from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
+
+
+class _LayerNormLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, cfg, recipe):
+        normalization, eps, zc, return_ln = cfg
+        gen = recipe_generator(recipe, x.device)
+        x2d = x.reshape(-1, x.shape[-1])
+        ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
+        y, ln_col, w_col = mx_linear_forward(ln_out, weight, bias, recipe, gen, ctx.needs_input_grad[3])
+        ctx.save_for_backward(x2d, ln_weight, ln_bias)
+        ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col, ctx.w_col = cfg, recipe, gen, ln_col, w_col
+        ctx.x_shape = x.shape
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        y = y.reshape(*x.shape[:-1], weight.shape[0])
+        if return_ln:
+            return y, ln_out.reshape(x.shape)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, dln_extra=None):
+        x2d, ln_weight, ln_bias = ctx.saved_tensors
+        normalization, eps, zc, _ = ctx.cfg
+        need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
+        need_ln = need_x or need_lnw or need_lnb
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dln, dw = mx_linear_backward(dy2d, ctx.ln_col, ctx.w_col, ctx.recipe, ctx.gen, need_ln, need_w)
+        ctx.ln_col = ctx.w_col = None
+        dx = dlnw = dlnb = None
+        if need_ln:
+            if dln_extra is not None:
+                dln = dln + dln_extra.reshape(dln.shape).float()
+            dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln.to(x2d.dtype), normalization, eps, zc,
+                                           (need_x, need_lnw, need_lnb))
+            if dx is not None:
+                dx = round_elemwise(dx, ctx.recipe).reshape(ctx.x_shape)
+        dw = dw.to(ctx.dtypes[0]) if dw is not None else None
+        db = dy2d.float().sum(0).to(ctx.dtypes[1]) if need_b else None
+        return dx, dlnw, dlnb, dw, db, None, None
+
+
+class LayerNormLinear(nn.Module):
+    """``norm -> linear`` with MX GEMMs under ``mx_autocast``.
+
+    Parameters (Transformer Engine's names): ``layer_norm_weight``,
+    ``layer_norm_bias`` (LayerNorm only), ``weight`` ``[out, in]``, ``bias``.
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        eps: norm epsilon.
+        zero_centered_gamma: the norm scale is ``1 + layer_norm_weight`` (weight initialised to 0).
+        return_layernorm_output: also return the norm output (e.g. for a residual).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: str = "LayerNorm",
+                 eps: float = 1e-5, zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.normalization = check_normalization(normalization)
+        self.eps = float(eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.return_layernorm_output = bool(return_layernorm_output)
+        f = {"device": device, "dtype": dtype}
+        self.layer_norm_weight = nn.Parameter((torch.zeros if zero_centered_gamma else torch.ones)(in_features, **f))
+        self.layer_norm_bias = (nn.Parameter(torch.zeros(in_features, **f))
+                                if self.normalization == "LayerNorm" else None)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **f))
+        self.bias = nn.Parameter(torch.empty(out_features, **f)) if bias else None
+        init_linear_(self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor):
+        check_input(x, self.in_features, "LayerNormLinear")
+        recipe = get_recipe()
+        if recipe is None:
+            ln_out = norm_forward(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps,
+                                  self.zero_centered_gamma)
+            y = torch.nn.functional.linear(ln_out, self.weight, self.bias)
+            return (y, ln_out) if self.return_layernorm_output else y
+        cfg = (self.normalization, self.eps, self.zero_centered_gamma, self.return_layernorm_output)
+        return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias,
+                                        cfg, recipe)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, "
+                f"normalization={self.normalization}, eps={self.eps}")

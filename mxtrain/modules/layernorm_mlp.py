@@ -1,0 +1,135 @@
+"""LayerNormMLP: norm -> fc1 -> activation -> fc2 with MX GEMMs, in one autograd function.
+
+What backward keeps (per token, hidden H, ffn F; MXFP8 about 1.03 bytes/element):
+the block input (the norm recomputes from it), the MX columnwise plane of the
+norm output (fc1's wgrad operand), the fc1 output ``h`` in the input dtype (the
+activation derivative needs it) and the MX columnwise planes of both weights.
+The activation output is *not* kept: backward recomputes ``act(h)`` and its
+columnwise MX plane, which is bit-identical to quantizing the forward value.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mxtrain.autocast import get_recipe
+from mxtrain.modules._common import check_input, quantize_operand, recipe_generator, round_elemwise
+from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
+from mxtrain.modules.linear import init_linear_, mx_linear_backward, mx_linear_forward
+from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
+
+
+class _LayerNormMLPFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, cfg, recipe):
+        normalization, eps, zc, act = cfg
+        gen = recipe_generator(recipe, x.device)
+        x2d = x.reshape(-1, x.shape[-1])
+        ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
+        h, ln_col, w1_col = mx_linear_forward(ln_out, fc1_weight, fc1_bias, recipe, gen, ctx.needs_input_grad[3])
+        a = round_elemwise(activation(h, act), recipe)
+        y, _, w2_col = mx_linear_forward(a, fc2_weight, fc2_bias, recipe, gen, needs_wgrad=False)
+        ctx.save_for_backward(x2d, ln_weight, ln_bias, h)
+        ctx.cfg, ctx.recipe, ctx.gen = cfg, recipe, gen
+        ctx.ln_col, ctx.w1_col, ctx.w2_col = ln_col, w1_col, w2_col
+        ctx.x_shape = x.shape
+        ctx.dtypes = tuple(None if p is None else p.dtype for p in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
+        return y.reshape(*x.shape[:-1], fc2_weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, ln_weight, ln_bias, h = ctx.saved_tensors
+        normalization, eps, zc, act = ctx.cfg
+        recipe, gen = ctx.recipe, ctx.gen
+        need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
+        need_ln = need_x or need_lnw or need_lnb
+        need_h = need_ln or need_w1 or need_b1
+        dy2d = dy.reshape(-1, dy.shape[-1])
+
+        a_col = None
+        if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it
+            a = round_elemwise(activation(h, act), recipe)
+            (a_col,) = quantize_operand(a, [(recipe.role("wgrad_input"), 0)], gen)
+        da, dw2 = mx_linear_backward(dy2d, a_col, ctx.w2_col, recipe, gen, need_h, need_w2)
+        db2 = dy2d.float().sum(0) if need_b2 else None
+
+        dx = dlnw = dlnb = dw1 = db1 = None
+        if need_h:
+            dh = round_elemwise(activation_backward(h, da.to(h.dtype), act), recipe)
+            dln, dw1 = mx_linear_backward(dh, ctx.ln_col, ctx.w1_col, recipe, gen, need_ln, need_w1)
+            db1 = dh.float().sum(0) if need_b1 else None
+            if need_ln:
+                dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln.to(x2d.dtype), normalization, eps, zc,
+                                               (need_x, need_lnw, need_lnb))
+                if dx is not None:
+                    dx = round_elemwise(dx, recipe).reshape(ctx.x_shape)
+        ctx.ln_col = ctx.w1_col = ctx.w2_col = None
+        cast = lambda g, dt: None if g is None else g.to(dt)  # noqa: E731
+        d1, d1b, d2, d2b = ctx.dtypes
+        return dx, dlnw, dlnb, cast(dw1, d1), cast(db1, d1b), cast(dw2, d2), cast(db2, d2b), None, None
+
+
+class LayerNormMLP(nn.Module):
+    """``norm -> fc1 -> activation -> fc2`` with MX GEMMs under ``mx_autocast``.
+
+    Parameters (Transformer Engine's names): ``layer_norm_weight``,
+    ``layer_norm_bias`` (LayerNorm only), ``fc1_weight`` ``[ffn, hidden]``
+    (``[2*ffn, hidden]`` for gated activations: the first half is the gate),
+    ``fc1_bias``, ``fc2_weight`` ``[hidden, ffn]``, ``fc2_bias``.
+
+    Args:
+        hidden_size, ffn_hidden_size: widths.
+        bias: give fc1 and fc2 biases.
+        normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
+        activation: gelu, gelu_tanh, relu, squared_relu, silu, swiglu, geglu, reglu.
+        eps, zero_centered_gamma: as in :class:`LayerNormLinear`.
+        return_bias: return ``(output_without_fc2_bias, fc2_bias)`` so the caller can fuse the bias add.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, normalization: str = "LayerNorm",
+                 activation: str = "gelu", eps: float = 1e-5, zero_centered_gamma: bool = False,
+                 return_bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.normalization = check_normalization(normalization)
+        self.activation = check_activation(activation)
+        self.eps = float(eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        self.return_bias = bool(return_bias)
+        f = {"device": device, "dtype": dtype}
+        fc1_out = 2 * ffn_hidden_size if is_gated(self.activation) else ffn_hidden_size
+        self.layer_norm_weight = nn.Parameter((torch.zeros if zero_centered_gamma else torch.ones)(hidden_size, **f))
+        self.layer_norm_bias = (nn.Parameter(torch.zeros(hidden_size, **f))
+                                if self.normalization == "LayerNorm" else None)
+        self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **f))
+        self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **f)) if bias else None
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **f))
+        self.fc2_bias = nn.Parameter(torch.empty(hidden_size, **f)) if bias else None
+        init_linear_(self.fc1_weight, self.fc1_bias)
+        init_linear_(self.fc2_weight, self.fc2_bias)
+
+    def forward(self, x: torch.Tensor):
+        check_input(x, self.hidden_size, "LayerNormMLP")
+        recipe = get_recipe()
+        fc2_bias = None if self.return_bias else self.fc2_bias
+        if recipe is None:
+            ln_out = norm_forward(x, self.layer_norm_weight, self.layer_norm_bias, self.normalization, self.eps,
+                                  self.zero_centered_gamma)
+            y = F.linear(activation(F.linear(ln_out, self.fc1_weight, self.fc1_bias), self.activation),
+                         self.fc2_weight, fc2_bias)
+        else:
+            cfg = (self.normalization, self.eps, self.zero_centered_gamma, self.activation)
+            y = _LayerNormMLPFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
+                                      self.fc1_bias, self.fc2_weight, fc2_bias, cfg, recipe)
+        return (y, self.fc2_bias) if self.return_bias else y
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, {self.ffn_hidden_size}, activation={self.activation}, "
+                f"normalization={self.normalization}, bias={self.fc1_bias is not None}")

@@ -1,0 +1,93 @@
+"""Linear: ``nn.Linear`` whose three GEMMs run in MX under ``mx_autocast``.
+
+Operands per GEMM (DESIGN.md): fprop ``X W^T`` with X and W blocked along K;
+dgrad ``dY W`` with dY along N and W along N (columnwise); wgrad ``dY^T X``
+with dY and X along tokens (columnwise). Forward quantizes W once (both planes)
+and X once (both planes); backward keeps only MX bytes of X and W.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mxtrain.autocast import get_recipe
+from mxtrain.kernels.dispatch import mx_gemm
+from mxtrain.modules._common import check_input, quantize_operand, recipe_generator
+
+
+def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool):
+    """Forward GEMM of a linear layer; returns ``(y, x_for_wgrad, w_for_dgrad)``."""
+    x_row, x_col = quantize_operand(
+        x2d, [(recipe.role("fprop_input"), 1), (recipe.role("wgrad_input") if needs_wgrad else None, 0)],
+        generator)
+    w_row, w_col = quantize_operand(
+        weight, [(recipe.role("fprop_weight"), 1), (recipe.role("dgrad_weight"), 0)], generator)
+    y = mx_gemm(x_row, w_row, a_axis=1, b_axis=1, out_dtype=torch.float32)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x2d.dtype), (x_col if needs_wgrad else None), w_col
+
+
+def mx_linear_backward(dy2d, x_col, w_col, recipe, generator, needs_dgrad: bool, needs_wgrad: bool):
+    """dgrad and wgrad GEMMs of a linear layer: ``(dx fp32 | None, dw fp32 | None)``."""
+    dy_row, dy_col = quantize_operand(
+        dy2d, [(recipe.role("dgrad_grad_output") if needs_dgrad else None, 1),
+               (recipe.role("wgrad_grad_output") if needs_wgrad else None, 0)], generator)
+    dx = mx_gemm(dy_row, w_col, a_axis=1, b_axis=0) if needs_dgrad else None
+    dw = mx_gemm(dy_col, x_col, a_axis=0, b_axis=0) if needs_wgrad else None
+    return dx, dw
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe):
+        gen = recipe_generator(recipe, x.device)
+        x2d = x.reshape(-1, x.shape[-1])
+        y, x_col, w_col = mx_linear_forward(x2d, weight, bias, recipe, gen, ctx.needs_input_grad[1])
+        ctx.recipe, ctx.gen, ctx.x_col, ctx.w_col = recipe, gen, x_col, w_col
+        ctx.x_shape, ctx.dtypes = x.shape, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx, dw = mx_linear_backward(dy2d, ctx.x_col, ctx.w_col, ctx.recipe, ctx.gen, need_x, need_w)
+        ctx.x_col = ctx.w_col = None
+        dx = dx.to(ctx.dtypes[0]).reshape(ctx.x_shape) if dx is not None else None
+        dw = dw.to(ctx.dtypes[1]) if dw is not None else None
+        db = dy2d.float().sum(0).to(ctx.dtypes[2]) if need_b else None
+        return dx, dw, db, None
+
+
+def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Functional form: MX GEMMs under ``mx_autocast``, ``F.linear`` outside it."""
+    recipe = get_recipe()
+    if recipe is None:
+        return F.linear(x, weight, bias)
+    return _LinearFn.apply(x, weight, bias, recipe)
+
+
+class Linear(nn.Linear):
+    """Drop-in ``nn.Linear`` (same parameters, init and state-dict keys) with MX GEMMs under ``mx_autocast``.
+
+    Inputs ``[..., in_features]`` of any rank; fp32/bf16/fp16. ``in_features`` or
+    ``out_features`` that are not multiples of the block size are handled by
+    zero-padding the last block (the reference pads; the padding never reaches the result).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_input(x, self.in_features, "Linear")
+        return mx_linear(x, self.weight, self.bias)
+
+
+def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``nn.Linear``'s default initialization, for fused modules that own raw weights."""
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
+        nn.init.uniform_(bias, -bound, bound)

@@ -1,0 +1,115 @@
+"""LayerNorm and RMSNorm: drop-in torch norms that honour the recipe's elementwise precision.
+
+The fused modules reuse :func:`norm_forward` / :func:`norm_backward`; backward
+recomputes the (cheap, memory-bound) norm from its saved input instead of
+keeping its output, which is what lets the fused modules save only MX bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mxtrain.autocast import get_recipe
+from mxtrain.modules._common import check_input, round_elemwise
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def check_normalization(name: str) -> str:
+    for n in NORMALIZATIONS:
+        if isinstance(name, str) and name.lower() == n.lower():
+            return n
+    raise ValueError(f"unknown normalization {name!r}; allowed: {', '.join(NORMALIZATIONS)}")
+
+
+def norm_forward(x, weight, bias, normalization: str, eps: float, zero_centered_gamma: bool):
+    gamma = weight + 1 if zero_centered_gamma and weight is not None else weight
+    if normalization == "LayerNorm":
+        return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
+    return F.rms_norm(x, (x.shape[-1],), gamma, eps)
+
+
+def norm_backward(x, weight, bias, grad, normalization, eps, zero_centered_gamma, needs):
+    """Gradients (dx, dweight, dbias) of the norm at ``x`` for output gradient ``grad``."""
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_(needs[0])]
+        w = weight.detach().requires_grad_(needs[1]) if weight is not None else None
+        b = bias.detach().requires_grad_(needs[2]) if bias is not None else None
+        out = norm_forward(leaves[0], w, b, normalization, eps, zero_centered_gamma)
+        inputs = [t for t, n in zip((leaves[0], w, b), needs) if t is not None and n]
+        grads = iter(torch.autograd.grad(out, inputs, grad)) if inputs else iter(())
+    return tuple(next(grads) if (t is not None and n) else None for t, n in zip((x, weight, bias), needs))
+
+
+class _NormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalization, eps, zero_centered_gamma, recipe):
+        ctx.cfg = (normalization, eps, zero_centered_gamma, recipe)
+        ctx.save_for_backward(x, weight, bias)
+        return round_elemwise(norm_forward(x, weight, bias, normalization, eps, zero_centered_gamma), recipe)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        normalization, eps, zc, recipe = ctx.cfg
+        dx, dw, db = norm_backward(x, weight, bias, grad, normalization, eps, zc, ctx.needs_input_grad[:3])
+        return (round_elemwise(dx, recipe) if dx is not None else None), dw, db, None, None, None, None
+
+
+class _Norm(nn.Module):
+    normalization = "LayerNorm"
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, zero_centered_gamma: bool = False, device=None, dtype=None):
+        super().__init__()
+        if isinstance(normalized_shape, (tuple, list)):
+            if len(normalized_shape) != 1:
+                raise ValueError(f"{type(self).__name__} normalizes the last dimension only; "
+                                 f"got normalized_shape={tuple(normalized_shape)}")
+            normalized_shape = normalized_shape[0]
+        if not isinstance(normalized_shape, int) or normalized_shape <= 0:
+            raise ValueError(f"normalized_shape must be a positive int, got {normalized_shape!r}")
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        self.normalized_shape = (normalized_shape,)
+        self.eps = float(eps)
+        self.zero_centered_gamma = bool(zero_centered_gamma)
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            init = torch.zeros if zero_centered_gamma else torch.ones
+            self.weight = nn.Parameter(init(normalized_shape, **factory))
+            has_bias = bias and self.normalization == "LayerNorm"
+            self.bias = nn.Parameter(torch.zeros(normalized_shape, **factory)) if has_bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_input(x, self.normalized_shape[0], type(self).__name__)
+        recipe = get_recipe()
+        if recipe is None or recipe.elemwise_format is None:
+            return norm_forward(x, self.weight, self.bias, self.normalization, self.eps, self.zero_centered_gamma)
+        return _NormFn.apply(x, self.weight, self.bias, self.normalization, self.eps,
+                             self.zero_centered_gamma, recipe)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape[0]}, eps={self.eps}"
+                + (", zero_centered_gamma=True" if self.zero_centered_gamma else ""))
+
+
+class LayerNorm(_Norm):
+    """``nn.LayerNorm`` over the last dimension (same state-dict keys ``weight``/``bias``)."""
+
+    normalization = "LayerNorm"
+
+
+class RMSNorm(_Norm):
+    """``nn.RMSNorm`` over the last dimension (same state-dict key ``weight``)."""
+
+    normalization = "RMSNorm"
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-6, elementwise_affine: bool = True,
+                 zero_centered_gamma: bool = False, device=None, dtype=None):
+        super().__init__(normalized_shape, eps, elementwise_affine, False, zero_centered_gamma, device, dtype)
