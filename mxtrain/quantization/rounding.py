@@ -96,11 +96,12 @@ def element_codes(y: torch.Tensor, fmt: ElemFormat, rounding: str,
     Ints: two's complement of ``+-q`` in ``bits`` bits (no negative zero).
     """
     q, e = round_to_grid(y, fmt, rounding, generator)
-    qi = q.to(torch.int32)
     negative = y.view(torch.int32) < 0
     if fmt.is_int:
-        qi.clamp_(max=fmt.max_code_magnitude)
+        # clamp before the int cast: |y| * 2**mbits beyond int32 (or Inf) would wrap
+        qi = q.clamp(max=fmt.max_code_magnitude).to(torch.int32)
         return torch.where(negative, -qi, qi) & ((1 << fmt.bits) - 1)
+    qi = q.to(torch.int32)
     code = ((e - fmt.emin) << fmt.mbits).add_(qi).clamp_(max=fmt.max_code_magnitude)
     return code | (negative.to(torch.int32) << (fmt.bits - 1))
 
