@@ -20,7 +20,10 @@ BACKENDS = ("auto", "reference", "triton", "cuda")
 # name -> quantize implementation with quantize_mx's signature; filled by kernel modules
 _QUANTIZE_IMPLS: dict[str, Callable[..., MXTensor]] = {"reference": quantize_mx}
 _GEMM_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
+# name -> dequantize implementation (mxt, dtype, axis) -> tensor; filled by kernel modules
+_DEQUANTIZE_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
 _PREFERENCE = ("cuda", "triton")
+_KERNELS_LOADED = False
 
 
 def register_quantize(name: str, fn: Callable[..., MXTensor]) -> None:
@@ -31,7 +34,28 @@ def register_gemm(name: str, fn: Callable[..., torch.Tensor]) -> None:
     _GEMM_IMPLS[name] = fn
 
 
+def register_dequantize(name: str, fn: Callable[..., torch.Tensor]) -> None:
+    _DEQUANTIZE_IMPLS[name] = fn
+
+
+def _load_kernels() -> None:
+    """Import the Triton kernel modules once, where they can run (they register themselves).
+
+    Only with CUDA or ``TRITON_INTERPRET=1``: CPU-only users never pay for importing Triton.
+    """
+    global _KERNELS_LOADED
+    if _KERNELS_LOADED or not (os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_available()):
+        return
+    _KERNELS_LOADED = True
+    try:
+        import mxtrain.kernels.cast  # noqa: F401
+        import mxtrain.kernels.dequantize  # noqa: F401
+    except ImportError:  # no (working) triton: the reference serves every call
+        pass
+
+
 def _resolve(backend: str | None, device: torch.device, impls: dict) -> str:
+    _load_kernels()
     backend = backend or os.environ.get("MXTRAIN_BACKEND", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} (argument or MXTRAIN_BACKEND)")
@@ -52,6 +76,15 @@ def quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: st
     name = _resolve(backend, x.device, _QUANTIZE_IMPLS)
     return _QUANTIZE_IMPLS[name](x, fmt, block_size=block_size, axis=axis, scale_mode=scale_mode,
                                  rounding=rounding, seed=seed, pack=pack)
+
+
+def dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None = None,
+               backend: str | None = None) -> torch.Tensor:
+    """``mxt.dequantize(dtype, axis)`` through the selected backend (bit-identical across backends)."""
+    name = _resolve(backend, mxt.device, _DEQUANTIZE_IMPLS)
+    if name == "reference":
+        return mxt.dequantize(dtype, axis)
+    return _DEQUANTIZE_IMPLS[name](mxt, dtype, axis)
 
 
 def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:

@@ -1,0 +1,398 @@
+"""Triton MX cast: one read of a [M, K] tensor writes its rowwise and columnwise MX planes.
+
+Bit-for-bit the reference :func:`mxtrain.quantization.quantize_mx` (``pack=True``
+layout included): the kernel follows the reference's bit-level algorithm step
+by step, in fp32 and int32 only, with FP fusion off (see
+:func:`mxtrain.kernels._triton_utils.launch_options`):
+
+* block amax = max of the fp32 bit patterns with the sign cleared (NaN > Inf > finite);
+* shared exponent from those bits (``floor`` / ``rceil`` / ``even``), E8M0 byte, 0xFF for NaN/Inf blocks;
+* ``y = x * 2**(127 - byte)`` (one rounded fp32 multiply, as the reference);
+* ``t = |y| * 2**(mbits - e)`` with ``e`` from y's exponent bits (exact);
+* round-half-even of ``t`` as ``bits(t + 2**23) - bits(2**23)`` (exact for t < 2**22), and the
+  floor/frac of ``t`` from that for ``nearest`` / ``floor`` / ``stochastic`` (no int<->float conversion);
+* codes with the carry into the exponent field, saturation and the sign bit as the reference.
+
+For ``fp8_e4m3`` / ``fp8_e5m2`` with ``even`` rounding, the GPU path may instead
+use the hardware fp32->fp8 conversion (``cvt.rn.satfinite``, what Triton emits for
+``.to(tl.float8e4nv)`` on sm_89+): the same round-half-even with saturation to ``+-max_norm`` (checked bit-exact in
+``tests/gpu``); ``USE_HW_FP8_CVT`` switches it off.
+
+Stochastic rounding draws ``u ~ U[0, 1)`` from Triton's Philox (``tl.rand``)
+keyed by a seed and the element's index in its plane; it rounds up when
+``u < frac``, like the reference, but the random bits differ from the
+reference's ``torch.rand``, so stochastic results are not bit-identical to the
+reference: they are unbiased, always one of the two neighbouring grid points,
+and reproducible for a given seed (tested statistically).
+
+Unsupported cases go to the reference in one place, :func:`_fallback_reason`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mxtrain.formats import ElemFormat
+from mxtrain.kernels._triton_utils import (
+    HAVE_TRITON, ROUNDING_IDS, SCALE_MODE_IDS, device_supported, format_consts, interpret_mode, is_pow2,
+    launch_options, tl, triton,
+)
+from mxtrain.quantization import MXPlane, MXTensor, quantize_mx
+from mxtrain.quantization._validate import make_generator, normalize_axis
+from mxtrain.quantization.mx import _check_common
+from mxtrain.quantization.packing import packed_length
+
+__all__ = ["triton_quantize", "USE_HW_FP8_CVT", "MAX_BLOCK_SIZE"]
+
+MAX_BLOCK_SIZE = 256
+# hardware fp32->fp8 conversion for fp8 formats with round-half-even (GPU only)
+USE_HW_FP8_CVT = os.environ.get("MXTRAIN_TRITON_HW_FP8", "1") != "0"
+# tests set this to fill outputs with a pattern first, so unwritten bytes show up
+POISON_OUTPUTS = False
+# tile configs at block size 32: (rows, cols) -> (BLOCK_M, BLOCK_K, num_warps). Wide tiles keep
+# a thread's 8-element vectors on many rows, so the columnwise amax is mostly in-thread (few shuffles);
+# chosen by instruction count (see benchmarks/NOTES_kernels.md); the benchmark overrides them
+TILE_CONFIGS = {
+    (True, True): (32, 256, 4),
+    (True, False): (32, 256, 4),
+    (False, True): (32, 256, 4),
+}
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _inverse_scale(scale):
+        """fp32 ``2**(127 - byte)`` (byte 254 gives the fp32 subnormal 2**-127; 255 is garbage, masked)."""
+        bits = tl.where(scale == 254, 0x00400000, (254 - scale) << 23)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _shared_scale(amax, SCALE_MODE: tl.constexpr, EMAX: tl.constexpr, MBITS: tl.constexpr,
+                      INV_MAX_BITS: tl.constexpr):
+        """E8M0 bytes (int32) from block amax bit patterns, as ``shared_exponent_bytes``."""
+        if SCALE_MODE == 1:  # rceil: ceil(log2(amax * fp32(1/max_norm)))
+            inv_max = tl.full(amax.shape, INV_MAX_BITS, tl.int32).to(tl.float32, bitcast=True)
+            d = amax.to(tl.float32, bitcast=True) * inv_max
+            db = d.to(tl.int32, bitcast=True)
+            biased = db >> 23
+            mant = db & 0x7FFFFF
+            round_up = tl.where(biased == 0, mant > 0x400000, mant != 0)
+            exp = biased - 127 + round_up.to(tl.int32)
+        else:
+            bits = amax
+            if SCALE_MODE == 2:  # even: round amax to mbits mantissa bits first
+                bits = bits + (1 << (22 - MBITS))
+            biased = bits >> 23
+            exp = tl.where(biased == 0, tl.where(amax == 0, -126, -127), biased - 127) - EMAX
+        exp = tl.minimum(tl.maximum(exp, -127), 127)
+        return tl.where(amax >= 0x7F800000, 255, exp + 127)
+
+    @triton.jit
+    def _element_codes(y, u, IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr,
+                       EMIN: tl.constexpr, MAX_CODE: tl.constexpr, MAX_NORM: tl.constexpr,
+                       ROUNDING: tl.constexpr, HW_FP8: tl.constexpr):
+        """int32 codes of fp32 ``y`` (already divided by the block scale), as ``element_codes``."""
+        if HW_FP8:
+            # cvt.rn.satfinite: round half to even, saturating to +-max_norm (NaN blocks are masked later)
+            if MBITS == 3:
+                f8 = y.to(tl.float8e4nv)
+            else:
+                f8 = y.to(tl.float8e5)
+            code = f8.to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            yb = y.to(tl.int32, bitcast=True)
+            mag = yb & 0x7FFFFFFF
+            absy = mag.to(tl.float32, bitcast=True)
+            if IS_INT:
+                t = absy * (2.0 ** MBITS)
+            else:
+                eb = tl.maximum(mag >> 23, EMIN + 127)  # biased element exponent
+                # 2**(mbits - e) built from bits; in range for every MX element format
+                t = absy * ((MBITS + 254 - eb) << 23).to(tl.float32, bitcast=True)
+            # legit blocks have t < 2**(mbits+2); NaN/Inf blocks are masked later
+            t = tl.where(t < 4194304.0, t, 0.0)
+            r = t + 8388608.0
+            q = r.to(tl.int32, bitcast=True) - 0x4B000000  # round half to even
+            if ROUNDING != 0:
+                rf = r - 8388608.0  # exact
+                over = rf > t
+                fl = q - over.to(tl.int32)
+                if ROUNDING == 2:
+                    q = fl
+                else:
+                    frac = t - (rf - tl.where(over, 1.0, 0.0))  # exact
+                    if ROUNDING == 1:
+                        q = fl + (frac >= 0.5).to(tl.int32)
+                    else:
+                        q = fl + (u < frac).to(tl.int32)
+            neg = yb < 0
+            if IS_INT:
+                qi = tl.minimum(q, MAX_CODE)
+                code = tl.where(neg, -qi, qi) & ((1 << BITS) - 1)
+            else:
+                code = tl.minimum(((eb - (EMIN + 127)) << MBITS) + q, MAX_CODE)
+                code = code | (neg.to(tl.int32) << (BITS - 1))
+        return code
+
+    @triton.jit
+    def _quantize_blocks(x3, offs3, seed, AXIS: tl.constexpr, SCALE_MODE: tl.constexpr, ROUNDING: tl.constexpr,
+                         HW_FP8: tl.constexpr, IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr,
+                         EMIN: tl.constexpr, EMAX: tl.constexpr, MAX_CODE: tl.constexpr, MAX_NORM: tl.constexpr,
+                         INV_MAX_BITS: tl.constexpr):
+        """Codes (same shape as ``x3``) and scale bytes of fp32 blocks lying along ``AXIS`` of ``x3``."""
+        amax = tl.max(x3.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)
+        scale = _shared_scale(amax, SCALE_MODE, EMAX, MBITS, INV_MAX_BITS)
+        y = x3 * tl.expand_dims(_inverse_scale(scale), AXIS)
+        if ROUNDING == 3:
+            u = tl.rand(seed, offs3)
+        else:
+            u = 0.0
+        code = _element_codes(y, u, IS_INT, BITS, MBITS, EMIN, MAX_CODE, MAX_NORM, ROUNDING, HW_FP8)
+        code = tl.where(tl.expand_dims(scale == 255, AXIS), 0, code)  # a NaN block's codes are 0
+        return code, scale
+
+    @triton.jit
+    def _store_codes(codes, base_ptr, rows, row_stride, row_mask, c0, LP, R: tl.constexpr, C: tl.constexpr,
+                     BITS: tl.constexpr):
+        """Store int32 codes [R, C] (columns c0.. of a plane whose padded length is LP), packed."""
+        row_off = rows[:, None] * row_stride
+        if BITS == 8:
+            cols = c0 + tl.arange(0, C)
+            tl.store(base_ptr + row_off + cols[None, :], codes.to(tl.uint8),
+                     mask=row_mask[:, None] & (cols < LP)[None, :])
+        elif BITS == 4:
+            lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+            cols = c0 // 2 + tl.arange(0, C // 2)
+            tl.store(base_ptr + row_off + cols[None, :], (lo | (hi << 4)).to(tl.uint8),
+                     mask=row_mask[:, None] & (cols < LP // 2)[None, :])
+        else:
+            even, odd = tl.split(tl.reshape(codes, (R, C // 4, 2, 2)))
+            a0, a2 = tl.split(even)
+            a1, a3 = tl.split(odd)
+            g = c0 // 4 + tl.arange(0, C // 4)
+            mask = row_mask[:, None] & (g < LP // 4)[None, :]
+            if BITS == 2:
+                packed = a0 | (a1 << 2) | (a2 << 4) | (a3 << 6)
+                tl.store(base_ptr + row_off + g[None, :], packed.to(tl.uint8), mask=mask)
+            else:  # 6-bit: 4 codes in 3 bytes, split 4+2 (see quantization/packing.py)
+                ptr = base_ptr + row_off + (g * 3)[None, :]
+                tl.store(ptr, ((a0 & 15) | ((a1 & 15) << 4)).to(tl.uint8), mask=mask)
+                tl.store(ptr + 1, ((a2 & 15) | ((a3 & 15) << 4)).to(tl.uint8), mask=mask)
+                hi = (a0 >> 4) | ((a1 >> 4) << 2) | ((a2 >> 4) << 4) | ((a3 >> 4) << 6)
+                tl.store(ptr + 2, hi.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _mx_cast_kernel(
+        x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, seed_ptr,
+        M, K, stride_xm, stride_xk,
+        row_data_stride, row_scale_stride, KP, NBK,
+        col_data_stride, col_scale_stride, MP, NBM,
+        ROW: tl.constexpr, COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BS: tl.constexpr,
+        SCALE_MODE: tl.constexpr, ROUNDING: tl.constexpr, HW_FP8: tl.constexpr, INDEX64: tl.constexpr,
+        IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+        BIAS: tl.constexpr, MAX_CODE: tl.constexpr, MAX_NORM: tl.constexpr, INV_MAX_BITS: tl.constexpr,
+        NAN_KIND: tl.constexpr, PACK_BITS: tl.constexpr, BF16_BITS: tl.constexpr,
+    ):
+        # the grid covers MP rows when the columnwise plane is written (its zero padding
+        # is stored) and KP columns when the rowwise one is
+        k_extent = KP if ROW else K
+        n_k = tl.cdiv(k_extent, BLOCK_K)
+        pid = tl.program_id(0)
+        pm = pid // n_k
+        pk = pid % n_k
+        rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+        if INDEX64:
+            rm = rm.to(tl.int64)
+            rk = rk.to(tl.int64)
+        m_in = rm < M
+        k_in = rk < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
+                    mask=m_in[:, None] & k_in[None, :], other=0)
+        if BF16_BITS:  # bf16 passed as int16 bits: widen exactly (the interpreter's bf16 cast drops subnormals)
+            x = (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = x.to(tl.float32)
+        if ROUNDING == 3:
+            seed = tl.load(seed_ptr)
+        else:
+            seed = 0
+        if ROW:
+            x3 = tl.reshape(x, (BLOCK_M, BLOCK_K // BS, BS))
+            if ROUNDING == 3:
+                offs3 = tl.reshape(rm[:, None] * KP + rk[None, :], (BLOCK_M, BLOCK_K // BS, BS))
+            else:
+                offs3 = 0
+            codes, scale = _quantize_blocks(x3, offs3, seed, 2, SCALE_MODE, ROUNDING, HW_FP8, IS_INT, BITS, MBITS,
+                                            EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
+            blk = pk * (BLOCK_K // BS) + tl.arange(0, BLOCK_K // BS)
+            tl.store(row_scale_ptr + rm[:, None] * row_scale_stride + blk[None, :], scale.to(tl.uint8),
+                     mask=m_in[:, None] & (blk < NBK)[None, :])
+            _store_codes(tl.reshape(codes, (BLOCK_M, BLOCK_K)), row_data_ptr, rm, row_data_stride, m_in,
+                         pk * BLOCK_K, KP, BLOCK_M, BLOCK_K, PACK_BITS)
+        if COL:
+            x3 = tl.reshape(x, (BLOCK_M // BS, BS, BLOCK_K))
+            if ROUNDING == 3:
+                offs3 = tl.reshape(rk[None, :] * MP + rm[:, None], (BLOCK_M // BS, BS, BLOCK_K))
+            else:
+                offs3 = 0
+            # another Philox key for the columnwise plane
+            codes, scale = _quantize_blocks(x3, offs3, seed ^ 0x2545F491, 1, SCALE_MODE, ROUNDING, HW_FP8, IS_INT,
+                                            BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
+            blk = pm * (BLOCK_M // BS) + tl.arange(0, BLOCK_M // BS)
+            tl.store(col_scale_ptr + rk[:, None] * col_scale_stride + blk[None, :], tl.trans(scale).to(tl.uint8),
+                     mask=k_in[:, None] & (blk < NBM)[None, :])
+            codes_t = tl.trans(tl.reshape(codes, (BLOCK_M, BLOCK_K)))
+            _store_codes(codes_t, col_data_ptr, rk, col_data_stride, k_in, pm * BLOCK_M, MP, BLOCK_K, BLOCK_M, PACK_BITS)
+
+
+_GROUP = {8: 1, 6: 4, 4: 2, 2: 4}
+
+
+def _fallback_reason(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tuple[int, ...], pack: bool):
+    """Why the kernel cannot take this call (then the reference does), or None. The one fallback place."""
+    if not HAVE_TRITON:
+        return "triton is not importable"
+    if not device_supported(x.device):
+        return f"tensor on {x.device} (kernels need CUDA, or a CPU tensor with TRITON_INTERPRET=1)"
+    if x.numel() == 0:
+        return "empty tensor"
+    if block_size == 0:
+        return "block_size 0 (one block per axis)"
+    if not is_pow2(block_size) or block_size < 2 or block_size > MAX_BLOCK_SIZE:
+        return f"block_size {block_size} is not a power of two in [2, {MAX_BLOCK_SIZE}]"
+    if pack and fmt.bits < 8 and block_size % _GROUP[fmt.bits]:
+        return f"packing {fmt.name} needs block_size to be a multiple of {_GROUP[fmt.bits]}"
+    if any(a not in (0, x.ndim - 1) for a in axes):
+        return f"axes {axes}: the kernel blocks along the first or the last axis only"
+    return None
+
+
+def _philox_seed(seed, device: torch.device) -> torch.Tensor:
+    """A 1-element int32 tensor seeding the in-kernel Philox: int as is, Generator / None (global RNG) drawn from."""
+    if isinstance(seed, torch.Generator):
+        s = torch.randint(0, 2**31 - 1, (1,), generator=seed, device=seed.device, dtype=torch.int64)
+    elif seed is None:
+        s = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+    else:
+        make_generator(seed, torch.device("cpu"))  # same type checks as the reference
+        s = torch.tensor([seed & 0x7FFFFFFF], dtype=torch.int64)
+    return s.to(device=device, dtype=torch.int32)
+
+
+def _tile_config(rows: bool, cols: bool, bs: int) -> tuple[int, int, int]:
+    bm, bk, warps = TILE_CONFIGS[(rows, cols)]
+    if cols:
+        bm = max(bm, bs)
+    if rows:
+        bk = max(bk, bs)
+    while bm * bk > 8192 and bk > max(bs if rows else 1, 32):  # large blocks: keep the tile's size
+        bk //= 2
+    if bm * bk > 8192:
+        warps = max(warps, 8)
+    return bm, bk, warps
+
+
+def _alloc(shape, fill: int = 0xA5, device=None) -> torch.Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(shape, fill, dtype=torch.uint8, device=device)
+    return torch.empty(shape, dtype=torch.uint8, device=device)
+
+
+def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, scale_mode: str, rounding: str,
+            seed_t: torch.Tensor | None, pack: bool = True):
+    """Run the cast on a 2-D tensor; returns ((row_data, row_scale) | None, (col_data, col_scale) | None)."""
+    M, K = x2.shape
+    dev = x2.device
+    nbk, nbm = -(-K // bs), -(-M // bs)
+    kp, mp = nbk * bs, nbm * bs
+    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    row = col = None
+    plen = (lambda n: packed_length(n, fmt)) if pack else (lambda n: n)
+    if rows:
+        row = (_alloc((M, plen(kp)), device=dev), _alloc((M, nbk), device=dev))
+    if cols:
+        col = (_alloc((K, plen(mp)), device=dev), _alloc((K, nbm), device=dev))
+    bm, bk, warps = _tile_config(rows, cols, bs)
+    m_extent = mp if cols else M
+    k_extent = kp if rows else K
+    grid = (triton.cdiv(m_extent, bm) * triton.cdiv(k_extent, bk),)
+    index64 = max(m_extent * max(abs(x2.stride(0)), 1), k_extent * max(abs(x2.stride(1)), 1),
+                  M * plen(kp) if rows else 0, K * plen(mp) if cols else 0,
+                  m_extent * k_extent) >= 2**31 - 1
+    consts = format_consts(fmt)
+    hw = (USE_HW_FP8_CVT and not interpret_mode() and fmt.is_float and fmt.bits == 8 and rounding == "even")
+    if seed_t is None:
+        seed_t = torch.zeros(1, dtype=torch.int32, device=dev)
+    bf16 = x2.dtype == torch.bfloat16
+    _mx_cast_kernel[grid](
+        x2.view(torch.int16) if bf16 else x2, row[0] if rows else dummy, row[1] if rows else dummy, col[0] if cols else dummy,
+        col[1] if cols else dummy, seed_t,
+        M, K, x2.stride(0), x2.stride(1),
+        row[0].stride(0) if rows else 0, row[1].stride(0) if rows else 0, kp, nbk,
+        col[0].stride(0) if cols else 0, col[1].stride(0) if cols else 0, mp, nbm,
+        ROW=rows, COL=cols, BLOCK_M=bm, BLOCK_K=bk, BS=bs,
+        SCALE_MODE=SCALE_MODE_IDS[scale_mode], ROUNDING=ROUNDING_IDS[rounding], HW_FP8=hw, INDEX64=index64,
+        PACK_BITS=fmt.bits if pack else 8, BF16_BITS=bf16, num_warps=warps, **consts, **launch_options(),
+    )
+    return row, col
+
+
+def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: str = "floor",
+                    rounding: str = "even", seed=None, pack: bool = True) -> MXTensor:
+    """:func:`mxtrain.quantization.quantize_mx` on the Triton cast kernel (same signature, same bits).
+
+    Blocks along the last axis (rowwise, any ndim) and/or the first axis
+    (columnwise); a 2-D tensor asked for both (``axis=(-1, 0)``) gets both planes
+    from one read. Other cases run the reference (see :func:`_fallback_reason`).
+    ``pack=False`` stores one code per byte. Stochastic rounding uses an
+    in-kernel Philox stream (reproducible per seed, not the reference's bits).
+    """
+    fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    if not axes:
+        raise ValueError("axis tuple must name at least one axis")
+    axes = tuple(normalize_axis(a, x.ndim) for a in axes)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axis tuple {axis} names an axis twice")
+    if _fallback_reason(x, fmt, block_size, axes, pack) is not None:
+        return quantize_mx(x, fmt, block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding,
+                           seed=seed, pack=pack)
+    seed_t = _philox_seed(seed, x.device) if rounding == "stochastic" else None
+    last = x.ndim - 1
+    want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
+    planes: dict[int, MXPlane] = {}
+    if x.ndim == 2 and want_row and want_col:
+        row, col = _launch(x, fmt, block_size, True, True, scale_mode, rounding, seed_t, pack)
+    else:
+        row = col = None
+        if want_row:
+            row, _ = _launch(x.reshape(-1, x.shape[-1]), fmt, block_size, True, False, scale_mode, rounding,
+                             seed_t, pack)
+        if want_col:
+            _, col = _launch(x.reshape(x.shape[0], -1), fmt, block_size, False, True, scale_mode, rounding,
+                             seed_t, pack)
+    if row is not None:
+        lead = tuple(x.shape[:-1])
+        planes[last] = MXPlane(data=row[0].reshape(*lead, row[0].shape[-1]),
+                               scale=row[1].reshape(*lead, row[1].shape[-1]), axis=last, packed=pack)
+    if col is not None:
+        rest = tuple(x.shape[1:])
+        planes[0] = MXPlane(data=col[0].reshape(*rest, col[0].shape[-1]),
+                            scale=col[1].reshape(*rest, col[1].shape[-1]), axis=0, packed=pack)
+    return MXTensor(planes=tuple(planes[a] for a in axes), fmt=fmt.name, block_size=block_size,
+                    shape=tuple(x.shape), dtype=x.dtype, scale_mode=scale_mode, rounding=rounding,
+                    whole_axis=False)
+
+
+def _register() -> None:
+    from mxtrain.kernels._triton_utils import kernels_available
+    from mxtrain.kernels.dispatch import register_quantize
+
+    if kernels_available():
+        register_quantize("triton", triton_quantize)
+
+
+_register()

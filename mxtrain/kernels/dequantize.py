@@ -1,0 +1,211 @@
+"""Triton MX dequantize, fused with the unpacking of fp6/fp4/int4/int2 codes.
+
+One pass: read packed code bytes and scale bytes, write ``code * 2**X`` in the
+output dtype, bit-identical to :meth:`mxtrain.quantization.MXTensor.dequantize`:
+
+* a float code decodes from its fields: ``bits(max(E, 1) - bias + 127, mant)`` minus
+  ``2**emin`` for a subnormal (exact), sign OR'ed in after, so ``-0`` stays ``-0``;
+  the format's NaN/Inf codes decode to NaN/Inf as the reference code table;
+* an int code sign-extends and scales by ``2**-mbits`` (exact);
+* the product with the fp32 scale ``2**(byte - 127)`` (0xFF = NaN) is one rounded fp32
+  multiply, as the reference; the cast to bf16/fp16 rounds to nearest even, as torch.
+
+The plane is read in its stored layout (block axis last); the output is written
+straight into the logical layout (a columnwise plane of [M, K] is read [K, Mp]
+and written [M, K]), so no transpose pass follows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxtrain.kernels._triton_utils import (
+    HAVE_TRITON, device_supported, format_consts, interpret_mode, launch_options, tl, triton,
+)
+from mxtrain.quantization import MXTensor
+
+__all__ = ["triton_dequantize", "TILE_CONFIG"]
+
+# (BLOCK_R, BLOCK_L, num_warps); the benchmark overrides it
+TILE_CONFIG = (16, 256, 4)
+# tests set this to fill outputs with a pattern first, so unwritten elements show up
+POISON_OUTPUTS = False
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _decode(code, IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                BIAS: tl.constexpr, NAN_KIND: tl.constexpr):
+        """fp32 value of int32 codes (the reference code table, computed)."""
+        if IS_INT:
+            k = code - ((code >> (BITS - 1)) << BITS)  # two's complement sign extension
+            v = k.to(tl.float32) * (2.0 ** -MBITS)
+        else:
+            mag = code & ((1 << (BITS - 1)) - 1)
+            biased = mag >> MBITS
+            mant = mag & ((1 << MBITS) - 1)
+            vb = ((tl.maximum(biased, 1) - BIAS + 127) << 23) | (mant << (23 - MBITS))
+            v = vb.to(tl.float32, bitcast=True) - tl.where(biased == 0, 2.0 ** EMIN, 0.0)
+            sign = (code >> (BITS - 1)) << 31
+            vb = v.to(tl.int32, bitcast=True) | sign
+            if NAN_KIND == 1:  # fn: only the all-ones magnitude is NaN
+                vb = tl.where(mag == (1 << (BITS - 1)) - 1, 0x7FC00000, vb)
+            elif NAN_KIND == 2:  # IEEE-like: top exponent is Inf / NaN
+                top = biased == (1 << (BITS - 1 - MBITS)) - 1
+                vb = tl.where(top, tl.where(mant == 0, sign | 0x7F800000, 0x7FC00000), vb)
+            v = vb.to(tl.float32, bitcast=True)
+        return v
+
+    @triton.jit
+    def _load_codes(data_ptr, rows, row_stride, row_mask, c0, LP, R: tl.constexpr, C: tl.constexpr,
+                    PACK_BITS: tl.constexpr):
+        """int32 codes [R, C] of columns c0.. of a plane (padded code length LP), unpacking as it loads."""
+        row_off = rows[:, None] * row_stride
+        if PACK_BITS == 8:
+            cols = c0 + tl.arange(0, C)
+            codes = tl.load(data_ptr + row_off + cols[None, :], mask=row_mask[:, None] & (cols < LP)[None, :],
+                            other=0).to(tl.int32)
+        elif PACK_BITS == 4:
+            cols = c0 // 2 + tl.arange(0, C // 2)
+            p = tl.load(data_ptr + row_off + cols[None, :], mask=row_mask[:, None] & (cols < LP // 2)[None, :],
+                        other=0).to(tl.int32)
+            codes = tl.reshape(tl.join(p & 15, p >> 4), (R, C))
+        else:
+            g = c0 // 4 + tl.arange(0, C // 4)
+            mask = row_mask[:, None] & (g < LP // 4)[None, :]
+            if PACK_BITS == 2:
+                p = tl.load(data_ptr + row_off + g[None, :], mask=mask, other=0).to(tl.int32)
+                a0 = p & 3
+                a1 = (p >> 2) & 3
+                a2 = (p >> 4) & 3
+                a3 = p >> 6
+            else:  # 6-bit, 4 codes in 3 bytes (see quantization/packing.py)
+                ptr = data_ptr + row_off + (g * 3)[None, :]
+                b0 = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+                b1 = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
+                b2 = tl.load(ptr + 2, mask=mask, other=0).to(tl.int32)
+                a0 = (b0 & 15) | ((b2 & 3) << 4)
+                a1 = (b0 >> 4) | (((b2 >> 2) & 3) << 4)
+                a2 = (b1 & 15) | (((b2 >> 4) & 3) << 4)
+                a3 = (b1 >> 4) | ((b2 >> 6) << 4)
+            codes = tl.reshape(tl.join(tl.join(a0, a2), tl.join(a1, a3)), (R, C))
+        return codes
+
+    @triton.jit
+    def _mx_dequantize_kernel(
+        data_ptr, scale_ptr, out_ptr,
+        R, L, LP, NB, data_stride, scale_stride, out_stride_r, out_stride_l,
+        BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BS: tl.constexpr, PACK_BITS: tl.constexpr,
+        INDEX64: tl.constexpr, IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+        EMAX: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, MAX_NORM: tl.constexpr,
+        INV_MAX_BITS: tl.constexpr, NAN_KIND: tl.constexpr, SOFT_BF16: tl.constexpr,
+    ):
+        n_l = tl.cdiv(L, BLOCK_L)
+        pid = tl.program_id(0)
+        pr = pid // n_l
+        pl = pid % n_l
+        rr = pr * BLOCK_R + tl.arange(0, BLOCK_R)
+        if INDEX64:
+            rr = rr.to(tl.int64)
+        r_in = rr < R
+        c0 = pl * BLOCK_L
+        codes = _load_codes(data_ptr, rr, data_stride, r_in, c0, LP, BLOCK_R, BLOCK_L, PACK_BITS)
+        v = _decode(codes, IS_INT, BITS, MBITS, EMIN, BIAS, NAN_KIND)
+        NBT: tl.constexpr = BLOCK_L // BS if BLOCK_L >= BS else 1
+        if BLOCK_L >= BS:
+            blk = pl * NBT + tl.arange(0, NBT)
+            sb = tl.load(scale_ptr + rr[:, None] * scale_stride + blk[None, :],
+                         mask=r_in[:, None] & (blk < NB)[None, :], other=127).to(tl.int32)
+            s = tl.where(sb == 255, 0x7FC00000, tl.where(sb == 0, 0x00400000, sb << 23)).to(tl.float32, bitcast=True)
+            v = tl.reshape(tl.reshape(v, (BLOCK_R, NBT, BS)) * s[:, :, None], (BLOCK_R, BLOCK_L))
+        else:
+            cols = c0 + tl.arange(0, BLOCK_L)
+            sb = tl.load(scale_ptr + rr[:, None] * scale_stride + (cols // BS)[None, :],
+                         mask=r_in[:, None] & (cols < LP)[None, :], other=127).to(tl.int32)
+            s = tl.where(sb == 255, 0x7FC00000, tl.where(sb == 0, 0x00400000, sb << 23)).to(tl.float32, bitcast=True)
+            v = v * s
+        cols = c0 + tl.arange(0, BLOCK_L)
+        if INDEX64:
+            cols = cols.to(tl.int64)
+        if SOFT_BF16:  # the interpreter's fp32->bf16 cast mishandles subnormals: round to nearest even by hand
+            vb = v.to(tl.int32, bitcast=True)
+            hb = (vb + 0x7FFF + ((vb >> 16) & 1)) >> 16
+            hb = tl.where(v != v, 0x7FC0, hb)
+            out = hb.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            out = v.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rr[:, None] * out_stride_r + cols[None, :] * out_stride_l, out,
+                 mask=r_in[:, None] & (cols < L)[None, :])
+
+
+def _fallback_reason(mxt: MXTensor, plane, dtype) -> str | None:
+    """Why the kernel cannot take this call (then the reference does), or None."""
+    if not HAVE_TRITON:
+        return "triton is not importable"
+    if not device_supported(plane.data.device):
+        return f"planes on {plane.data.device}"
+    if dtype not in _OUT_DTYPES:
+        return f"output dtype {dtype}"
+    if mxt.whole_axis or mxt.block_size < 1 or mxt.block_size & (mxt.block_size - 1):
+        return "block size is not a power of two"
+    if plane.axis not in (0, mxt.ndim - 1):
+        return f"plane blocked along axis {plane.axis}"
+    if any(n == 0 for n in mxt.shape):
+        return "empty tensor"
+    if plane.packed and mxt.format.bits < 8 and mxt.block_size % (2 if mxt.format.bits == 4 else 4):
+        return "block size not a multiple of the packing group"
+    return None
+
+
+def triton_dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None = None) -> torch.Tensor:
+    """:meth:`MXTensor.dequantize` on the fused unpack + dequantize kernel (same values, same bits)."""
+    dtype = dtype or mxt.dtype
+    plane = mxt.plane(axis)
+    if _fallback_reason(mxt, plane, dtype) is not None:
+        return mxt.dequantize(dtype, axis)
+    fmt = mxt.format
+    shape = tuple(mxt.shape)
+    length = shape[plane.axis]
+    rows = 1
+    for i, n in enumerate(shape):
+        if i != plane.axis:
+            rows *= n
+    bs = mxt.block_size
+    data = plane.data.reshape(rows, plane.data.shape[-1])
+    scale = plane.scale.reshape(rows, plane.scale.shape[-1])
+    nb = scale.shape[-1]
+    lp = nb * bs
+    if POISON_OUTPUTS:
+        out = torch.full(shape, -7.75, dtype=dtype, device=plane.data.device)
+    else:
+        out = torch.empty(shape, dtype=dtype, device=plane.data.device)
+    if plane.axis == mxt.ndim - 1 or mxt.ndim == 1:
+        out_stride_r, out_stride_l = length, 1
+    else:  # axis 0: plane row r = flattened trailing index, plane column = index along axis 0
+        out_stride_r, out_stride_l = 1, rows
+    br, bl, warps = TILE_CONFIG
+    if out_stride_r == 1:  # transposed write: square-ish tiles keep both sides coalesced
+        br, bl = 64, 64
+    bl = max(bl, min(bs, 256))
+    grid = (triton.cdiv(rows, br) * triton.cdiv(length, bl),)
+    index64 = max(rows * length, data.numel()) >= 2**31 - 1
+    _mx_dequantize_kernel[grid](
+        data, scale, out, rows, length, lp, nb, data.stride(0), scale.stride(0), out_stride_r, out_stride_l,
+        BLOCK_R=br, BLOCK_L=bl, BS=bs, PACK_BITS=fmt.bits if plane.packed else 8, INDEX64=index64,
+        SOFT_BF16=interpret_mode() and dtype == torch.bfloat16,
+        num_warps=warps, **format_consts(fmt), **launch_options(),
+    )
+    return out
+
+
+def _register() -> None:
+    from mxtrain.kernels._triton_utils import kernels_available
+    from mxtrain.kernels.dispatch import register_dequantize
+
+    if kernels_available():
+        register_dequantize("triton", triton_dequantize)
+
+
+_register()

@@ -1,0 +1,76 @@
+"""The fused unpack + dequantize kernel against MXTensor.dequantize: bit-identical values.
+
+Interpreter on CPU (conftest), compiled on a GPU. Small shapes.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from kernel_helpers import adversarial_matrix, values_equal  # noqa: E402
+
+from mxtrain.formats import MX_FORMAT_NAMES, parse_format  # noqa: E402
+from mxtrain.kernels import dequantize as dq  # noqa: E402
+from mxtrain.kernels.dispatch import dequantize  # noqa: E402
+from mxtrain.quantization import MXPlane, MXTensor, pack_codes, quantize_mx  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check(mxt, dtype=None, axis=None):
+    got = dq.triton_dequantize(mxt, dtype, axis)
+    want = mxt.cpu().dequantize(dtype, axis)
+    assert values_equal(got, want), f"{mxt.fmt} dtype={dtype} axis={axis}"
+
+
+@pytest.mark.parametrize("fmt", MX_FORMAT_NAMES)
+@pytest.mark.parametrize("pack", (True, False))
+def test_roundtrip_both_planes(kdevice, fmt, pack):
+    """Ragged 40x72 adversarial data: both planes (the columnwise one written transposed), every dtype."""
+    x = adversarial_matrix(40, 72, seed=21)
+    mxt = quantize_mx(x, fmt, block_size=32, axis=(-1, 0), scale_mode="rceil", pack=pack).to(kdevice)
+    for dtype in DTYPES:
+        for axis in (1, 0):
+            check(mxt, dtype, axis)
+    check(mxt)  # defaults: the quantized dtype, the first plane
+
+
+@pytest.mark.parametrize("fmt", MX_FORMAT_NAMES)
+def test_every_code_every_scale_edge(kdevice, fmt):
+    """Every code of the format under scales 2**-127 (subnormal fp32 products), 2**-126, 1, 2**127 and NaN."""
+    f = parse_format(fmt)
+    n = 2**f.bits
+    scales = torch.tensor([0, 1, 2, 20, 100, 127, 140, 200, 250, 254, 255], dtype=torch.uint8)
+    codes = torch.arange(n, dtype=torch.int32).repeat(-(-256 // n))[:256].to(torch.uint8)
+    codes = codes.reshape(1, 256).repeat(len(scales), 1)  # 8 blocks of 32 per row
+    scale = scales.reshape(-1, 1).repeat(1, 8)
+    for pack in (True, False):
+        data = pack_codes(codes, f) if pack else codes
+        mxt = MXTensor(planes=(MXPlane(data, scale, 1, pack),), fmt=fmt, block_size=32,
+                       shape=(len(scales), 256), dtype=torch.float32).to(kdevice)
+        for dtype in DTYPES:
+            check(mxt, dtype)
+
+
+@pytest.mark.parametrize("bs", (4, 8, 64, 128, 512))
+def test_block_sizes_and_nd(kdevice, bs):
+    x = adversarial_matrix(24, 136, seed=bs).reshape(4, 6, 136)
+    for fmt in ("fp8_e5m2", "fp6_e3m2", "fp4_e2m1", "int2"):
+        mxt = quantize_mx(x, fmt, block_size=bs, axis=(-1, 0)).to(kdevice)
+        check(mxt, torch.bfloat16, -1)
+        check(mxt, torch.float32, 0)
+
+
+def test_fallbacks(kdevice):
+    x = adversarial_matrix(8, 48, seed=30)
+    for mxt in (quantize_mx(x, "int8", block_size=0), quantize_mx(x, "int8", block_size=24),
+                quantize_mx(x.reshape(2, 4, 48), "fp4_e2m1", axis=1)):
+        check(mxt.to(kdevice), torch.float32)
+
+
+def test_dispatch_dequantize(kdevice):
+    x = adversarial_matrix(40, 72, seed=31)
+    mxt = quantize_mx(x, "fp6_e2m3", axis=(-1, 0)).to(kdevice)
+    got = dequantize(mxt, torch.bfloat16, 0, backend="triton")
+    assert values_equal(got, dequantize(mxt.cpu(), torch.bfloat16, 0, backend="reference"))
