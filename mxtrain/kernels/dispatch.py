@@ -96,8 +96,7 @@ def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:
     if isinstance(t, MXTensor):
         if t.ndim != 2:
             raise ValueError(f"GEMM operands must be 2-D, got an MXTensor of shape {list(t.shape)}")
-        return t.dequantize(torch.float32, axis=axis) if axis % 2 == 1 else \
-            t.dequantize(torch.float32, axis=axis).t()
+        return t.dequantize_blocked(torch.float32, axis=axis)
     if t.ndim != 2:
         raise ValueError(f"GEMM operands must be 2-D, got shape {list(t.shape)}")
     t = t.float()

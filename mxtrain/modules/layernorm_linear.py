@@ -1,7 +1,8 @@
 """LayerNormLinear: a norm (LayerNorm or RMSNorm) followed by an MX linear, fused.
 
 Saves for backward the block input (the norm recomputes from it) and the MX
-columnwise plane of the norm output (the wgrad operand), not the norm output.
+columnwise plane of the norm output (the wgrad operand), not the norm output;
+the weight's columnwise plane is made in backward from the parameter.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ class _LayerNormLinearFn(torch.autograd.Function):
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
         ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
-        y, ln_col, w_col = mx_linear_forward(ln_out, weight, bias, recipe, gen, ctx.needs_input_grad[3])
-        ctx.save_for_backward(x2d, ln_weight, ln_bias)
-        ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col, ctx.w_col = cfg, recipe, gen, ln_col, w_col
+        y, ln_col = mx_linear_forward(ln_out, weight, bias, recipe, gen, ctx.needs_input_grad[3])
+        ctx.save_for_backward(x2d, ln_weight, ln_bias, weight)
+        ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col = cfg, recipe, gen, ln_col
         ctx.x_shape = x.shape
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         y = y.reshape(*x.shape[:-1], weight.shape[0])
@@ -34,13 +35,13 @@ class _LayerNormLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dln_extra=None):
-        x2d, ln_weight, ln_bias = ctx.saved_tensors
+        x2d, ln_weight, ln_bias, weight = ctx.saved_tensors
         normalization, eps, zc, _ = ctx.cfg
         need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
         need_ln = need_x or need_lnw or need_lnb
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dln, dw = mx_linear_backward(dy2d, ctx.ln_col, ctx.w_col, ctx.recipe, ctx.gen, need_ln, need_w)
-        ctx.ln_col = ctx.w_col = None
+        dln, dw = mx_linear_backward(dy2d, ctx.ln_col, weight, ctx.recipe, ctx.gen, need_ln, need_w)
+        ctx.ln_col = None
         dx = dlnw = dlnb = None
         if need_ln:
             if dln_extra is not None:

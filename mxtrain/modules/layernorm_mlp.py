@@ -2,8 +2,10 @@
 
 What backward keeps (per token, hidden H, ffn F; MXFP8 about 1.03 bytes/element):
 the block input (the norm recomputes from it), the MX columnwise plane of the
-norm output (fc1's wgrad operand), the fc1 output ``h`` in the input dtype (the
-activation derivative needs it) and the MX columnwise planes of both weights.
+norm output (fc1's wgrad operand) and the fc1 output ``h`` in the input dtype (the
+activation derivative needs it). Weights are quantized rowwise in forward and
+columnwise in backward, from the parameters, so no weight plane is held between
+the passes (under FSDP2 each phase gathers only the plane it needs).
 The activation output is *not* kept: backward recomputes ``act(h)`` and its
 columnwise MX plane, which is bit-identical to quantizing the forward value.
 """
@@ -28,19 +30,18 @@ class _LayerNormMLPFn(torch.autograd.Function):
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
         ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
-        h, ln_col, w1_col = mx_linear_forward(ln_out, fc1_weight, fc1_bias, recipe, gen, ctx.needs_input_grad[3])
+        h, ln_col = mx_linear_forward(ln_out, fc1_weight, fc1_bias, recipe, gen, ctx.needs_input_grad[3])
         a = round_elemwise(activation(h, act), recipe)
-        y, _, w2_col = mx_linear_forward(a, fc2_weight, fc2_bias, recipe, gen, needs_wgrad=False)
-        ctx.save_for_backward(x2d, ln_weight, ln_bias, h)
-        ctx.cfg, ctx.recipe, ctx.gen = cfg, recipe, gen
-        ctx.ln_col, ctx.w1_col, ctx.w2_col = ln_col, w1_col, w2_col
+        y, _ = mx_linear_forward(a, fc2_weight, fc2_bias, recipe, gen, needs_wgrad=False)
+        ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight)
+        ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col = cfg, recipe, gen, ln_col
         ctx.x_shape = x.shape
         ctx.dtypes = tuple(None if p is None else p.dtype for p in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
         return y.reshape(*x.shape[:-1], fc2_weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, ln_weight, ln_bias, h = ctx.saved_tensors
+        x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight = ctx.saved_tensors
         normalization, eps, zc, act = ctx.cfg
         recipe, gen = ctx.recipe, ctx.gen
         need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
@@ -52,20 +53,20 @@ class _LayerNormMLPFn(torch.autograd.Function):
         if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it
             a = round_elemwise(activation(h, act), recipe)
             (a_col,) = quantize_operand(a, [(recipe.role("wgrad_input"), 0)], gen)
-        da, dw2 = mx_linear_backward(dy2d, a_col, ctx.w2_col, recipe, gen, need_h, need_w2)
+        da, dw2 = mx_linear_backward(dy2d, a_col, fc2_weight, recipe, gen, need_h, need_w2)
         db2 = dy2d.float().sum(0) if need_b2 else None
 
         dx = dlnw = dlnb = dw1 = db1 = None
         if need_h:
             dh = round_elemwise(activation_backward(h, da.to(h.dtype), act), recipe)
-            dln, dw1 = mx_linear_backward(dh, ctx.ln_col, ctx.w1_col, recipe, gen, need_ln, need_w1)
+            dln, dw1 = mx_linear_backward(dh, ctx.ln_col, fc1_weight, recipe, gen, need_ln, need_w1)
             db1 = dh.float().sum(0) if need_b1 else None
             if need_ln:
                 dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln.to(x2d.dtype), normalization, eps, zc,
                                                (need_x, need_lnw, need_lnb))
                 if dx is not None:
                     dx = round_elemwise(dx, recipe).reshape(ctx.x_shape)
-        ctx.ln_col = ctx.w1_col = ctx.w2_col = None
+        ctx.ln_col = None
         cast = lambda g, dt: None if g is None else g.to(dt)  # noqa: E731
         d1, d1b, d2, d2b = ctx.dtypes
         return dx, dlnw, dlnb, cast(dw1, d1), cast(db1, d1b), cast(dw2, d2), cast(db2, d2b), None, None

@@ -20,25 +20,33 @@ from mxtrain.modules._common import check_input, quantize_operand, recipe_genera
 
 
 def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool):
-    """Forward GEMM of a linear layer; returns ``(y, x_for_wgrad, w_for_dgrad)``."""
+    """Forward GEMM of a linear layer; returns ``(y, x_for_wgrad)``.
+
+    Only W's rowwise plane is made here; backward quantizes W columnwise from the
+    (saved, version-checked) parameter, so no weight plane is held between the
+    passes, and under FSDP2 each phase gathers just the plane it needs.
+    """
     x_row, x_col = quantize_operand(
         x2d, [(recipe.role("fprop_input"), 1), (recipe.role("wgrad_input") if needs_wgrad else None, 0)],
         generator)
-    w_row, w_col = quantize_operand(
-        weight, [(recipe.role("fprop_weight"), 1), (recipe.role("dgrad_weight"), 0)], generator)
+    (w_row,) = quantize_operand(weight, [(recipe.role("fprop_weight"), 1)], generator)
     y = mx_gemm(x_row, w_row, a_axis=1, b_axis=1, out_dtype=torch.float32)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x2d.dtype), (x_col if needs_wgrad else None), w_col
+    return y.to(x2d.dtype), (x_col if needs_wgrad else None)
 
 
-def mx_linear_backward(dy2d, x_col, w_col, recipe, generator, needs_dgrad: bool, needs_wgrad: bool):
+def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool, needs_wgrad: bool):
     """dgrad and wgrad GEMMs of a linear layer: ``(dx fp32 | None, dw fp32 | None)``."""
     dy_row, dy_col = quantize_operand(
         dy2d, [(recipe.role("dgrad_grad_output") if needs_dgrad else None, 1),
                (recipe.role("wgrad_grad_output") if needs_wgrad else None, 0)], generator)
-    dx = mx_gemm(dy_row, w_col, a_axis=1, b_axis=0) if needs_dgrad else None
-    dw = mx_gemm(dy_col, x_col, a_axis=0, b_axis=0) if needs_wgrad else None
+    dx = dw = None
+    if needs_dgrad:
+        (w_col,) = quantize_operand(weight, [(recipe.role("dgrad_weight"), 0)], generator)
+        dx = mx_gemm(dy_row, w_col, a_axis=1, b_axis=0)
+    if needs_wgrad:
+        dw = mx_gemm(dy_col, x_col, a_axis=0, b_axis=0)
     return dx, dw
 
 
@@ -47,8 +55,9 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe):
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
-        y, x_col, w_col = mx_linear_forward(x2d, weight, bias, recipe, gen, ctx.needs_input_grad[1])
-        ctx.recipe, ctx.gen, ctx.x_col, ctx.w_col = recipe, gen, x_col, w_col
+        y, x_col = mx_linear_forward(x2d, weight, bias, recipe, gen, ctx.needs_input_grad[1])
+        ctx.save_for_backward(weight)
+        ctx.recipe, ctx.gen, ctx.x_col = recipe, gen, x_col
         ctx.x_shape, ctx.dtypes = x.shape, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -56,8 +65,9 @@ class _LinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dx, dw = mx_linear_backward(dy2d, ctx.x_col, ctx.w_col, ctx.recipe, ctx.gen, need_x, need_w)
-        ctx.x_col = ctx.w_col = None
+        (weight,) = ctx.saved_tensors
+        dx, dw = mx_linear_backward(dy2d, ctx.x_col, weight, ctx.recipe, ctx.gen, need_x, need_w)
+        ctx.x_col = None
         dx = dx.to(ctx.dtypes[0]).reshape(ctx.x_shape) if dx is not None else None
         dw = dw.to(ctx.dtypes[1]) if dw is not None else None
         db = dy2d.float().sum(0).to(ctx.dtypes[2]) if need_b else None

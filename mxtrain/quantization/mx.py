@@ -83,16 +83,34 @@ def shared_exponent_bytes(amax_bits: torch.Tensor, fmt: ElemFormat, scale_mode: 
     return torch.where(nonfinite, E8M0.nan_code, scale).to(torch.uint8)
 
 
-def _to_blocks(x: torch.Tensor, axis: int, block_size: int) -> tuple[torch.Tensor, int]:
-    """fp32 view ``[..., nblocks, bs]`` of ``x`` with ``axis`` moved last, zero-padded; and bs."""
-    xf = x.float().movedim(axis, -1)
-    length = xf.shape[-1]
+CHUNK_ELEMENTS = 1 << 18  # ~1 MiB of fp32 per chunk: every pass stays in cache
+
+
+def _rows(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``x`` with ``axis`` moved last and the other dims flattened: ``[rows, length]`` and the leading shape."""
+    moved = x.movedim(axis, -1)
+    return moved.reshape(-1, moved.shape[-1]), tuple(moved.shape[:-1])
+
+
+def _geometry(length: int, block_size: int) -> tuple[int, int]:
+    """(block size, number of blocks) along an axis of ``length``; block_size 0 = whole axis."""
     bs = block_size if block_size > 0 else max(length, 1)
-    nblocks = -(-length // bs)
-    pad = nblocks * bs - length
+    return bs, -(-length // bs)
+
+
+def _row_chunks(rows: int, length: int):
+    step = max(1, CHUNK_ELEMENTS // max(length, 1))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def _blocks_of(chunk: torch.Tensor, bs: int, nblocks: int) -> torch.Tensor:
+    """fp32 ``[r, nblocks, bs]`` of a ``[r, length]`` chunk, zero-padding the ragged last block."""
+    xf = chunk.float()
+    pad = nblocks * bs - xf.shape[-1]
     if pad:
         xf = F.pad(xf, (0, pad))
-    return xf.reshape(*xf.shape[:-1], nblocks, bs), bs
+    return xf.reshape(xf.shape[0], nblocks, bs)
 
 
 def _scaled_blocks(blocks: torch.Tensor, fmt: ElemFormat, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +159,7 @@ def quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, 
     A block holding NaN or +-Inf gets scale 0xFF (NaN) and dequantizes to all NaN.
     """
     from mxtrain.quantization.mxtensor import MXPlane, MXTensor
-    from mxtrain.quantization.packing import pack_codes
+    from mxtrain.quantization.packing import pack_codes, packed_length
 
     fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
     axes = axis if isinstance(axis, tuple) else (axis,)
@@ -153,13 +171,22 @@ def quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, 
     generator = make_generator(seed, x.device) if rounding == "stochastic" else None
     planes = []
     for ax in axes:
-        blocks, bs = _to_blocks(x, ax, block_size)
-        codes, scale = _quantize_blocks(blocks, fmt, scale_mode, rounding, generator)
-        codes = codes.reshape(*codes.shape[:-2], -1)
+        rows, lead = _rows(x, ax)
+        bs, nblocks = _geometry(rows.shape[1], block_size)
+        padded = nblocks * bs
         if pack:
-            codes = pack_codes(codes, fmt)
-        planes.append(MXPlane(data=codes, scale=scale, axis=ax, packed=pack))
-    return MXTensor(planes=tuple(planes), fmt=fmt.name, block_size=bs if block_size == 0 else block_size,
+            packed_length(padded, fmt)  # fail before any work
+        codes = torch.empty(rows.shape[0], packed_length(padded, fmt) if pack else padded, dtype=torch.uint8,
+                            device=x.device)
+        scale = torch.empty(rows.shape[0], nblocks, dtype=torch.uint8, device=x.device)
+        for lo, hi in _row_chunks(*rows.shape):
+            c, s = _quantize_blocks(_blocks_of(rows[lo:hi], bs, nblocks), fmt, scale_mode, rounding, generator)
+            c = c.reshape(hi - lo, padded)
+            codes[lo:hi] = pack_codes(c, fmt) if pack else c
+            scale[lo:hi] = s
+        planes.append(MXPlane(data=codes.reshape(*lead, -1), scale=scale.reshape(*lead, nblocks), axis=ax,
+                              packed=pack))
+    return MXTensor(planes=tuple(planes), fmt=fmt.name, block_size=block_size or bs,
                     shape=tuple(x.shape), dtype=x.dtype, scale_mode=scale_mode, rounding=rounding,
                     whole_axis=block_size == 0)
 
@@ -175,21 +202,37 @@ def fake_quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int =
     fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
     ax = normalize_axis(axis, x.ndim)
     generator = make_generator(seed, x.device) if rounding == "stochastic" else None
-    blocks, _ = _to_blocks(x, ax, block_size)
-    scale, y = _scaled_blocks(blocks, fmt, scale_mode)
-    q, e = round_to_grid(y, fmt, rounding, generator)
-    mag = grid_value(q, e, fmt).clamp_(max=fmt.max_norm)
-    out = torch.copysign(mag, y)
-    if fmt.is_int:
-        out.add_(0.0)  # two's complement has no -0: -0.0 + 0.0 == +0.0
-    out.mul_(scale_values(scale).unsqueeze(-1))
-    out = out.reshape(*out.shape[:-2], -1)[..., : x.shape[ax]]
-    return out.movedim(-1, ax).to(x.dtype)
+    rows, lead = _rows(x, ax)
+    length = rows.shape[1]
+    bs, nblocks = _geometry(length, block_size)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    for lo, hi in _row_chunks(*rows.shape):
+        scale, y = _scaled_blocks(_blocks_of(rows[lo:hi], bs, nblocks), fmt, scale_mode)
+        q, e = round_to_grid(y, fmt, rounding, generator)
+        mag = grid_value(q, e, fmt).clamp_(max=fmt.max_norm)
+        vals = torch.copysign(mag, y)
+        if fmt.is_int:
+            vals.add_(0.0)  # two's complement has no -0: -0.0 + 0.0 == +0.0
+        vals.mul_(scale_values(scale).unsqueeze(-1))
+        out[lo:hi] = vals.reshape(hi - lo, -1)[:, :length]
+    return out.reshape(*lead, length).movedim(-1, ax)
 
 
-def dequantize_plane_values(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat) -> torch.Tensor:
-    """fp32 values ``code * 2**X`` of unpacked codes ``[..., nblocks*bs]`` with scales ``[..., nblocks]``."""
-    values = code_table(fmt, codes.device)[codes.long()]
+def dequantize_plane_values(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat,
+                            length: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values ``code * 2**X`` of unpacked codes ``[..., nblocks*bs]`` with scales ``[..., nblocks]``.
+
+    Cropped to ``length`` along the last axis (default: no crop), cast to ``dtype``.
+    """
+    table = code_table(fmt, codes.device)
     nblocks = scale.shape[-1]
-    values = values.reshape(*values.shape[:-1], nblocks, -1) * scale_values(scale).unsqueeze(-1)
-    return values.reshape(*values.shape[:-2], -1)
+    padded = codes.shape[-1]
+    length = padded if length is None else length
+    lead = codes.shape[:-1]
+    codes2, scale2 = codes.reshape(-1, padded), scale.reshape(-1, nblocks)
+    out = torch.empty(codes2.shape[0], length, dtype=dtype, device=codes.device)
+    for lo, hi in _row_chunks(codes2.shape[0], padded):
+        values = table[codes2[lo:hi].long()].reshape(hi - lo, nblocks, -1)
+        values.mul_(scale_values(scale2[lo:hi]).unsqueeze(-1))
+        out[lo:hi] = values.reshape(hi - lo, padded)[:, :length]
+    return out.reshape(*lead, length)

@@ -117,11 +117,19 @@ class MXTensor:
         subnormals (tiny scales); fp32 is always exact.
         """
         p = self.plane(axis)
-        values = dequantize_plane_values(self.codes(axis), p.scale, self.format)
+        return self.dequantize_blocked(dtype, p.axis).movedim(-1, p.axis)
+
+    def dequantize_blocked(self, dtype: torch.dtype | None = None, axis: int | None = None) -> torch.Tensor:
+        """Like :meth:`dequantize` but in the plane's stored layout: the block axis last, unpadded.
+
+        For the columnwise plane of a 2-D ``[M, K]`` tensor this is the ``[K, M]``
+        transpose, which is the operand layout a GEMM reducing over M wants.
+        """
+        p = self.plane(axis)
         moved = list(self.shape)
         length = moved.pop(p.axis)
-        values = values[..., :length].reshape(*moved, length).movedim(-1, p.axis)
-        return values.to(dtype or self.dtype)
+        values = dequantize_plane_values(self.codes(axis), p.scale, self.format, length, dtype or self.dtype)
+        return values.reshape(*moved, length)
 
     def to(self, *args, **kwargs) -> "MXTensor":
         """Move every plane (codes and scales together) to a device."""
