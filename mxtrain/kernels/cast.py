@@ -47,6 +47,9 @@ from mxtrain.quantization.packing import packed_length
 __all__ = ["triton_quantize", "USE_HW_FP8_CVT", "MAX_BLOCK_SIZE"]
 
 MAX_BLOCK_SIZE = 256
+# both planes from one tile up to this block size; above it the [bs, bs] tile outgrows shared
+# memory (256 KiB at 256) and each plane gets its own launch (the input is read twice)
+MAX_FUSED_BLOCK_SIZE = 128
 # hardware fp32->fp8 conversion for fp8 formats with round-half-even (GPU only)
 USE_HW_FP8_CVT = os.environ.get("MXTRAIN_TRITON_HW_FP8", "1") != "0"
 # tests set this to fill outputs with a pattern first, so unwritten bytes show up
@@ -111,8 +114,9 @@ if HAVE_TRITON:
                 eb = tl.maximum(mag >> 23, EMIN + 127)  # biased element exponent
                 # 2**(mbits - e) built from bits; in range for every MX element format
                 t = absy * ((MBITS + 254 - eb) << 23).to(tl.float32, bitcast=True)
-            # legit blocks have t < 2**(mbits+2); NaN/Inf blocks are masked later
-            t = tl.where(t < 4194304.0, t, 0.0)
+            # legit blocks have t < 2**(mbits+2); saturate anything else below 2**22, where the
+            # rounding below stays exact (the codes clamp to max_code); NaN/Inf blocks are masked later
+            t = tl.minimum(t, 4194304.0)
             r = t + 8388608.0
             q = r.to(tl.int32, bitcast=True) - 0x4B000000  # round half to even
             if ROUNDING != 0:
@@ -364,7 +368,7 @@ def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_m
     last = x.ndim - 1
     want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
     planes: dict[int, MXPlane] = {}
-    if x.ndim == 2 and want_row and want_col:
+    if x.ndim == 2 and want_row and want_col and block_size <= MAX_FUSED_BLOCK_SIZE:
         row, col = _launch(x, fmt, block_size, True, True, scale_mode, rounding, seed_t, pack)
     else:
         row = col = None
