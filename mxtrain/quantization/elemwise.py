@@ -42,8 +42,8 @@ def quantize_elemwise(x: torch.Tensor, fmt: "str | ElemFormat", rounding: str = 
     xf = x.float()
     if not subnormals and fmt.is_float:
         xf = torch.where(xf.abs() < fmt.min_norm, xf * 0.0, xf)  # keeps the sign of zero
-    q, e = round_to_grid(xf, fmt, rounding, generator)
-    mag = grid_value(q, e, fmt)
+    q, step_inv = round_to_grid(xf, fmt, rounding, generator)
+    mag = grid_value(q, step_inv, fmt)
     if saturate:
         mag = mag.clamp_(max=fmt.max_norm)
     else:

@@ -18,7 +18,7 @@ from mxtrain.quantization._validate import (
     normalize_axis,
 )
 from mxtrain.quantization.rounding import (
-    FP32_ABS_MASK, FP32_BIAS, FP32_EXP_MASK, FP32_MANT_BITS, code_table, element_codes, grid_value,
+    FP32_ABS_MASK, FP32_BIAS, FP32_EXP_MASK, FP32_MANT_BITS, decode_codes_fast, element_codes, grid_value,
     round_to_grid,
 )
 
@@ -208,9 +208,8 @@ def fake_quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int =
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     for lo, hi in _row_chunks(*rows.shape):
         scale, y = _scaled_blocks(_blocks_of(rows[lo:hi], bs, nblocks), fmt, scale_mode)
-        q, e = round_to_grid(y, fmt, rounding, generator)
-        mag = grid_value(q, e, fmt).clamp_(max=fmt.max_norm)
-        vals = torch.copysign(mag, y)
+        q, step_inv = round_to_grid(y, fmt, rounding, generator)
+        vals = torch.copysign(grid_value(q, step_inv, fmt).clamp_(max=fmt.max_norm), y)
         if fmt.is_int:
             vals.add_(0.0)  # two's complement has no -0: -0.0 + 0.0 == +0.0
         vals.mul_(scale_values(scale).unsqueeze(-1))
@@ -224,7 +223,6 @@ def dequantize_plane_values(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemF
 
     Cropped to ``length`` along the last axis (default: no crop), cast to ``dtype``.
     """
-    table = code_table(fmt, codes.device)
     nblocks = scale.shape[-1]
     padded = codes.shape[-1]
     length = padded if length is None else length
@@ -232,7 +230,7 @@ def dequantize_plane_values(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemF
     codes2, scale2 = codes.reshape(-1, padded), scale.reshape(-1, nblocks)
     out = torch.empty(codes2.shape[0], length, dtype=dtype, device=codes.device)
     for lo, hi in _row_chunks(codes2.shape[0], padded):
-        values = table[codes2[lo:hi].long()].reshape(hi - lo, nblocks, -1)
+        values = decode_codes_fast(codes2[lo:hi], fmt).reshape(hi - lo, nblocks, -1)
         values.mul_(scale_values(scale2[lo:hi]).unsqueeze(-1))
         out[lo:hi] = values.reshape(hi - lo, padded)[:, :length]
     return out.reshape(*lead, length)

@@ -53,56 +53,67 @@ def _mul_pow2_wide(t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def round_to_grid(y: torch.Tensor, fmt: ElemFormat, rounding: str,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Round fp32 ``y`` to ``fmt``'s grid (no scaling, no saturation).
 
-    Returns ``(q, e)``: ``|y|`` rounds to ``q * 2**(e - mbits)`` where ``q`` is a
-    non-negative integer-valued fp32 tensor and ``e`` (int32) is the element
-    exponent used (``max(floor(log2|y|), emin)``; unused for ints). For floats,
-    ``q`` is at most ``2**(mbits + 1)`` (a carry into the next binade).
+    Returns ``(q, step_inv)``: ``|y|`` rounds to ``q / step_inv`` where ``q`` is a
+    non-negative integer-valued fp32 tensor and ``step_inv = 2**(mbits - e)`` is
+    the inverse grid step at the element exponent ``e = max(floor(log2|y|), emin)``
+    (an exact power of two; None for ints, whose step is ``2**-mbits``). For
+    floats ``q`` is at most ``2**(mbits + 1)`` (a carry into the next binade).
+    For 8-exponent-bit formats (bfloatN) ``2**(mbits - e)`` can leave the fp32
+    range, so ``step_inv`` is then the int32 exponent ``mbits - e`` instead.
     Inf/NaN inputs give garbage: callers mask them.
     """
     mag = y.view(torch.int32) & FP32_ABS_MASK
-    if fmt.is_int:
-        t = mag.view(torch.float32) * float(2**fmt.mbits)
-        return round_nonneg(t, rounding, generator), None
-    e = unbiased_exponent(mag).clamp_(min=fmt.emin)
-    shift = fmt.mbits - e  # t = |y| * 2**shift lies in [0, 2**(mbits+1))
     absy = mag.view(torch.float32)
-    if fmt.mbits - fmt.emin > 127:  # bfloatN: 2**shift leaves the normal fp32 range
-        t = _mul_pow2_wide(absy, shift)
-    else:
-        t = absy * pow2_from_int(shift)
-    return round_nonneg(t, rounding, generator), e
-
-
-def grid_value(q: torch.Tensor, e: torch.Tensor | None, fmt: ElemFormat) -> torch.Tensor:
-    """The magnitude ``q * 2**(e - mbits)`` (exact; may exceed max_norm: callers saturate)."""
     if fmt.is_int:
-        return q * float(2.0**-fmt.mbits)
-    k = e - fmt.mbits
-    if fmt.emin - fmt.mbits < -126:
-        return _mul_pow2_wide(q, k)
-    return q * pow2_from_int(k)
+        return round_nonneg(absy * float(2**fmt.mbits), rounding, generator), None
+    biased = (mag >> FP32_MANT_BITS).clamp_(min=fmt.emin + FP32_BIAS)
+    if fmt.mbits - fmt.emin > 127:  # bfloatN: 2**shift leaves the normal fp32 range
+        shift = torch.sub(fmt.mbits + FP32_BIAS, biased)
+        return round_nonneg(_mul_pow2_wide(absy, shift), rounding, generator), shift
+    # bits of 2**(mbits - e) are (mbits - e + 127) << 23, with e = biased - 127
+    step_inv = torch.sub(fmt.mbits + 2 * FP32_BIAS, biased).bitwise_left_shift_(FP32_MANT_BITS)
+    step_inv = step_inv.view(torch.float32)
+    return round_nonneg(absy * step_inv, rounding, generator), step_inv
+
+
+def grid_value(q: torch.Tensor, step_inv: torch.Tensor | None, fmt: ElemFormat) -> torch.Tensor:
+    """The magnitude ``q / step_inv`` (exact; may exceed max_norm: callers saturate). Reuses ``q``."""
+    if fmt.is_int:
+        return q.mul_(2.0**-fmt.mbits)
+    if step_inv.dtype == torch.int32:
+        return _mul_pow2_wide(q, -step_inv)
+    return q.div_(step_inv)  # division by a power of two is exact
+
+
+TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def element_codes(y: torch.Tensor, fmt: ElemFormat, rounding: str,
                   generator: torch.Generator | None) -> torch.Tensor:
-    """Codes (int32, ``fmt.bits`` wide, sign included) of fp32 ``y`` rounded to ``fmt``, saturating.
+    """Codes (``fmt.bits`` wide, sign included; uint8 for fp8, else int32) of fp32 ``y`` rounded to ``fmt``, saturating.
 
     Floats: ``sign << (bits-1) | biased_exp << mbits | mantissa``; the magnitude
     code is ``((e - emin) << mbits) + q``, which carries into the exponent field
     by itself and is the subnormal code when ``e == emin`` and ``q < 2**mbits``.
     Ints: two's complement of ``+-q`` in ``bits`` bits (no negative zero).
     """
-    q, e = round_to_grid(y, fmt, rounding, generator)
+    q, step_inv = round_to_grid(y, fmt, rounding, generator)
+    native = TORCH_FP8.get(fmt.name)
+    if native is not None:
+        # The saturated grid value is representable, so torch's cast is exact: one fast pass.
+        value = torch.copysign(grid_value(q, step_inv, fmt).clamp_(max=fmt.max_norm), y)
+        return value.to(native).view(torch.uint8)
     negative = y.view(torch.int32) < 0
     if fmt.is_int:
         # clamp before the int cast: |y| * 2**mbits beyond int32 (or Inf) would wrap
-        qi = q.clamp(max=fmt.max_code_magnitude).to(torch.int32)
+        qi = q.clamp_(max=fmt.max_code_magnitude).to(torch.int32)
         return torch.where(negative, -qi, qi) & ((1 << fmt.bits) - 1)
-    qi = q.to(torch.int32)
-    code = ((e - fmt.emin) << fmt.mbits).add_(qi).clamp_(max=fmt.max_code_magnitude)
+    # e - emin from the step's exponent bits: step_inv = 2**(mbits - e)
+    e_minus_emin = (fmt.mbits - fmt.emin + FP32_BIAS) - (step_inv.view(torch.int32) >> FP32_MANT_BITS)
+    code = (e_minus_emin << fmt.mbits).add_(q.to(torch.int32)).clamp_(max=fmt.max_code_magnitude)
     return code | (negative.to(torch.int32) << (fmt.bits - 1))
 
 
@@ -145,3 +156,15 @@ def code_table(fmt: ElemFormat, device: torch.device | str = "cpu") -> torch.Ten
 def decode_codes(codes: torch.Tensor, fmt: ElemFormat) -> torch.Tensor:
     """fp32 values of unpacked codes (any integer dtype holding ``fmt.bits``-bit codes)."""
     return code_table(fmt, codes.device)[codes.long()]
+
+
+def decode_codes_fast(codes: torch.Tensor, fmt: ElemFormat) -> torch.Tensor:
+    """:func:`decode_codes` through torch's float8 cast where there is one (much faster than a gather).
+
+    Identical values; only the NaN codes of fp8_e4m3/e5m2 may decode to a NaN
+    with another sign or payload (quantizers never emit those codes).
+    """
+    native = TORCH_FP8.get(fmt.name)
+    if native is not None and codes.dtype == torch.uint8:
+        return codes.view(native).float()
+    return decode_codes(codes, fmt)
