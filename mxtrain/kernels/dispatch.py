@@ -50,6 +50,8 @@ def _load_kernels() -> None:
     try:
         import mxtrain.kernels.cast  # noqa: F401
         import mxtrain.kernels.dequantize  # noqa: F401
+        if torch.cuda.is_available():
+            import mxtrain.kernels.gemm  # noqa: F401
     except ImportError:  # no (working) triton: the reference serves every call
         pass
 
@@ -104,18 +106,26 @@ def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:
 
 
 def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axis: int = 1, b_axis: int = 1,
-            out_dtype: torch.dtype = torch.float32, backend: str | None = None) -> torch.Tensor:
-    """``A @ B.T`` with fp32 accumulation, the reduction running along ``a_axis`` of a and ``b_axis`` of b.
+            out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None,
+            backend: str | None = None) -> torch.Tensor:
+    """``A @ B.T (+ bias)`` with fp32 accumulation, reducing along ``a_axis`` of a and ``b_axis`` of b.
 
     The result equals the fp32-accumulated product of the dequantized operands
-    (the order of accumulation is free). Fprop ``X W^T``: ``(x, 1), (w, 1)``;
-    dgrad ``dY W``: ``(dy, 1), (w, 0)``; wgrad ``dY^T X``: ``(dy, 0), (x, 0)``.
+    (the order of accumulation is free), plus ``bias`` in fp32, rounded once to
+    ``out_dtype``. Fprop ``X W^T``: ``(x, 1), (w, 1)``; dgrad ``dY W``:
+    ``(dy, 1), (w, 0)``; wgrad ``dY^T X``: ``(dy, 0), (x, 0)``. CUDA operands take
+    the cuBLAS path of :mod:`mxtrain.kernels.gemm`; others the reference.
     """
-    device = (a.device if isinstance(a, (MXTensor, torch.Tensor)) else torch.device("cpu"))
-    name = _resolve(backend, device, _GEMM_IMPLS)
+    device = a.device if isinstance(a, (MXTensor, torch.Tensor)) else torch.device("cpu")
+    # a forced kernel backend names the casts; the GEMM then takes whatever GPU GEMM exists
+    requested = backend or os.environ.get("MXTRAIN_BACKEND", "auto")
+    name = _resolve("reference" if requested == "reference" else "auto", device, _GEMM_IMPLS)
     if name != "reference":
-        return _GEMM_IMPLS[name](a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype)
+        return _GEMM_IMPLS[name](a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
     av, bv = gemm_operand(a, a_axis), gemm_operand(b, b_axis)
     if av.shape[1] != bv.shape[1]:
         raise ValueError(f"GEMM reduction sizes differ: {av.shape[1]} vs {bv.shape[1]}")
-    return (av @ bv.t()).to(out_dtype)
+    out = av @ bv.t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)

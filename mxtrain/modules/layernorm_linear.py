@@ -40,7 +40,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
         need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
         need_ln = need_x or need_lnw or need_lnb
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dln, dw = mx_linear_backward(dy2d, ctx.ln_col, weight, ctx.recipe, ctx.gen, need_ln, need_w)
+        dln, dw = mx_linear_backward(dy2d, ctx.ln_col, weight, ctx.recipe, ctx.gen, need_ln, need_w,
+                                     torch.float32, ctx.dtypes[0])
         ctx.ln_col = None
         dx = dlnw = dlnb = None
         if need_ln:
@@ -50,7 +51,6 @@ class _LayerNormLinearFn(torch.autograd.Function):
                                            (need_x, need_lnw, need_lnb))
             if dx is not None:
                 dx = round_elemwise(dx, ctx.recipe).reshape(ctx.x_shape)
-        dw = dw.to(ctx.dtypes[0]) if dw is not None else None
         db = dy2d.float().sum(0).to(ctx.dtypes[1]) if need_b else None
         return dx, dlnw, dlnb, dw, db, None, None
 

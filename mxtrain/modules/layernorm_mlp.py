@@ -53,23 +53,24 @@ class _LayerNormMLPFn(torch.autograd.Function):
         if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it
             a = round_elemwise(activation(h, act), recipe)
             (a_col,) = quantize_operand(a, [(recipe.role("wgrad_input"), 0)], gen)
-        da, dw2 = mx_linear_backward(dy2d, a_col, fc2_weight, recipe, gen, need_h, need_w2)
+        d1, d1b, d2, d2b = ctx.dtypes
+        da, dw2 = mx_linear_backward(dy2d, a_col, fc2_weight, recipe, gen, need_h, need_w2, h.dtype, d2)
         db2 = dy2d.float().sum(0) if need_b2 else None
 
         dx = dlnw = dlnb = dw1 = db1 = None
         if need_h:
-            dh = round_elemwise(activation_backward(h, da.to(h.dtype), act), recipe)
-            dln, dw1 = mx_linear_backward(dh, ctx.ln_col, fc1_weight, recipe, gen, need_ln, need_w1)
+            dh = round_elemwise(activation_backward(h, da, act), recipe)
+            dln, dw1 = mx_linear_backward(dh, ctx.ln_col, fc1_weight, recipe, gen, need_ln, need_w1,
+                                          x2d.dtype, d1)
             db1 = dh.float().sum(0) if need_b1 else None
             if need_ln:
-                dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln.to(x2d.dtype), normalization, eps, zc,
+                dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln, normalization, eps, zc,
                                                (need_x, need_lnw, need_lnb))
                 if dx is not None:
                     dx = round_elemwise(dx, recipe).reshape(ctx.x_shape)
         ctx.ln_col = None
         cast = lambda g, dt: None if g is None else g.to(dt)  # noqa: E731
-        d1, d1b, d2, d2b = ctx.dtypes
-        return dx, dlnw, dlnb, cast(dw1, d1), cast(db1, d1b), cast(dw2, d2), cast(db2, d2b), None, None
+        return dx, dlnw, dlnb, dw1, cast(db1, d1b), dw2, cast(db2, d2b), None, None
 
 
 class LayerNormMLP(nn.Module):

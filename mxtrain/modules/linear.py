@@ -30,23 +30,22 @@ def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool):
         x2d, [(recipe.role("fprop_input"), 1), (recipe.role("wgrad_input") if needs_wgrad else None, 0)],
         generator)
     (w_row,) = quantize_operand(weight, [(recipe.role("fprop_weight"), 1)], generator)
-    y = mx_gemm(x_row, w_row, a_axis=1, b_axis=1, out_dtype=torch.float32)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x2d.dtype), (x_col if needs_wgrad else None)
+    y = mx_gemm(x_row, w_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=bias)
+    return y, (x_col if needs_wgrad else None)
 
 
-def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool, needs_wgrad: bool):
-    """dgrad and wgrad GEMMs of a linear layer: ``(dx fp32 | None, dw fp32 | None)``."""
+def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool, needs_wgrad: bool,
+                       dx_dtype: torch.dtype = torch.float32, dw_dtype: torch.dtype = torch.float32):
+    """dgrad and wgrad GEMMs of a linear layer: ``(dx | None, dw | None)`` in the given dtypes."""
     dy_row, dy_col = quantize_operand(
         dy2d, [(recipe.role("dgrad_grad_output") if needs_dgrad else None, 1),
                (recipe.role("wgrad_grad_output") if needs_wgrad else None, 0)], generator)
     dx = dw = None
     if needs_dgrad:
         (w_col,) = quantize_operand(weight, [(recipe.role("dgrad_weight"), 0)], generator)
-        dx = mx_gemm(dy_row, w_col, a_axis=1, b_axis=0)
+        dx = mx_gemm(dy_row, w_col, a_axis=1, b_axis=0, out_dtype=dx_dtype)
     if needs_wgrad:
-        dw = mx_gemm(dy_col, x_col, a_axis=0, b_axis=0)
+        dw = mx_gemm(dy_col, x_col, a_axis=0, b_axis=0, out_dtype=dw_dtype)
     return dx, dw
 
 
@@ -66,10 +65,10 @@ class _LinearFn(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])
         (weight,) = ctx.saved_tensors
-        dx, dw = mx_linear_backward(dy2d, ctx.x_col, weight, ctx.recipe, ctx.gen, need_x, need_w)
+        dx, dw = mx_linear_backward(dy2d, ctx.x_col, weight, ctx.recipe, ctx.gen, need_x, need_w,
+                                    ctx.dtypes[0], ctx.dtypes[1])
         ctx.x_col = None
-        dx = dx.to(ctx.dtypes[0]).reshape(ctx.x_shape) if dx is not None else None
-        dw = dw.to(ctx.dtypes[1]) if dw is not None else None
+        dx = dx.reshape(ctx.x_shape) if dx is not None else None
         db = dy2d.float().sum(0).to(ctx.dtypes[2]) if need_b else None
         return dx, dw, db, None
 

@@ -8,7 +8,14 @@ from mxtrain.formats import ElemFormat, parse_elemwise_format
 from mxtrain.quantization._validate import ROUNDINGS, check_choice, check_float_tensor, make_generator
 from mxtrain.quantization.rounding import FP32_ABS_MASK, grid_value, round_to_grid
 
+# Dynamo stays out of the quantizers: they are chunked Python loops, and inductor
+# has miscompiled their dtype-bitcast views inside fused chains (NaN where eager is
+# exact). Compiled models call them as opaque, exact functions (one graph break each).
+_no_dynamo = torch.compiler.disable(recursive=True)
 
+
+
+@_no_dynamo
 def quantize_elemwise(x: torch.Tensor, fmt: "str | ElemFormat", rounding: str = "even",
                       subnormals: bool = True, saturate: bool | None = None,
                       seed: "int | torch.Generator | None" = None) -> torch.Tensor:

@@ -24,6 +24,11 @@ from mxtrain.quantization.rounding import (
 
 FP32_MIN_NORMAL_EXP = -126
 
+# Dynamo stays out of the quantizers: they are chunked Python loops, and inductor
+# has miscompiled their dtype-bitcast views inside fused chains (NaN where eager is
+# exact). Compiled models call them as opaque, exact functions (one graph break each).
+_no_dynamo = torch.compiler.disable(recursive=True)
+
 
 def _scale_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(2**(b-127), 2**(127-b))`` for every scale byte b, NaN at 0xFF (exact, subnormal 2**-127 included)."""
@@ -138,6 +143,7 @@ def _check_common(x, fmt, block_size, scale_mode, rounding):
     return fmt, block_size, scale_mode, rounding
 
 
+@_no_dynamo
 def quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, axis: "int | tuple[int, ...]" = -1,
                 scale_mode: str = "floor", rounding: str = "even",
                 seed: "int | torch.Generator | None" = None, pack: bool = True):
@@ -191,6 +197,7 @@ def quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, 
                     whole_axis=block_size == 0)
 
 
+@_no_dynamo
 def fake_quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, axis: int = -1,
                      scale_mode: str = "floor", rounding: str = "even",
                      seed: "int | torch.Generator | None" = None) -> torch.Tensor:
@@ -217,6 +224,7 @@ def fake_quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int =
     return out.reshape(*lead, length).movedim(-1, ax)
 
 
+@_no_dynamo
 def dequantize_plane_values(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat,
                             length: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Values ``code * 2**X`` of unpacked codes ``[..., nblocks*bs]`` with scales ``[..., nblocks]``.
