@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from mxtrain.kernels.dispatch import quantize
@@ -27,7 +29,8 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator) -> list["MXTensor
 
     A role whose format is None gets the tensor itself (high precision). A spec
     given for two axes produces both planes in one quantize call, which is what
-    the one-pass rowwise+columnwise kernels do.
+    the one-pass rowwise+columnwise kernels do; each use then gets an MXTensor
+    holding only its own plane.
     """
     out: list = [None] * len(specs_axes)
     groups: dict = {}
@@ -40,9 +43,29 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator) -> list["MXTensor
         axes = tuple(dict.fromkeys(axis for _, axis in uses))
         mx = quantize(t2d, spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
                       rounding=spec.rounding, seed=generator)
-        for i, _ in uses:
-            out[i] = mx
+        for i, axis in uses:
+            # Each use gets only its own plane: what a module keeps for backward (the
+            # columnwise wgrad/dgrad operand) must not pin the rowwise plane as well.
+            out[i] = mx if len(mx.planes) == 1 else dataclasses.replace(mx, planes=(mx.plane(axis),))
     return out
+
+
+def release_mx_operands(ctx, *names: str) -> None:
+    """Drop the MX operands a backward kept on ``ctx`` (outside save_for_backward) once it has used them.
+
+    They would otherwise live as long as the graph's output tensors (often into the
+    next forward); the flag turns a second backward into a clear error.
+    """
+    for name in names:
+        setattr(ctx, name, None)
+    ctx.mx_operands_released = True
+
+
+def check_mx_operands(ctx, module: str) -> None:
+    if getattr(ctx, "mx_operands_released", False):
+        raise RuntimeError(
+            f"Trying to backward through an mxtrain {module} a second time (retain_graph=True): its MX "
+            "operands are released after the first backward to save memory; run the forward again instead")
 
 
 def round_elemwise(t: torch.Tensor, recipe) -> torch.Tensor:

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from mxtrain.autocast import get_recipe
-from mxtrain.modules._common import check_input, recipe_generator, round_elemwise
+from mxtrain.modules._common import (
+    check_input, check_mx_operands, recipe_generator, release_mx_operands, round_elemwise,
+)
 from mxtrain.modules.linear import init_linear_, mx_linear_backward, mx_linear_forward
 from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
 
@@ -35,6 +37,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dln_extra=None):
+        check_mx_operands(ctx, "LayerNormLinear")
         x2d, ln_weight, ln_bias, weight = ctx.saved_tensors
         normalization, eps, zc, _ = ctx.cfg
         need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
@@ -42,7 +45,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])
         dln, dw = mx_linear_backward(dy2d, ctx.ln_col, weight, ctx.recipe, ctx.gen, need_ln, need_w,
                                      torch.float32, ctx.dtypes[0])
-        ctx.ln_col = None
+        release_mx_operands(ctx, "ln_col")
         dx = dlnw = dlnb = None
         if need_ln:
             if dln_extra is not None:

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxtrain.autocast import get_recipe
-from mxtrain.modules._common import check_input, quantize_operand, recipe_generator, round_elemwise
+from mxtrain.modules._common import (
+    check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
+)
 from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
 from mxtrain.modules.linear import init_linear_, mx_linear_backward, mx_linear_forward
 from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
@@ -41,6 +43,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        check_mx_operands(ctx, "LayerNormMLP")
         x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight = ctx.saved_tensors
         normalization, eps, zc, act = ctx.cfg
         recipe, gen = ctx.recipe, ctx.gen
@@ -68,7 +71,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
                                                (need_x, need_lnw, need_lnb))
                 if dx is not None:
                     dx = round_elemwise(dx, recipe).reshape(ctx.x_shape)
-        ctx.ln_col = None
+        release_mx_operands(ctx, "ln_col")
         cast = lambda g, dt: None if g is None else g.to(dt)  # noqa: E731
         return dx, dlnw, dlnb, dw1, cast(db1, d1b), dw2, cast(db2, d2b), None, None
 

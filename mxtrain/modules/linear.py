@@ -16,7 +16,9 @@ from torch import nn
 
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import mx_gemm
-from mxtrain.modules._common import check_input, quantize_operand, recipe_generator
+from mxtrain.modules._common import (
+    check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands,
+)
 
 
 def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool):
@@ -55,19 +57,24 @@ class _LinearFn(torch.autograd.Function):
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
         y, x_col = mx_linear_forward(x2d, weight, bias, recipe, gen, ctx.needs_input_grad[1])
-        ctx.save_for_backward(weight)
-        ctx.recipe, ctx.gen, ctx.x_col = recipe, gen, x_col
+        # a high-precision wgrad operand (role fmt None) is the input itself: save it, so that
+        # autograd version-checks it as it does nn.Linear's input; MX planes are snapshots
+        x_hp = x if isinstance(x_col, torch.Tensor) else None
+        ctx.save_for_backward(weight, x_hp)
+        ctx.recipe, ctx.gen, ctx.x_col = recipe, gen, (None if x_hp is not None else x_col)
         ctx.x_shape, ctx.dtypes = x.shape, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
+        check_mx_operands(ctx, "Linear")
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])
-        (weight,) = ctx.saved_tensors
-        dx, dw = mx_linear_backward(dy2d, ctx.x_col, weight, ctx.recipe, ctx.gen, need_x, need_w,
+        weight, x_hp = ctx.saved_tensors
+        x_col = ctx.x_col if x_hp is None else x_hp.reshape(-1, x_hp.shape[-1])
+        dx, dw = mx_linear_backward(dy2d, x_col, weight, ctx.recipe, ctx.gen, need_x, need_w,
                                     ctx.dtypes[0], ctx.dtypes[1])
-        ctx.x_col = None
+        release_mx_operands(ctx, "x_col")
         dx = dx.reshape(ctx.x_shape) if dx is not None else None
         db = dy2d.float().sum(0).to(ctx.dtypes[2]) if need_b else None
         return dx, dw, db, None
