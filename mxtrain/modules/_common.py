@@ -31,7 +31,12 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator) -> list["MXTensor
     given for two axes produces both planes in one quantize call, which is what
     the one-pass rowwise+columnwise kernels do; each use then gets an MXTensor
     holding only its own plane.
+
+    A weight all-gathered by FSDP2 in MX (``mxtrain.distributed``) carries the
+    planes already: a use they serve gets them as they are, never quantized again.
     """
+    if hasattr(t2d, "mx_gathered_plane"):
+        return _gathered_operand(t2d, specs_axes, generator)
     out: list = [None] * len(specs_axes)
     groups: dict = {}
     for i, (spec, axis) in enumerate(specs_axes):
@@ -47,6 +52,15 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator) -> list["MXTensor
             # Each use gets only its own plane: what a module keeps for backward (the
             # columnwise wgrad/dgrad operand) must not pin the rowwise plane as well.
             out[i] = mx if len(mx.planes) == 1 else dataclasses.replace(mx, planes=(mx.plane(axis),))
+    return out
+
+
+def _gathered_operand(weight, specs_axes, generator) -> list:
+    out = [weight.mx_gathered_plane(spec, axis) for spec, axis in specs_axes]
+    rest = [i for i, o in enumerate(out) if o is None]
+    if rest:  # high-precision uses, or planes this all-gather did not bring (raises if it brought MX only)
+        for i, o in zip(rest, quantize_operand(weight.high_precision(), [specs_axes[i] for i in rest], generator)):
+            out[i] = o
     return out
 
 

@@ -1,0 +1,615 @@
+"""FSDP2 weight all-gathers that carry MX bytes instead of bf16.
+
+Users shard with torch's own ``fully_shard`` and launch with ``torchrun``;
+:func:`enable_mx_all_gather` swaps the GEMM weights of mxtrain modules for
+:class:`MXAllGatherWeight` *before* ``fully_shard``. That tensor subclass
+implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather``):
+
+* The master weight stays sharded in high precision (what the optimizer updates).
+* Before an all-gather each rank quantizes its shard with the recipe's weight
+  role and sends codes and E8M0 scales packed in **one** uint8 buffer
+  (MXFP8: 1 + 1/32 bytes per element instead of 2 for bf16).
+* Only the plane the coming phase needs travels: rowwise (blocks along K, the
+  fprop operand) before forward, columnwise (blocks along N, the dgrad operand)
+  before backward. When one gather must serve both passes
+  (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``, or
+  activation checkpointing, whose recomputed forward runs after the backward
+  all-gather) both planes go at once.
+* After the gather the planes are rebuilt exactly as quantizing the full weight
+  would lay them out, and ``quantize_operand`` (mxtrain/modules/_common.py)
+  hands them to the GEMMs without quantizing again. A shard's blocks are the
+  full weight's blocks, so the bytes are identical to single-process MX training.
+* Outside ``mx_autocast`` (and for roles that must see high precision: a role
+  with no format, stochastic rounding) the gather sends the high-precision shard.
+* Gradients (reduce-scatter) stay in high precision; nothing changes there.
+
+The recipe is read with :func:`mxtrain.get_recipe` when the forward all-gather
+runs (FSDP's pre-forward hook runs inside the caller's ``mx_autocast``) and is
+remembered on the weight, because the backward all-gather runs outside it.
+
+Private FSDP2 attributes used (checked on torch 2.11-2.13): the FSDP state
+registry (``torch.distributed._composable_state._module_state_mapping``),
+``FSDPState._fsdp_param_groups``, ``FSDPParamGroup._training_state`` /
+``_reshard_after_forward`` / ``reshard_after_backward`` / ``fsdp_params``, and
+``FSDPParam.all_gather_outputs`` (reset when the size of what a weight sends
+changes, e.g. MX in training then high precision in an evaluation outside
+``mx_autocast``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from mxtrain.autocast import get_recipe
+from mxtrain.kernels.dispatch import quantize
+from mxtrain.quantization import MXTensor
+from mxtrain.quantization.mxtensor import MXPlane
+
+__all__ = [
+    "MXAllGatherWeight", "MXGatheredWeight", "enable_mx_all_gather", "disable_mx_all_gather",
+    "mx_weight_names", "all_gather_stats", "reset_all_gather_stats", "check_mx_all_gather_shapes",
+]
+
+aten = torch.ops.aten
+
+FPROP = ("fprop_weight", 1)  # rowwise: blocks along K (dim 1)
+DGRAD = ("dgrad_weight", 0)  # columnwise: blocks along N (dim 0, the dim FSDP shards)
+
+
+def mx_weight_names(module: nn.Module) -> tuple[str, ...]:
+    """Names of the GEMM weights of an mxtrain module (empty for any other module)."""
+    from mxtrain.modules import LayerNormLinear, LayerNormMLP, Linear
+
+    if isinstance(module, LayerNormMLP):
+        return ("fc1_weight", "fc2_weight")
+    if isinstance(module, (Linear, LayerNormLinear)):
+        return ("weight",)
+    return ()
+
+
+# --------------------------------------------------------------------------- stats
+
+@dataclass
+class _Stats:
+    gathers: int = 0
+    mx_gathers: int = 0
+    bytes_sent: int = 0  # per rank, summed over gathers (what this rank contributes)
+    elements: int = 0  # weight elements those gathers covered (per rank)
+    planes: dict = field(default_factory=dict)  # "rowwise"/"columnwise"/"both"/"high_precision" -> count
+
+
+_STATS = _Stats()
+
+
+def all_gather_stats() -> dict:
+    """What this process's MX-weight all-gathers sent so far (bytes are this rank's contribution)."""
+    s = dataclasses.asdict(_STATS)
+    s["bytes_per_element"] = s["bytes_sent"] / s["elements"] if s["elements"] else float("nan")
+    return s
+
+
+def reset_all_gather_stats() -> None:
+    global _STATS
+    _STATS = _Stats()
+
+
+# --------------------------------------------------------------------------- FSDP internals
+
+def _fsdp_training_state_enum():
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    return TrainingState
+
+
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch <= 2.11 kept a single group
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def _find_fsdp_param(local: torch.Tensor):
+    """The (FSDPParam, FSDPParamGroup) whose sharded local tensor is ``local`` (cached on it)."""
+    cached = getattr(local, "_mx_fsdp_refs", None)
+    if cached is not None:
+        fsdp_param, group = cached[0](), cached[1]()
+        if fsdp_param is not None and group is not None and fsdp_param._sharded_local_tensor is local:
+            return fsdp_param, group
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        if not isinstance(state, FSDPState):
+            continue
+        for group in _param_groups(state):
+            for fsdp_param in group.fsdp_params:
+                if fsdp_param._sharded_local_tensor is local:
+                    local._mx_fsdp_refs = (weakref.ref(fsdp_param), weakref.ref(group))
+                    return fsdp_param, group
+    raise RuntimeError(
+        "mxtrain MX all-gather: FSDP2 called fsdp_pre_all_gather on a weight it does not seem to manage "
+        f"(torch {torch.__version__}); this torch version's FSDP2 internals are not supported")
+
+
+# --------------------------------------------------------------------------- the sharded master weight
+
+@dataclass
+class _WeightInfo:
+    """Shared by a weight and every view FSDP makes of it."""
+
+    name: str
+    activation_checkpointing: bool = False
+    recipe: Any = None  # the recipe of the last forward all-gather (backward reuses it)
+    recipe_seen: bool = False
+
+
+# Ops whose results stay MXAllGatherWeight: what FSDP2 does to build and pad the
+# sharded local tensor (new_zeros, narrow/slice, view, split/chunk, copy_), moving it
+# (_to_copy, _pin_memory), and detach/alias/clone. Everything else (optimizer math,
+# zeros_like for optimizer state) returns plain tensors.
+_PRESERVE = {
+    aten.detach.default, aten.alias.default, aten.empty_like.default, aten.new_zeros.default,
+    aten.new_empty.default, aten.slice.Tensor, aten.narrow.default, aten.view.default,
+    aten._unsafe_view.default, aten.as_strided.default, aten._to_copy.default, aten._pin_memory.default,
+    aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.clone.default,
+}
+
+
+def _mutates_first_arg(func) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+class MXAllGatherWeight(torch.Tensor):
+    """A high-precision weight (a plain tensor inside) whose FSDP2 all-gathers send MX bytes.
+
+    It behaves as the tensor it wraps for every op (optimizer updates, state-dict
+    copies, clipping); FSDP2's sharding keeps the subclass on the local shard.
+    ``fsdp_pre_all_gather`` quantizes the shard; ``fsdp_post_all_gather``
+    rebuilds an :class:`MXGatheredWeight` holding the full MX planes.
+    """
+
+    _data: torch.Tensor
+    _info: _WeightInfo
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, info: _WeightInfo):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=data.dtype,
+            layout=data.layout, device=data.device, requires_grad=data.requires_grad)
+
+    def __init__(self, data: torch.Tensor, info: _WeightInfo):
+        self._data = data
+        self._info = info
+
+    def __repr__(self) -> str:
+        return f"MXAllGatherWeight(name={self._info.name!r}, data={self._data!r})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], self._info
+
+    @staticmethod
+    def __tensor_unflatten__(inner, info, outer_size, outer_stride):
+        return MXAllGatherWeight(inner["_data"], info)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        info = None
+
+        def unwrap(t):
+            nonlocal info
+            info = info or t._info
+            return t._data
+
+        out = func(*pytree.tree_map_only(cls, unwrap, args), **pytree.tree_map_only(cls, unwrap, kwargs))
+        if args and isinstance(args[0], cls) and _mutates_first_arg(func):
+            return args[0]
+        if func in _PRESERVE:
+            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, info), out)
+        return out
+
+    # ---- what quantize_operand asks a weight (mxtrain/modules/_common.py)
+
+    def mx_gathered_plane(self, spec, axis: int) -> None:
+        return None  # not all-gathered (used without FSDP): the module quantizes the weight itself
+
+    def high_precision(self) -> torch.Tensor:
+        return self._data
+
+    # ---- FSDP2 all-gather extension
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        TrainingState = _fsdp_training_state_enum()
+        fsdp_param, group = _find_fsdp_param(self)
+        param_dtype = mp_policy.param_dtype or self.dtype
+        world = mesh.size()
+        phase = group._training_state
+        info = self._info
+        if phase == TrainingState.FORWARD:
+            recipe = get_recipe()
+            info.recipe, info.recipe_seen = recipe, True
+        elif phase == TrainingState.PRE_BACKWARD or info.recipe_seen:
+            recipe = info.recipe
+        else:  # an unshard outside forward/backward (user-called unshard) before any forward
+            recipe = get_recipe()
+
+        if phase == TrainingState.FORWARD:
+            # One gather must also serve backward when the weight is not resharded in between.
+            # (FSDP gathers under no_grad, so the caller's grad mode is not visible here; only
+            # inference_mode, which no_grad leaves on, says that no backward will follow.)
+            both = (not group._reshard_after_forward) and not torch.is_inference_mode_enabled()
+            roles = [FPROP, DGRAD] if both else [FPROP]
+        elif phase == TrainingState.PRE_BACKWARD:
+            # the recomputed forward (activation checkpointing) and the next forward without a
+            # reshard after backward need the rowwise plane too
+            both = info.activation_checkpointing or not getattr(group, "reshard_after_backward", True)
+            roles = [DGRAD, FPROP] if both else [DGRAD]
+        else:
+            roles = [FPROP, DGRAD]
+        uses = None
+        if recipe is not None:
+            uses = [(recipe.role(role), axis) for role, axis in roles]
+            if any(spec.fmt is None or spec.rounding == "stochastic" for spec, _ in uses):
+                # the module needs the high-precision weight (unquantized role) or quantizes it itself
+                # (stochastic rounding: the generator draws of the full weight cannot be split by shard)
+                uses = None
+
+        if uses is None:
+            inputs, meta = self._high_precision_input(orig_size, world, param_dtype)
+        else:
+            inputs, meta = self._mx_input(uses, orig_size, world, param_dtype)
+        layout = (inputs[0].numel(), inputs[0].dtype)
+        outputs = fsdp_param.all_gather_outputs
+        if outputs and (outputs[0].numel() != layout[0] * world or outputs[0].dtype != layout[1]):
+            # FSDP2 sizes its all-gather outputs at the first gather; this gather sends a
+            # different layout (other planes or high precision), so let it size them again
+            fsdp_param.all_gather_outputs = []
+        _STATS.gathers += 1
+        _STATS.mx_gathers += meta["kind"] == "mx"
+        _STATS.bytes_sent += inputs[0].numel() * inputs[0].element_size()
+        _STATS.elements += self.numel()
+        _STATS.planes[meta["what"]] = _STATS.planes.get(meta["what"], 0) + 1
+        return inputs, meta
+
+    def _local_rows(self, orig_size, world: int) -> int:
+        n = orig_size[0]
+        rows = -(-n // world)
+        if tuple(self.shape[1:]) != tuple(orig_size[1:]):
+            raise NotImplementedError(f"mxtrain MX all-gather: {self._info.name} must be sharded on dim 0 "
+                                      f"(local {list(self.shape)}, full {list(orig_size)})")
+        return rows
+
+    def _high_precision_input(self, orig_size, world, param_dtype):
+        x = self._data.to(param_dtype)
+        rows = self._local_rows(orig_size, world)
+        if x.shape[0] != rows:  # uneven sharding: FSDP wants every rank's input padded to the same size
+            padded = x.new_zeros((rows, *x.shape[1:]))
+            padded[: x.shape[0]].copy_(x)
+            x = padded
+        return (x.contiguous(),), {"kind": "hp", "what": "high_precision", "shape": tuple(orig_size),
+                                   "dtype": param_dtype, "world": world}
+
+    def _mx_input(self, uses, orig_size, world, param_dtype):
+        n = orig_size[0]
+        rows = self._local_rows(orig_size, world)
+        check_shard_shape(self._info.name, tuple(orig_size), world, [spec.block_size for spec, a in uses if a == 0])
+        x = self._data.to(param_dtype)
+        pieces, planes = [], []
+        by_spec: dict = {}
+        for spec, axis in uses:
+            by_spec.setdefault(spec, []).append(axis)
+        for spec, axes in by_spec.items():
+            mx = quantize(x, spec.fmt, block_size=spec.block_size, axis=tuple(axes), scale_mode=spec.scale_mode,
+                          rounding=spec.rounding)
+            for p in mx.planes:
+                pieces += [p.data.reshape(-1), p.scale.reshape(-1)]
+                planes.append({"spec": spec, "axis": p.axis, "packed": p.packed, "data_shape": tuple(p.data.shape),
+                               "scale_shape": tuple(p.scale.shape), "fmt": mx.fmt, "block_size": mx.block_size,
+                               "scale_mode": mx.scale_mode, "rounding": mx.rounding, "whole_axis": mx.whole_axis})
+        buf = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+        axes = {p["axis"] for p in planes}
+        what = "both" if len(axes) > 1 else ("rowwise" if 1 in axes else "columnwise")
+        assert rows * world == n
+        return (buf,), {"kind": "mx", "what": what, "planes": planes, "shape": tuple(orig_size),
+                        "dtype": param_dtype, "world": world}
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (buf,) = all_gather_outputs
+        if out is None:
+            state = _GatheredState(name=self._info.name, inner=[buf.new_empty(0, dtype=torch.uint8)])
+            result = MXGatheredWeight(metadata["shape"], param_dtype, buf.device, state)
+        else:
+            if not isinstance(out, MXGatheredWeight):
+                raise RuntimeError(f"mxtrain MX all-gather: expected out to be an MXGatheredWeight, got {type(out)}")
+            state = out._state
+        state.fill(buf, metadata)
+        if out is None:
+            return result, state.inner
+        return None
+
+
+# --------------------------------------------------------------------------- the all-gathered weight
+
+@dataclass
+class _GatheredState:
+    """What the last all-gather brought: full MX planes (in ``inner[0]``) or the high-precision weight.
+
+    ``inner`` is the list FSDP2 keeps as the unsharded parameter's inner tensors:
+    FSDP frees their storage when it reshards and reallocates it before the next
+    all-gather. When the planes need a different size, its one element is replaced.
+    """
+
+    name: str
+    inner: list
+    hp: torch.Tensor | None = None
+    planes: dict = field(default_factory=dict)  # axis -> (RoleSpec, MXTensor holding that one plane)
+
+    def fill(self, buf: torch.Tensor, meta: dict) -> None:
+        world, shape = meta["world"], meta["shape"]
+        if meta["kind"] == "hp":
+            self.planes = {}
+            self.hp = buf.view(-1, *shape[1:])[: shape[0]]
+            _free(self.inner[0])
+            return
+        self.hp = None
+        per_rank = buf.view(world, -1)
+        sizes = []
+        for p in meta["planes"]:
+            sizes += [math.prod(p["data_shape"]), math.prod(p["scale_shape"])]
+        total = sum(sizes) * world
+        arena = self.inner[0]
+        if arena.numel() != total:
+            _free(arena)
+            arena = self.inner[0] = torch.empty(total, dtype=torch.uint8, device=buf.device)
+        planes, src_off, dst_off = {}, 0, 0
+        for p in meta["planes"]:
+            full = []
+            for shard_shape in (p["data_shape"], p["scale_shape"]):
+                numel = math.prod(shard_shape)
+                src = per_rank[:, src_off:src_off + numel].view(world, *shard_shape)
+                dst = arena[dst_off:dst_off + numel * world]
+                if p["axis"] == 1:  # rowwise [rows, ...]: ranks stack along dim 0
+                    full.append(dst.view(world, *shard_shape).copy_(src).view(world * shard_shape[0], -1))
+                else:  # columnwise [K, rows...]: the sharded dim is the stored last dim
+                    dst2 = dst.view(shard_shape[0], world, shard_shape[1])
+                    dst2.copy_(src.permute(1, 0, 2))
+                    full.append(dst2.view(shard_shape[0], world * shard_shape[1]))
+                src_off += numel
+                dst_off += numel * world
+            mxt = MXTensor(planes=(MXPlane(data=full[0], scale=full[1], axis=p["axis"], packed=p["packed"]),),
+                           fmt=p["fmt"], block_size=p["block_size"], shape=tuple(shape), dtype=meta["dtype"],
+                           scale_mode=p["scale_mode"], rounding=p["rounding"], whole_axis=p["whole_axis"])
+            planes[p["axis"]] = (p["spec"], mxt)
+        self.planes = planes
+        # The planes are copied out: give the all-gather output's memory back now rather than
+        # at reshard (FSDP reallocates it before the next all-gather).
+        _free(buf)
+
+
+def _free(t: torch.Tensor) -> None:
+    storage = t.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+_ALIAS_OPS = {aten.detach.default, aten.alias.default}
+_METADATA_OPS = {
+    aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+    aten.new_empty_strided.default,
+}
+
+
+class MXGatheredWeight(torch.Tensor):
+    """The unsharded weight FSDP2 puts on the module between all-gather and reshard.
+
+    It holds the all-gathered MX planes (what :func:`quantize_operand` hands to the
+    GEMMs) or, after a high-precision gather, the full weight. Any op other than
+    the module's GEMM path runs on the high-precision weight, and fails with an
+    explanation when only MX planes were gathered.
+    """
+
+    _state: _GatheredState
+
+    @staticmethod
+    def __new__(cls, shape, dtype, device, state, requires_grad: bool = False):
+        return torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device,
+                                                   requires_grad=requires_grad)
+
+    def __init__(self, shape, dtype, device, state, requires_grad: bool = False):
+        self._state = state
+
+    def __repr__(self) -> str:
+        s = self._state
+        what = "high precision" if s.hp is not None else (
+            "MX " + ", ".join("rowwise" if a == 1 else "columnwise" for a in sorted(s.planes)) or "nothing")
+        return f"MXGatheredWeight(name={s.name!r}, shape={list(self.shape)}, dtype={self.dtype}, holds={what})"
+
+    def mx_gathered_plane(self, spec, axis: int) -> MXTensor | None:
+        """The all-gathered MX plane for ``(spec, axis)``, or None when it was not gathered for that spec."""
+        if spec is None or spec.fmt is None:
+            return None
+        entry = self._state.planes.get(axis % 2)
+        if entry is None or entry[0] != spec:
+            return None
+        return entry[1]
+
+    def high_precision(self) -> torch.Tensor:
+        """The full high-precision weight; raises when this gather brought MX planes only."""
+        if self._state.hp is None:
+            have = ", ".join(("rowwise" if a == 1 else "columnwise") + f" {spec}" for a, (spec, _)
+                             in sorted(self._state.planes.items())) or "nothing"
+            raise RuntimeError(
+                f"mxtrain MX all-gather: {self._state.name} was all-gathered by FSDP2 as MX planes only ({have}), "
+                "and this use needs another plane or its high-precision values. Run forward under the "
+                "mx_autocast recipe the all-gather saw; if the forward is recomputed in backward (activation "
+                "checkpointing) call enable_mx_all_gather(model, activation_checkpointing=True); a forward "
+                "without mx_autocast must not reuse weights gathered in MX (keep FSDP's reshard after backward on).")
+        return self._state.hp
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ALIAS_OPS or (func in (aten.as_strided.default, aten.view.default, aten._unsafe_view.default)
+                                  and tuple(args[1]) == tuple(args[0].shape)):
+            w = args[0]
+            return cls(w.shape, w.dtype, w.device, w._state)
+
+        def unwrap(t):
+            if func in _METADATA_OPS and t._state.hp is None:
+                return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            return t.high_precision()
+
+        return func(*pytree.tree_map_only(cls, unwrap, args), **pytree.tree_map_only(cls, unwrap, kwargs))
+
+
+# --------------------------------------------------------------------------- setup
+
+def check_shard_shape(name: str, shape: tuple, world: int, column_block_sizes=(32,)) -> None:
+    """Raise ValueError when FSDP2's dim-0 shards of ``shape`` cannot carry exact MX planes.
+
+    Every rank must hold the same number of rows (FSDP2 requires all-gather inputs of the
+    padded shard size, which a packed MX buffer cannot have), and for the columnwise plane
+    (blocks along dim 0) each rank's rows must be whole blocks, or a block would straddle
+    two ranks and quantize differently from the full weight.
+    """
+    n = shape[0]
+    if n % world:
+        raise ValueError(
+            f"mxtrain MX all-gather: {name} {list(shape)} has {n} rows, which {world} ranks cannot share "
+            f"evenly; make dim 0 a multiple of {world} or leave this weight out "
+            "(enable_mx_all_gather(..., strict=False) gathers it in high precision)")
+    rows = n // world
+    for bs in column_block_sizes:
+        if bs == 0 or rows % bs:
+            need = world * bs if bs else None
+            hint = (f"make dim 0 a multiple of {need} (e.g. {-(-n // need) * need})" if need else
+                    "whole-axis blocks (block_size=0) along dim 0 cannot be split by rank")
+            raise ValueError(
+                f"mxtrain MX all-gather: {name} {list(shape)} is sharded into {rows} rows per rank over {world} "
+                f"ranks, but its columnwise MX blocks of {bs or 'the whole axis'} run along dim 0, so a block would "
+                f"span two ranks; {hint}, or leave this weight out "
+                "(enable_mx_all_gather(..., strict=False) gathers it in high precision)")
+
+
+def check_mx_all_gather_shapes(model: nn.Module, world_size: int, block_size: int = 32) -> list[str]:
+    """Messages for every mxtrain weight of ``model`` that cannot all-gather in MX over ``world_size`` ranks."""
+    problems = []
+    for mod_name, m in model.named_modules():
+        for pname in mx_weight_names(m):
+            p = getattr(m, pname, None)
+            if p is None:
+                continue
+            try:
+                check_shard_shape(f"{mod_name}.{pname}".lstrip("."), tuple(p.shape), world_size, (block_size,))
+            except ValueError as e:
+                problems.append(str(e))
+    return problems
+
+
+def _plain(v):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor) and isinstance(v._local_tensor, MXAllGatherWeight):
+        return DTensor.from_local(v._local_tensor._data, v.device_mesh, v.placements, run_check=False,
+                                  shape=v.shape, stride=v.stride())
+    if isinstance(v, MXAllGatherWeight):
+        return v._data
+    return v
+
+
+def _state_dict_unwrap_hook(module, state_dict, prefix, local_metadata):
+    # checkpoints hold plain tensors (or DTensors of plain tensors), never the subclass; they
+    # alias the master weights, so loading into them in place (DCP) updates the model
+    for name in mx_weight_names(module):
+        key = prefix + name
+        if key in state_dict:
+            with torch.no_grad():
+                state_dict[key] = _plain(state_dict[key])
+
+
+def enable_mx_all_gather(model: nn.Module, *, activation_checkpointing: bool = False, strict: bool = True,
+                         world_size: int | None = None, block_size: int = 32) -> list[str]:
+    """Make FSDP2 all-gather the GEMM weights of every mxtrain module in ``model`` as MX bytes.
+
+    Call it **before** ``fully_shard`` (FSDP2 sets up its all-gather extension when it
+    wraps a parameter) and before creating the optimizer (the weights become new
+    ``nn.Parameter`` objects); non-mxtrain modules are left alone. Returns the
+    names of the weights it converted.
+
+    Args:
+        activation_checkpointing: the forward of these modules is recomputed in backward
+            (``torch.utils.checkpoint``), so the backward all-gather sends the rowwise plane as
+            well as the columnwise one. The recompute must run under the same ``mx_autocast``
+            (open it inside the checkpointed function).
+        strict: raise when a weight cannot be sharded into whole MX blocks for
+            ``world_size`` ranks (see :func:`check_shard_shape`); False leaves such
+            weights as ordinary parameters (gathered in high precision) with a warning.
+        world_size: ranks that will shard the weights (default: the default process
+            group's size when initialized, else no shape check here; the all-gather checks again).
+        block_size: the recipe block size to check shapes against.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if world_size is None and dist.is_available() and dist.is_initialized():
+        world_size = dist.get_world_size()
+    converted, skipped = [], []
+    for mod_name, m in model.named_modules():
+        names = mx_weight_names(m)
+        if not names:
+            continue
+        for pname in names:
+            p = getattr(m, pname, None)
+            fqn = f"{mod_name}.{pname}".lstrip(".")
+            if p is None or isinstance(p, MXAllGatherWeight):
+                continue
+            if isinstance(p, DTensor):
+                raise RuntimeError(f"enable_mx_all_gather: {fqn} is already sharded (a DTensor); call "
+                                   "enable_mx_all_gather(model) before fully_shard")
+            if world_size is not None and world_size > 1:
+                try:
+                    check_shard_shape(fqn, tuple(p.shape), world_size, (block_size,))
+                except ValueError as e:
+                    if strict:
+                        raise
+                    skipped.append(str(e))
+                    continue
+            info = _WeightInfo(name=fqn, activation_checkpointing=activation_checkpointing)
+            setattr(m, pname, nn.Parameter(MXAllGatherWeight(p.detach(), info), requires_grad=p.requires_grad))
+            converted.append(fqn)
+        if not getattr(m, "_mx_all_gather_hook", False):
+            m.register_state_dict_post_hook(_state_dict_unwrap_hook)
+            m._mx_all_gather_hook = True
+    if skipped:
+        warnings.warn("enable_mx_all_gather: these weights keep high-precision all-gathers:\n" + "\n".join(skipped),
+                      stacklevel=2)
+    return converted
+
+
+def disable_mx_all_gather(model: nn.Module) -> list[str]:
+    """Turn converted weights back into plain parameters (before ``fully_shard``; not on sharded models)."""
+    from torch.distributed.tensor import DTensor
+
+    restored = []
+    for mod_name, m in model.named_modules():
+        for pname in mx_weight_names(m):
+            p = getattr(m, pname, None)
+            if isinstance(p, DTensor):
+                raise RuntimeError("disable_mx_all_gather: the model is already sharded by fully_shard")
+            if isinstance(p, MXAllGatherWeight):
+                setattr(m, pname, nn.Parameter(p._data, requires_grad=p.requires_grad))
+                restored.append(f"{mod_name}.{pname}".lstrip("."))
+    return restored

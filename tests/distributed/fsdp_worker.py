@@ -1,0 +1,476 @@
+"""torchrun worker for tests/distributed: FSDP2 with MX all-gathers, checked against one process.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 fsdp_worker.py SCENARIO OUT_DIR
+
+Scenarios (each writes ``OUT_DIR/<scenario>.json`` from rank 0):
+  core     gathered planes vs one-process quantization (several recipes, bf16 params),
+           bytes per all-gather, training parity (MXFP8 / high precision; reshard after
+           forward on/off; grad accumulation; activation checkpointing; mixed modules)
+  ckpt     DCP save at step 3, resume in fresh objects, compare with the uninterrupted run;
+           leaves the checkpoint and the losses for ``load1`` (one process, other world size)
+  load1    (plain python, world size 1) load the 2-rank checkpoint, train on, compare
+  fault [TAG]         train 8 steps with a checkpoint every 2; with MXTRAIN_FAULT_STEP=k rank 1
+                      SIGKILLs itself at step k; rank 0 logs losses to OUT_DIR/TAG_losses.jsonl
+  fault_resume [TAG]  the same, continuing from TAG's newest complete checkpoint
+
+Uses NCCL on CUDA when available, else gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mxtrain
+import mxtrain.distributed as mxdist
+from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mxtrain.distributed.fsdp import MXGatheredWeight
+from mxtrain.kernels.dispatch import quantize
+
+VOCAB, D, T, B = 64, 64, 16, 2  # B*T = 32 tokens per rank: wgrad token blocks never straddle ranks
+
+
+class Block(nn.Module):
+    def __init__(self, mixed: bool):
+        super().__init__()
+        self.qkv = mxtrain.LayerNormLinear(D, 3 * D)
+        self.proj = mxtrain.Linear(3 * D, D)
+        self.mlp = mxtrain.LayerNormMLP(D, 2 * D, activation="gelu")
+        self.mixed = mixed
+        if mixed:  # torch modules in the block, an mxtrain weight whose K (80) is not a multiple of 32,
+            # and one (48 rows: 24 per rank) that cannot be sharded into whole blocks (stays high precision)
+            self.up = nn.Linear(D, 80)
+            self.down = mxtrain.Linear(80, D, bias=False)
+            self.odd = mxtrain.Linear(D, 48)
+            self.odd_out = nn.Linear(48, D)
+
+    def forward(self, x):
+        x = x + self.proj(F.gelu(self.qkv(x)))
+        x = x + self.mlp(x)
+        if self.mixed:
+            x = x + self.down(F.relu(self.up(x))) + self.odd_out(self.odd(x))
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self, n_blocks=2, mixed=False, checkpoint=False, recipe=None):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(Block(mixed) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        self.checkpoint, self.recipe = checkpoint, recipe
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for blk in self.blocks:
+            if self.checkpoint:
+                # the recompute must see the same recipe: open mx_autocast inside the checkpointed function
+                x = torch.utils.checkpoint.checkpoint(_run_block, blk, x, self.recipe, use_reentrant=False)
+            else:
+                x = blk(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def _run_block(blk, x, recipe):
+    with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
+        return blk(x)
+
+
+# --------------------------------------------------------------------------- setup helpers
+
+def setup():
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def global_batches(steps, micro, world, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(micro):
+            idx = torch.randint(0, VOCAB, (world * B, T), generator=g)
+            tgt = torch.randint(0, VOCAB, (world * B, T), generator=g)
+            mbs.append((idx.to(device), tgt.to(device)))
+        out.append(mbs)
+    return out
+
+
+def build(seed, device, mixed=False, checkpoint=False, recipe=None):
+    torch.manual_seed(seed)
+    return Net(mixed=mixed, checkpoint=checkpoint, recipe=recipe).to(device)
+
+
+def shard(model, world, *, mx=True, reshard_after_forward=True, mp=None, ac=False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if mx:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mxdist.enable_mx_all_gather(model, activation_checkpointing=ac, strict=False)
+    kw = {"reshard_after_forward": reshard_after_forward}
+    if mp is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32)
+    for blk in model.blocks:
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def make_opt(model):
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+
+
+def train_steps(model, opt, batches, recipe, rank, world, sharded: bool, start=0):
+    """Per-step global mean loss (fp32)."""
+    import torch.distributed as dist
+
+    losses = []
+    for mbs in batches[start:]:
+        total = torch.zeros((), device=mbs[0][0].device)
+        for idx, tgt in mbs:
+            if sharded:
+                idx, tgt = idx[rank * B:(rank + 1) * B], tgt[rank * B:(rank + 1) * B]
+            with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
+                loss = model(idx, tgt) / len(mbs)
+            loss.backward()
+            total += loss.detach()
+        if sharded:
+            dist.all_reduce(total)
+            total /= world
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total.item())
+    return losses
+
+
+def rel(a, b):
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------- scenarios
+
+class PlaneRecorder:
+    """Wraps MXGatheredWeight.mx_gathered_plane: which gathered planes reached the GEMMs."""
+
+    def __init__(self):
+        self.hits, self.misses, self.planes = {}, {}, {}
+        self._orig = MXGatheredWeight.mx_gathered_plane
+        rec = self
+
+        def wrapped(w, spec, axis):
+            mx = rec._orig(w, spec, axis)
+            key = f"{w._state.name}:{axis % 2}"
+            if spec is not None and spec.fmt is not None:
+                d = rec.hits if mx is not None else rec.misses
+                d[key] = d.get(key, 0) + 1
+            if mx is not None:
+                p = mx.plane(axis)
+                rec.planes[key] = (spec, mx, p.data.clone(), p.scale.clone())
+            return mx
+
+        MXGatheredWeight.mx_gathered_plane = wrapped
+
+    def close(self):
+        MXGatheredWeight.mx_gathered_plane = self._orig
+
+
+def mx_weights(model):
+    for mod_name, m in model.named_modules():
+        for pname in mxdist.mx_weight_names(m):
+            yield f"{mod_name}.{pname}".lstrip("."), getattr(m, pname)
+
+
+def check_gathered_planes(rank, world, device, recipe, mp, reshard_after_forward=True):
+    """Every plane the GEMMs got equals quantizing the full weight in one process (codes and scales)."""
+    model = shard(build(1, device, mixed=True), world, reshard_after_forward=reshard_after_forward, mp=mp)
+    rec = PlaneRecorder()
+    try:
+        batch = global_batches(1, 1, world, device, seed=5)
+        train_steps(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, recipe, rank, world, True)
+    finally:
+        rec.close()
+    fulls = {name: p.full_tensor() for name, p in mx_weights(model)}
+    bad, checked = [], 0
+    for key, (spec, mx, data, scale) in rec.planes.items():
+        name, axis = key.rsplit(":", 1)
+        full = fulls[name].to(mp or fulls[name].dtype)
+        ref = quantize(full, spec.fmt, block_size=spec.block_size, axis=int(axis), scale_mode=spec.scale_mode,
+                       rounding=spec.rounding)
+        p = ref.plane(int(axis))
+        ok = (torch.equal(p.data, data) and torch.equal(p.scale, scale) and ref.shape == mx.shape
+              and ref.dtype == mx.dtype and ref.fmt == mx.fmt and ref.block_size == mx.block_size
+              and p.packed == mx.plane(int(axis)).packed)
+        checked += 1
+        if not ok:
+            bad.append(key)
+    return {"checked": checked, "bad": bad, "hits": rec.hits, "misses": rec.misses}
+
+
+def count_all_gather_bytes(rank, world, device, recipe, mx: bool, mp):
+    """Bytes this rank puts into FSDP's all-gathers for one forward+backward of a model of mxtrain Linears only."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(mxtrain.Linear(128, 128, bias=False) for _ in range(3))).to(device)
+    if mx:
+        mxdist.enable_mx_all_gather(model)
+    for m in model:
+        fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=mp))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=mp))
+    sent = {"bytes": 0, "calls": 0}
+    # FSDP2 calls dist.all_gather_single (torch 2.13) or dist.all_gather_into_tensor (older)
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    origs = {n: getattr(dist, n) for n in names}
+
+    def counting(name):
+        def fn(output_tensor, input_tensor, *a, **k):
+            sent["bytes"] += input_tensor.numel() * input_tensor.element_size()
+            sent["calls"] += 1
+            return origs[name](output_tensor, input_tensor, *a, **k)
+        return fn
+
+    for n in names:
+        setattr(dist, n, counting(n))
+    mxdist.reset_all_gather_stats()
+    try:
+        x = torch.randn(32, 128, device=device)
+        with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
+            y = model(x)
+        y.float().pow(2).mean().backward()
+    finally:
+        for n in names:
+            setattr(dist, n, origs[n])
+    weight_elems_per_rank = sum(m.weight.numel() for m in model) // world
+    # each Linear is gathered for forward (the root holds no parameters) and, resharded, again for backward
+    gathers = sent["calls"]
+    return {"bytes": sent["bytes"], "calls": gathers, "stats": mxdist.all_gather_stats(),
+            "bytes_per_element": sent["bytes"] / (weight_elems_per_rank * gathers / len(model))}
+
+
+def parity(rank, world, device, recipe, *, steps=4, micro=1, reshard_after_forward=True, mixed=False, ac=False):
+    batches = global_batches(steps, micro, world, device)
+    model = shard(build(0, device, mixed=mixed, checkpoint=ac, recipe=recipe), world,
+                  reshard_after_forward=reshard_after_forward, ac=ac)
+    rec = PlaneRecorder()
+    try:
+        dist_losses = train_steps(model, make_opt(model), batches, recipe, rank, world, True)
+    finally:
+        rec.close()
+    ref_losses = None
+    if rank == 0:
+        ref = build(0, device, mixed=mixed, checkpoint=ac, recipe=recipe)
+        ref_losses = train_steps(ref, make_opt(ref), batches, recipe, rank, world, False)
+    return {"dist": dist_losses, "ref": ref_losses, "rel": rel(dist_losses, ref_losses) if rank == 0 else None,
+            "hits": rec.hits, "misses": rec.misses}
+
+
+def scenario_core(rank, world, device, out):
+    res = {"world": world, "device": str(device)}
+    fp8 = mxtrain.MXFP8Recipe()
+    t0 = time.time()
+    res["planes"] = {
+        "mxfp8": check_gathered_planes(rank, world, device, fp8, None),
+        "mxfp8_bf16_params": check_gathered_planes(rank, world, device, fp8, torch.bfloat16),
+        "mxfp4": check_gathered_planes(rank, world, device, mxtrain.MXFP4Recipe(), None),
+        "mxfp6_floor_nearest": check_gathered_planes(
+            rank, world, device, mxtrain.MXFP6Recipe(scale_mode="floor", rounding="nearest"), None),
+        "mxfp8_no_reshard": check_gathered_planes(rank, world, device, fp8, None, reshard_after_forward=False),
+    }
+    res["bytes"] = {
+        "mxfp8": count_all_gather_bytes(rank, world, device, fp8, True, torch.bfloat16),
+        "mxfp4": count_all_gather_bytes(rank, world, device, mxtrain.MXFP4Recipe(), True, torch.bfloat16),
+        "bf16": count_all_gather_bytes(rank, world, device, fp8, False, torch.bfloat16),
+        "outside_autocast_bf16": count_all_gather_bytes(rank, world, device, None, True, torch.bfloat16),
+    }
+    res["parity"] = {
+        "mxfp8": parity(rank, world, device, fp8),
+        "high_precision": parity(rank, world, device, None),
+        "mxfp8_no_reshard": parity(rank, world, device, fp8, reshard_after_forward=False),
+        "mxfp8_grad_accum": parity(rank, world, device, fp8, micro=2, steps=3),
+        "mxfp8_act_ckpt": parity(rank, world, device, fp8, ac=True, steps=3),
+        "mxfp8_mixed": parity(rank, world, device, fp8, mixed=True, steps=3),
+    }
+    res["mp_bf16_trains"] = mp_bf16_run(rank, world, device, fp8)
+    res["seconds"] = time.time() - t0
+    return res
+
+
+def mp_bf16_run(rank, world, device, recipe):
+    """bf16 params (MixedPrecisionPolicy) with MX all-gathers: trains, and matches the one-process model
+    whose weights are cast to bf16 for compute within bf16-rounding noise."""
+    batches = global_batches(3, 1, world, device)
+    model = shard(build(0, device), world, mp=torch.bfloat16)
+    losses = train_steps(model, make_opt(model), batches, recipe, rank, world, True)
+    if rank != 0:
+        return {"losses": losses}
+    # one process: bf16 compute copy of fp32 master weights (what FSDP's policy does)
+    master = build(0, device)
+    compute = copy.deepcopy(master).to(torch.bfloat16)
+    opt = make_opt(master)
+    ref = []
+    for mbs in batches:
+        idx, tgt = mbs[0]
+        with mxtrain.mx_autocast(recipe=recipe):
+            loss = compute(idx, tgt)
+        loss.backward()
+        for pm, pc in zip(master.parameters(), compute.parameters()):
+            pm.grad = pc.grad.float()
+            pc.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for pm, pc in zip(master.parameters(), compute.parameters()):
+                pc.copy_(pm)
+        ref.append(loss.item())
+    return {"losses": losses, "ref": ref, "rel_first": rel(losses[:1], ref[:1]), "rel": rel(losses, ref)}
+
+
+def state_dict_types(model):
+    from torch.distributed.tensor import DTensor
+
+    types = set()
+    for k, v in model.state_dict().items():
+        types.add(type(v._local_tensor if isinstance(v, DTensor) else v).__name__)
+    return sorted(types)
+
+
+def scenario_ckpt(rank, world, device, out):
+    import torch.distributed as dist
+
+    recipe = mxtrain.MXFP8Recipe()
+    steps, cut = 6, 3
+    batches = global_batches(steps, 1, world, device, seed=3)
+    # uninterrupted
+    model = shard(build(0, device, mixed=True), world)
+    opt = make_opt(model)
+    full = train_steps(model, opt, batches, recipe, rank, world, True)
+    # interrupted: train to `cut`, save, rebuild everything, load, continue
+    model = shard(build(0, device, mixed=True), world)
+    opt = make_opt(model)
+    first = train_steps(model, opt, batches[:cut], recipe, rank, world, True)
+    ckpt_dir = os.path.join(out, "ckpt")
+    path = save_checkpoint(ckpt_dir, cut, model, opt, extra={"losses": first})
+    types = state_dict_types(model)
+    full_weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu()
+                    for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(full_weights, os.path.join(out, "weights_at_cut.pt"))
+    del model, opt
+    model = shard(build(123, device, mixed=True), world)  # other init: the load must overwrite it
+    opt = make_opt(model)
+    latest = latest_checkpoint(ckpt_dir)
+    extra = load_checkpoint(latest, model, opt)
+    loaded = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for k, v in model.state_dict().items()}
+    same_weights = all(torch.equal(loaded[k], full_weights[k]) for k in full_weights)
+    resumed = train_steps(model, opt, batches, recipe, rank, world, True, start=cut)
+    dist.barrier()
+    return {"full": full, "first": first, "resumed": resumed, "extra_losses": extra.get("losses"),
+            "step": extra.get("step"), "latest": latest, "path": path, "state_dict_types": types,
+            "same_weights_after_load": same_weights}
+
+
+def scenario_load1(out):
+    """World size 1, no FSDP, no process group: load the 2-rank checkpoint and train on."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(1)
+    recipe = mxtrain.MXFP8Recipe()
+    with open(os.path.join(out, "ckpt.json")) as f:
+        prev = json.load(f)
+    ckpt_dir = os.path.join(out, "ckpt")
+    model = build(7, device, mixed=True)
+    mxdist.enable_mx_all_gather(model, strict=False)  # a world-size-1 model with the subclass loads too
+    opt = make_opt(model)
+    extra = load_checkpoint(latest_checkpoint(ckpt_dir), model, opt)
+    saved = torch.load(os.path.join(out, "weights_at_cut.pt"))
+    sd = model.state_dict()
+    same = all(torch.equal(sd[k].cpu(), saved[k]) for k in saved)
+    batches = global_batches(6, 1, prev["world"], device, seed=3)
+    resumed = train_steps(model, opt, batches, recipe, 0, 1, False, start=extra["step"])
+    return {"same_weights": same, "resumed": resumed, "two_rank_full": prev["full"],
+            "rel": rel(resumed, prev["full"][extra["step"]:]), "step": extra["step"],
+            "types": sorted({type(v).__name__ for v in sd.values()})}
+
+
+def scenario_fault(rank, world, device, out, resume: bool, tag: str):
+    """Checkpoint every 2 steps; rank 0 logs each step's loss as it goes (the run may die)."""
+    recipe = mxtrain.MXFP8Recipe()
+    steps = 8
+    batches = global_batches(steps, 1, world, device, seed=9)
+    model = shard(build(0, device), world)
+    opt = make_opt(model)
+    ckpt_dir = os.path.join(out, f"{tag}_ckpt")
+    start = 0
+    if resume:
+        latest = latest_checkpoint(ckpt_dir)
+        if latest is not None:
+            start = load_checkpoint(latest, model, opt)["step"]
+    fault_step = int(os.environ.get("MXTRAIN_FAULT_STEP", "-1"))
+    log = os.path.join(out, f"{tag}_losses.jsonl")
+    for step in range(start, steps):
+        if step == fault_step and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # a hard crash: no cleanup, no exception
+        loss = train_steps(model, opt, batches[step:step + 1], recipe, rank, world, True)[0]
+        if rank == 0:
+            with open(log, "a") as f:
+                f.write(json.dumps({"step": step, "loss": loss, "resumed_from": start}) + "\n")
+        if (step + 1) % 2 == 0:
+            save_checkpoint(ckpt_dir, step + 1, model, opt)
+    return {"start": start}
+
+
+def main():
+    scenario, out = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    if scenario == "load1":
+        res = scenario_load1(out)
+        with open(os.path.join(out, "load1.json"), "w") as f:
+            json.dump(res, f)
+        return
+    import torch.distributed as dist
+
+    rank, world, device = setup()
+    try:
+        if scenario == "core":
+            res = scenario_core(rank, world, device, out)
+        elif scenario == "ckpt":
+            res = scenario_ckpt(rank, world, device, out)
+            res["world"] = world
+        elif scenario in ("fault", "fault_resume"):
+            res = scenario_fault(rank, world, device, out, resume=scenario == "fault_resume",
+                                 tag=sys.argv[3] if len(sys.argv) > 3 else "fault")
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+        if rank == 0:
+            with open(os.path.join(out, f"{scenario}.json"), "w") as f:
+                json.dump(res, f, indent=1, default=str)
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

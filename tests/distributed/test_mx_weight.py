@@ -1,0 +1,146 @@
+"""In-process tests of the MX all-gather weight (no torchrun): setup, shape checks, the pack/unpack
+of shards (simulated all-gather), and that the subclass behaves as its tensor everywhere else."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mxtrain
+from mxtrain.distributed import (
+    MXAllGatherWeight, MXGatheredWeight, check_mx_all_gather_shapes, disable_mx_all_gather, enable_mx_all_gather,
+)
+from mxtrain.distributed.fsdp import _GatheredState, _WeightInfo
+from mxtrain.kernels.dispatch import quantize
+
+
+def small_model():
+    torch.manual_seed(0)
+    return nn.Sequential(mxtrain.LayerNormLinear(64, 128), nn.GELU(), mxtrain.Linear(128, 64),
+                         mxtrain.LayerNormMLP(64, 128), nn.Linear(64, 64))
+
+
+def test_enable_converts_only_mxtrain_gemm_weights():
+    m = small_model()
+    names = enable_mx_all_gather(m)
+    assert names == ["0.weight", "2.weight", "3.fc1_weight", "3.fc2_weight"]
+    assert isinstance(m[3].fc1_weight, nn.Parameter) and isinstance(m[3].fc1_weight, MXAllGatherWeight)
+    assert type(m[4].weight) is nn.Parameter  # torch module untouched
+    assert not isinstance(m[0].layer_norm_weight, MXAllGatherWeight)  # norms are not GEMM weights
+    assert enable_mx_all_gather(m) == []  # idempotent
+    assert disable_mx_all_gather(m) == names
+    assert type(m[3].fc1_weight) is nn.Parameter
+
+
+def test_shape_check_names_the_size_to_use():
+    m = nn.Sequential(mxtrain.LayerNormMLP(64, 96))  # fc1 [96, 64]: 48 rows per rank, not whole blocks of 32
+    with pytest.raises(ValueError, match=r"0\.fc1_weight.*48 rows per rank.*multiple of 64 \(e\.g\. 128\)"):
+        enable_mx_all_gather(m, world_size=2)
+    assert not isinstance(m[0].fc1_weight, MXAllGatherWeight)
+    with pytest.raises(ValueError, match=r"which 3 ranks cannot share evenly"):
+        enable_mx_all_gather(nn.Sequential(mxtrain.Linear(64, 64)), world_size=3)
+    assert len(check_mx_all_gather_shapes(m, 2)) == 1 and check_mx_all_gather_shapes(m, 1) == []
+    with pytest.warns(UserWarning, match="keep high-precision all-gathers"):
+        names = enable_mx_all_gather(m, world_size=2, strict=False)
+    assert names == ["0.fc2_weight"]  # fc2 [64, 96]: 32 rows per rank, fine
+
+
+def test_subclass_trains_and_saves_like_the_plain_weight():
+    plain, wrapped = small_model(), small_model()
+    enable_mx_all_gather(wrapped)
+    x = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(1))
+    recipe = mxtrain.MXFP8Recipe()
+    for model in (plain, wrapped):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            with mxtrain.mx_autocast(recipe=recipe):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+        model.final_loss = loss.item()
+        model.opt = opt
+    assert wrapped.final_loss == plain.final_loss
+    sd_p, sd_w = plain.state_dict(), wrapped.state_dict()
+    assert all(type(v) is torch.Tensor for v in sd_w.values())  # no subclass in state dicts
+    assert all(torch.equal(sd_p[k], sd_w[k]) for k in sd_p)
+    assert all(type(t) is torch.Tensor for s in wrapped.opt.state.values() for t in s.values())
+    # loading writes into the master weight, and the subclass stays
+    fresh = small_model()
+    enable_mx_all_gather(fresh)
+    fresh.load_state_dict(sd_p)
+    assert isinstance(fresh[3].fc1_weight, MXAllGatherWeight)
+    assert torch.equal(fresh[3].fc1_weight._data, sd_p["3.fc1_weight"])
+    assert isinstance(copy.deepcopy(fresh)[2].weight, MXAllGatherWeight)
+
+
+def _simulated_all_gather(full, world, uses, param_dtype=None):
+    """What fsdp_pre_all_gather sends from each rank, concatenated as FSDP2's all-gather does, then unpacked."""
+    param_dtype = param_dtype or full.dtype
+    info = _WeightInfo(name="w")
+    bufs, meta = [], None
+    for shard in full.chunk(world, dim=0):
+        w = MXAllGatherWeight(shard.contiguous(), info)
+        (buf,), meta = w._mx_input(uses, full.shape, world, param_dtype)
+        bufs.append(buf)
+    state = _GatheredState(name="w", inner=[torch.empty(0, dtype=torch.uint8)])
+    gathered = torch.cat(bufs)
+    state.fill(gathered, meta)
+    assert gathered.untyped_storage().size() == 0  # the all-gather output is given back once copied out
+    return MXGatheredWeight(full.shape, param_dtype, full.device, state), meta
+
+
+@pytest.mark.parametrize("recipe", [mxtrain.MXFP8Recipe(), mxtrain.MXFP4Recipe(), mxtrain.MXFP6Recipe(),
+                                    mxtrain.MXINT8Recipe(block_size=16, scale_mode="floor")],
+                         ids=["mxfp8", "mxfp4", "mxfp6", "mxint8_b16"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("shape", [(128, 64), (128, 80)], ids=["K64", "K80"])
+def test_shards_rebuild_the_full_weights_planes(recipe, world, shape):
+    full = torch.randn(*shape, generator=torch.Generator().manual_seed(world)) * 3
+    full[5, :7] = 0.0  # a zero run
+    spec_r, spec_c = recipe.role("fprop_weight"), recipe.role("dgrad_weight")
+    w, meta = _simulated_all_gather(full, world, [(spec_r, 1), (spec_c, 0)])
+    assert meta["what"] == "both"
+    for spec, axis in ((spec_r, 1), (spec_c, 0)):
+        ref = quantize(full, spec.fmt, block_size=spec.block_size, axis=axis, scale_mode=spec.scale_mode,
+                       rounding=spec.rounding)
+        got = w.mx_gathered_plane(spec, axis)
+        assert torch.equal(got.plane(axis).data, ref.plane(axis).data)
+        assert torch.equal(got.plane(axis).scale, ref.plane(axis).scale)
+        assert (got.shape, got.dtype, got.fmt, got.block_size, got.scale_mode, got.rounding) == (
+            ref.shape, ref.dtype, ref.fmt, ref.block_size, ref.scale_mode, ref.rounding)
+        assert torch.equal(got.dequantize(), ref.dequantize())
+
+
+def test_bf16_param_dtype_quantizes_the_bf16_weight():
+    full = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    spec = mxtrain.MXFP8Recipe().role("fprop_weight")
+    w, _ = _simulated_all_gather(full, 2, [(spec, 1)], param_dtype=torch.bfloat16)
+    ref = quantize(full.bfloat16(), spec.fmt, block_size=32, axis=1, scale_mode=spec.scale_mode)
+    got = w.mx_gathered_plane(spec, 1)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.plane(1).data, ref.plane(1).data)
+
+
+def test_gathered_weight_explains_a_missing_plane():
+    full = torch.randn(64, 64)
+    recipe = mxtrain.MXFP8Recipe()
+    w, _ = _simulated_all_gather(full, 2, [(recipe.role("fprop_weight"), 1)])
+    assert w.mx_gathered_plane(recipe.role("dgrad_weight"), 0) is None  # columnwise was not sent
+    assert w.mx_gathered_plane(mxtrain.MXFP4Recipe().role("fprop_weight"), 1) is None  # other spec
+    with pytest.raises(RuntimeError, match="all-gathered by FSDP2 as MX planes only.*activation_checkpointing=True"):
+        w.high_precision()
+    with pytest.raises(RuntimeError, match="MX planes only"):
+        torch.nn.functional.linear(torch.randn(2, 64), w)
+    # metadata-only ops still work (FSDP zeros_like's the grad shape)
+    assert torch.zeros_like(w).shape == (64, 64)
+    assert "rowwise" in repr(w)
+
+
+def test_columnwise_needs_whole_blocks_per_rank():
+    spec = mxtrain.MXFP8Recipe().role("dgrad_weight")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        _simulated_all_gather(torch.randn(96, 64), 2, [(spec, 0)])
