@@ -2,11 +2,16 @@
 
 Single process:     python examples/train_lm.py --compare bf16,mxfp8
 Distributed FSDP2:  torchrun --nproc_per_node=2 examples/train_lm.py --recipe mxfp8
+Checkpoints:        ... --ckpt-dir ckpt --save-every 50   (then add --resume to continue after a crash)
 
 The attention projections are ``mxtrain.LayerNormLinear`` (qkv) and
 ``mxtrain.Linear`` (out); the MLPs are ``mxtrain.LayerNormMLP``. Attention itself
 is torch's SDPA. Under ``torchrun`` every block and the root are wrapped with
-torch's FSDP2 ``fully_shard`` (gloo on CPU, NCCL on GPU).
+torch's FSDP2 ``fully_shard`` (gloo on CPU, NCCL on GPU), and the weights of the
+mxtrain modules are all-gathered as MX bytes (``mxtrain.distributed.enable_mx_all_gather``,
+called before ``fully_shard``; ``--no-mx-all-gather`` sends them in high precision).
+Checkpoints are written with torch.distributed.checkpoint (``mxtrain.distributed.checkpoint``)
+and load into any number of ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -121,6 +127,9 @@ def train(recipe_name: str, args, device, rank: int, world: int) -> dict:
     model = GPT(cfg).to(device)
     if world > 1:
         from torch.distributed.fsdp import fully_shard
+        if args.mx_all_gather and recipe is not None:
+            from mxtrain.distributed import enable_mx_all_gather
+            enable_mx_all_gather(model, block_size=recipe.block_size, strict=False)  # before fully_shard
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
@@ -130,9 +139,27 @@ def train(recipe_name: str, args, device, rank: int, world: int) -> dict:
     batches = get_lm_batches(train_ids, args.batch_size, args.seq_len, seed=args.seed + rank, device=device)
     tokens_per_step = args.batch_size * args.seq_len * world
     history = []
-    bar = tqdm(range(args.steps), desc=f"{recipe_name:>6}", disable=rank != 0 or args.no_progress, file=sys.stdout)
+    ckpt_dir = (os.path.join(args.ckpt_dir, recipe_name.replace(":", "_").replace("=", "-")) if args.compare
+                else args.ckpt_dir)
+    start = 0
+    if args.resume and ckpt_dir:
+        from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint
+        path = latest_checkpoint(ckpt_dir)
+        if path is not None:
+            meta = load_checkpoint(path, model, opt)
+            start, history = meta["step"], meta["history"]
+            sched.load_state_dict(meta["sched"])
+            for _ in range(start):  # the data stream continues where it stopped
+                next(batches)
+            if rank == 0:
+                print(f"resumed from {path} (step {start}, saved by {meta['world_size']} ranks)")
+    fault_step = int(os.environ.get("MXTRAIN_FAULT_STEP", "-1"))  # fault drills (scripts/fault_resume_check.sh)
+    bar = tqdm(range(start, args.steps), desc=f"{recipe_name:>6}", disable=rank != 0 or args.no_progress,
+               file=sys.stdout)
     t0 = time.perf_counter()
     for step in bar:
+        if step == fault_step and rank == int(os.environ.get("MXTRAIN_FAULT_RANK", "0")):
+            os.kill(os.getpid(), signal.SIGKILL)
         x, y = next(batches)
         with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe), autocast_ctx(args, device):
             loss = model(x, y)
@@ -144,12 +171,16 @@ def train(recipe_name: str, args, device, rank: int, world: int) -> dict:
         history.append(loss.item())
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-    elapsed = time.perf_counter() - t0
+        if ckpt_dir and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
+            from mxtrain.distributed.checkpoint import save_checkpoint
+            save_checkpoint(ckpt_dir, step + 1, model, opt,
+                            extra={"sched": sched.state_dict(), "history": history, "recipe": recipe_name})
+    elapsed = max(time.perf_counter() - t0, 1e-9)
     result = {
         "recipe": recipe_name,
         "train_loss": sum(history[-20:]) / len(history[-20:]),
         "eval_loss": evaluate(model, val_ids, args, device, recipe),
-        "tokens_per_s": tokens_per_step * args.steps / elapsed,
+        "tokens_per_s": tokens_per_step * (args.steps - start) / elapsed,
         "peak_mem_mib": peak_memory_mib(device),
         "history": history,
     }
@@ -177,6 +208,13 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results (incl. loss history) to this file")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-mx-all-gather", dest="mx_all_gather", action="store_false",
+                   help="under torchrun, all-gather the mxtrain weights in high precision instead of MX bytes")
+    p.add_argument("--ckpt-dir", default=None, help="write torch.distributed.checkpoint checkpoints here "
+                   "(a subdirectory per recipe with --compare); always at the last step")
+    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
+                   "--ckpt-dir (any world size)")
     args = p.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
