@@ -1,0 +1,189 @@
+"""Fast exact rounding on the CPU: elementwise (bfloatN / fpN) and MX fake quantization (floor scale).
+
+Bit-identical to the reference quantizers (:func:`mxtrain.quantization.quantize_elemwise`
+and :func:`mxtrain.quantization.fake_quantize_mx` with ``scale_mode="floor"``) for
+every fp32 input; ``tests/compat/test_fast_rounding.py`` checks it on random and
+adversarial values. They take fewer passes over memory than the reference:
+
+* Mantissa rounding of a normal fp32 value to ``m`` bits is done on its bit
+  pattern: add half a step (or half a step minus one plus the kept LSB, for
+  ties-to-even), clear the ``23 - m`` low bits. A carry runs into the exponent
+  field by itself, so the rounding is exact for every binade and never
+  double-rounds (the fault of ``floor(t + 0.5)``).
+* Values below the format's smallest normal sit on a uniform grid; the few of
+  them in a tensor are gathered and rounded with the reference's exact rule
+  (``t - floor(t)`` is exact).
+* MX blocks are reduced in place (a ``[pre, nblocks, block, post]`` view), so no
+  block axis is moved or padded unless the last block is ragged.
+
+Other inputs (bf16/fp16 tensors are widened; stochastic rounding, flushed
+subnormals, unusual formats) go to the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mxtrain.formats import ElemFormat, parse_elemwise_format
+from mxtrain.quantization import fake_quantize_mx, quantize_elemwise
+
+__all__ = ["round_elemwise", "fake_quantize_mx_floor", "FAST_ROUNDINGS"]
+
+FAST_ROUNDINGS = ("even", "nearest", "floor")
+_ABS = 0x7FFFFFFF
+_EXP_MASK = 0x7F800000
+_MANT_BITS = 23
+
+
+def _round_mantissa_bits_(b: torch.Tensor, drop: int, rounding: str) -> None:
+    """Round the fp32 patterns ``b`` (int32 view, in place) to ``23 - drop`` mantissa bits."""
+    if drop <= 0:
+        return
+    half = 1 << (drop - 1)
+    if rounding == "nearest":
+        b.add_(half)
+    elif rounding == "even":
+        b.add_(torch.bitwise_right_shift(b, drop).bitwise_and_(1).add_(half - 1))
+    b.bitwise_and_(-(1 << drop))
+
+
+def _round_small(a: torch.Tensor, up: float, rounding: str) -> torch.Tensor:
+    """Round non-negative ``a`` to the grid of step ``1/up`` (a power of two), exactly."""
+    t = a * up
+    if rounding == "even":
+        q = torch.round(t)
+    elif rounding == "floor":
+        q = torch.floor(t)
+    else:
+        fl = torch.floor(t)
+        q = fl.add_((t - fl).ge_(0.5).to(t.dtype))
+    return q.mul_(1.0 / up)
+
+
+def _gather_small(v: torch.Tensor, emin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices and values of the elements of contiguous ``v`` below ``2**emin`` in magnitude."""
+    flat = v.view(-1)
+    sel = (flat.abs() < 2.0**emin).nonzero().squeeze(1)
+    return sel, flat[sel]
+
+
+def _scatter_small_(y: torch.Tensor, sel: torch.Tensor, vals: torch.Tensor, mbits: int, emin: int,
+                    rounding: str) -> None:
+    """Write the exact grid values of the gathered small ``vals`` into contiguous ``y``."""
+    if sel.numel():
+        y.view(-1)[sel] = torch.copysign(_round_small(vals.abs(), 2.0 ** (mbits - emin), rounding), vals)
+
+
+def _is_fast(x: torch.Tensor, rounding: str) -> bool:
+    return x.dtype == torch.float32 and rounding in FAST_ROUNDINGS and x.numel() > 0
+
+
+def round_elemwise(x: torch.Tensor, fmt: "str | ElemFormat", rounding: str = "even",
+                   subnormals: bool = True) -> torch.Tensor:
+    """``quantize_elemwise(x, fmt, rounding, subnormals)``, faster for fp32 bfloatN / fpN (same bits)."""
+    fmt = parse_elemwise_format(fmt)
+    if (not _is_fast(x, rounding) or not subnormals or fmt.mx_element or not fmt.has_inf
+            or fmt.ebits not in (5, 8)):
+        return quantize_elemwise(x, fmt, rounding=rounding, subnormals=subnormals)
+    if rounding == "even" and fmt.name in ("bfloat16", "fp16"):
+        # torch's casts round to nearest even, keep subnormals and overflow to Inf: one pass each way
+        return x.to(torch.bfloat16 if fmt.name == "bfloat16" else torch.float16).float()
+    xc = x.contiguous()
+    y = xc.clone()
+    b = y.view(torch.int32)
+    small = _gather_small(xc, fmt.emin) if fmt.emin > -126 else None  # fpN subnormals
+    _round_mantissa_bits_(b, _MANT_BITS - fmt.mbits, rounding)
+    if small is not None:
+        _scatter_small_(y, *small, fmt.mbits, fmt.emin, rounding)
+        over = y.abs() > fmt.max_norm
+        y = torch.where(over, y * math.inf, y)
+    return torch.where(torch.isnan(xc), xc, y).view(x.shape)
+
+
+def _scale_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    e = torch.arange(-127, 128, dtype=torch.float64)
+    return torch.exp2(e).float().to(device), torch.exp2(-e).float().to(device)
+
+
+_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _block_scales(amax: torch.Tensor, emax: int, scale_bits: int, flush_fp32_subnorms: bool):
+    """(2**X, 2**-X) per block, X = floor(log2 amax) - emax from the bits; NaN for non-finite blocks."""
+    ab = amax.view(torch.int32) & _ABS
+    biased = ab >> _MANT_BITS
+    e = torch.where(biased == 0, torch.where(ab == 0, -126, -127), biased - 127) - emax
+    emax_s = 2 ** (scale_bits - 1) - 1
+    nan_blk = (ab >= _EXP_MASK) | (e > emax_s)
+    idx = e.clamp_(-emax_s, emax_s).add_(127).long()
+    tables = _TABLES.get(amax.device)
+    if tables is None:
+        tables = _TABLES[amax.device] = _scale_tables(amax.device)
+    sc, inv = tables[0][idx], tables[1][idx]
+    sc = sc.masked_fill_(nan_blk, math.nan)
+    inv = inv.masked_fill_(nan_blk, math.nan)
+    if flush_fp32_subnorms:  # microxcaling's mx_flush_fp32_subnorms: blocks whose amax is an fp32 subnormal
+        sc = sc.masked_fill_((biased == 0) & (ab != 0), 0.0)
+    return sc, inv
+
+
+def fake_quantize_mx_floor(x: torch.Tensor, fmt: ElemFormat, block_size: int = 32, axis: int = -1,
+                           rounding: str = "even", scale_bits: int = 8,
+                           flush_fp32_subnorms: bool = False) -> torch.Tensor:
+    """``fake_quantize_mx(x, fmt, block_size, axis, scale_mode="floor", rounding)``, same bits, fewer passes.
+
+    ``fmt`` is an :class:`ElemFormat` usable as an MX element (or fp16/bfloat16
+    marked so). ``scale_bits`` other than 8 clamp the shared exponent to
+    ``[-(2**(s-1)-1), 2**(s-1)-1]`` and make larger ones NaN (microxcaling);
+    ``flush_fp32_subnorms`` zeroes blocks whose amax is an fp32 subnormal.
+    """
+    if x.dtype in (torch.bfloat16, torch.float16) and rounding in FAST_ROUNDINGS:
+        return fake_quantize_mx_floor(x.float(), fmt, block_size, axis, rounding, scale_bits,
+                                      flush_fp32_subnorms).to(x.dtype)
+    if not _is_fast(x, rounding):
+        if scale_bits != 8 or flush_fp32_subnorms:
+            raise NotImplementedError("scale_bits != 8 and mx_flush_fp32_subnorms need fp32 input and "
+                                      f"rounding in {FAST_ROUNDINGS}")
+        return fake_quantize_mx(x, fmt, block_size=block_size, axis=axis, scale_mode="floor", rounding=rounding)
+    ax = axis % x.ndim
+    shape = x.shape
+    length = shape[ax]
+    bs = block_size if block_size > 0 else length
+    if length > bs and length % bs:
+        main = length - length % bs
+        parts = [fake_quantize_mx_floor(x.narrow(ax, lo, n), fmt, block_size, ax, rounding, scale_bits,
+                                        flush_fp32_subnorms) for lo, n in ((0, main), (main, length - main))]
+        return torch.cat(parts, dim=ax)
+    pre = math.prod(shape[:ax])
+    post = math.prod(shape[ax + 1:])
+    nb, width = (length // bs, bs) if length >= bs else (1, length)
+    xv = x.contiguous().view(pre, nb, width, post)
+    lo, hi = torch.aminmax(xv, dim=2, keepdim=True)
+    amax = torch.maximum(lo.neg_(), hi)
+    sc, inv = _block_scales(amax, fmt.emax, scale_bits, flush_fp32_subnorms)
+    y = xv * inv
+    if fmt.is_int:
+        if fmt.mbits:
+            y.mul_(2.0**fmt.mbits)
+        if rounding == "even":
+            y.round_()
+        elif rounding == "floor":
+            y.trunc_()
+        else:
+            a = y.abs()
+            fl = a.floor()
+            y = torch.copysign(fl.add_((a - fl).ge_(0.5).to(a.dtype)), y)
+        qmax = float(2 ** (fmt.bits - 1) - 1)
+        y.clamp_(-qmax, qmax)
+        if fmt.mbits:
+            y.mul_(2.0**-fmt.mbits)
+        y.add_(0.0)  # two's complement has no -0
+    else:
+        small = _gather_small(y, fmt.emin) if fmt.emin > -126 else None
+        _round_mantissa_bits_(y.view(torch.int32), _MANT_BITS - fmt.mbits, rounding)
+        if small is not None:
+            _scatter_small_(y, *small, fmt.mbits, fmt.emin, rounding)
+        y.clamp_(-fmt.max_norm, fmt.max_norm)
+    return y.mul_(sc).view(shape)
