@@ -143,14 +143,19 @@ def make_opt(model):
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
 
-def train_steps(model, opt, batches, recipe, rank, world, sharded: bool, start=0):
-    """Per-step global mean loss (fp32)."""
+def train_steps(model, opt, batches, recipe, rank, world, sharded: bool, start=0, no_sync=False):
+    """Per-step global mean loss (fp32). ``no_sync``: FSDP2's gradient-accumulation switches (no
+    reduce-scatter and no reshard after backward until the last microbatch)."""
     import torch.distributed as dist
 
     losses = []
     for mbs in batches[start:]:
         total = torch.zeros((), device=mbs[0][0].device)
-        for idx, tgt in mbs:
+        for i, (idx, tgt) in enumerate(mbs):
+            if sharded and no_sync:
+                last = i == len(mbs) - 1
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
             if sharded:
                 idx, tgt = idx[rank * B:(rank + 1) * B], tgt[rank * B:(rank + 1) * B]
             with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
@@ -271,13 +276,14 @@ def count_all_gather_bytes(rank, world, device, recipe, mx: bool, mp):
             "bytes_per_element": sent["bytes"] / (weight_elems_per_rank * gathers / len(model))}
 
 
-def parity(rank, world, device, recipe, *, steps=4, micro=1, reshard_after_forward=True, mixed=False, ac=False):
+def parity(rank, world, device, recipe, *, steps=4, micro=1, reshard_after_forward=True, mixed=False, ac=False,
+           no_sync=False):
     batches = global_batches(steps, micro, world, device)
     model = shard(build(0, device, mixed=mixed, checkpoint=ac, recipe=recipe), world,
                   reshard_after_forward=reshard_after_forward, ac=ac)
     rec = PlaneRecorder()
     try:
-        dist_losses = train_steps(model, make_opt(model), batches, recipe, rank, world, True)
+        dist_losses = train_steps(model, make_opt(model), batches, recipe, rank, world, True, no_sync=no_sync)
     finally:
         rec.close()
     ref_losses = None
@@ -311,6 +317,7 @@ def scenario_core(rank, world, device, out):
         "high_precision": parity(rank, world, device, None),
         "mxfp8_no_reshard": parity(rank, world, device, fp8, reshard_after_forward=False),
         "mxfp8_grad_accum": parity(rank, world, device, fp8, micro=2, steps=3),
+        "mxfp8_grad_accum_no_sync": parity(rank, world, device, fp8, micro=3, steps=2, no_sync=True),
         "mxfp8_act_ckpt": parity(rank, world, device, fp8, ac=True, steps=3),
         "mxfp8_mixed": parity(rank, world, device, fp8, mixed=True, steps=3),
     }
