@@ -158,6 +158,52 @@ if HAVE_TRITON:
         return code, scale
 
     @triton.jit
+    def _widen(raw, BF16_BITS: tl.constexpr):
+        """fp32 of a loaded tile; bf16 arrives as int16 bits and widens exactly (the interpreter's
+        own bf16 cast drops subnormals)."""
+        if BF16_BITS:
+            return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return raw.to(tl.float32)
+
+    @triton.jit
+    def _round_to_dtype(v, OUT_KIND: tl.constexpr):
+        """fp32 ``v`` rounded (to nearest even) to the output dtype, as fp32: 0 fp32, 1 bf16, 2 fp16."""
+        if OUT_KIND == 1:
+            vb = v.to(tl.int32, bitcast=True)
+            hb = (vb + 0x7FFF + ((vb >> 16) & 1)) & -65536
+            return tl.where(v != v, v, hb.to(tl.float32, bitcast=True))
+        elif OUT_KIND == 2:
+            return v.to(tl.float16).to(tl.float32)
+        else:
+            return v
+
+    @triton.jit
+    def _store_out(ptr, v, mask, OUT_KIND: tl.constexpr):
+        """Store fp32 ``v`` (already rounded to the output dtype) in that dtype; bf16 goes as int16 bits."""
+        if OUT_KIND == 1:
+            tl.store(ptr, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
+        elif OUT_KIND == 2:
+            tl.store(ptr, v.to(tl.float16), mask=mask)
+        else:
+            tl.store(ptr, v, mask=mask)
+
+    @triton.jit
+    def _activation(x, ACT: tl.constexpr):
+        """fp32 activation in torch's formulas: 1 gelu, 2 gelu_tanh, 3 relu, 4 squared_relu, 5 silu."""
+        if ACT == 1:
+            return (x * 0.5) * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        elif ACT == 2:
+            inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+            return (0.5 * x) * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh via sigmoid
+        elif ACT == 3:
+            return tl.where(x < 0.0, 0.0, x)  # NaN stays NaN, as torch
+        elif ACT == 4:
+            r = tl.where(x < 0.0, 0.0, x)
+            return r * r
+        else:
+            return tl.div_rn(x, 1.0 + tl.exp(-x))
+
+    @triton.jit
     def _store_codes(codes, base_ptr, rows, row_stride, row_mask, c0, LP, R: tl.constexpr, C: tl.constexpr,
                      BITS: tl.constexpr):
         """Store int32 codes [R, C] (columns c0.. of a plane whose padded length is LP), packed."""
@@ -198,7 +244,12 @@ if HAVE_TRITON:
         IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
         BIAS: tl.constexpr, MAX_CODE: tl.constexpr, MAX_NORM: tl.constexpr, INV_MAX_BITS: tl.constexpr,
         NAN_KIND: tl.constexpr, PACK_BITS: tl.constexpr, BF16_BITS: tl.constexpr,
+        y_ptr=None, stride_ym=0, GATE_OFF=0, ACT: tl.constexpr = 0, OUT_KIND: tl.constexpr = 0,
+        WRITE_Y: tl.constexpr = False,
     ):
+        """Cast a [M, K] tile grid; with ACT > 0 the input is first mapped through an activation
+        (6 swiglu, 7 geglu, 8 reglu take act(x[:, :K]) * x[:, K:], K = GATE_OFF) and rounded to
+        the output dtype (OUT_KIND), optionally written to ``y_ptr``, and that is what gets cast."""
         # the grid covers MP rows when the columnwise plane is written (its zero padding
         # is stored) and KP columns when the rowwise one is
         k_extent = KP if ROW else K
@@ -213,12 +264,20 @@ if HAVE_TRITON:
             rk = rk.to(tl.int64)
         m_in = rm < M
         k_in = rk < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
-                    mask=m_in[:, None] & k_in[None, :], other=0)
-        if BF16_BITS:  # bf16 passed as int16 bits: widen exactly (the interpreter's bf16 cast drops subnormals)
-            x = (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        else:
-            x = x.to(tl.float32)
+        in_mask = m_in[:, None] & k_in[None, :]
+        x = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=in_mask, other=0),
+                   BF16_BITS)
+        if ACT != 0:
+            if ACT >= 6:  # gated: act(gate) rounded to the dtype, times up, rounded again (as torch in bf16)
+                up = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + (rk[None, :] + GATE_OFF) * stride_xk,
+                                    mask=in_mask, other=0), BF16_BITS)
+                a = _round_to_dtype(_activation(x, 5 if ACT == 6 else (1 if ACT == 7 else 3)), OUT_KIND)
+                x = _round_to_dtype(a * up, OUT_KIND)
+            else:
+                x = _round_to_dtype(_activation(x, ACT), OUT_KIND)
+            x = tl.where(in_mask, x, 0.0)  # the zero padding of ragged blocks
+            if WRITE_Y:
+                _store_out(y_ptr + rm[:, None] * stride_ym + rk[None, :], x, in_mask, OUT_KIND)
         if ROUNDING == 3:
             seed = tl.load(seed_ptr)
         else:
@@ -305,10 +364,18 @@ def _alloc(shape, fill: int = 0xA5, device=None) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.uint8, device=device)
 
 
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, scale_mode: str, rounding: str,
-            seed_t: torch.Tensor | None, pack: bool = True):
-    """Run the cast on a 2-D tensor; returns ((row_data, row_scale) | None, (col_data, col_scale) | None)."""
+            seed_t: torch.Tensor | None, pack: bool = True, act: int = 0, y: torch.Tensor | None = None):
+    """Run the cast on a 2-D tensor; returns ((row_data, row_scale) | None, (col_data, col_scale) | None).
+
+    ``act`` > 0 casts ``act(x2)`` instead (gated ones: x2 is [M, 2K]); ``y`` receives that output.
+    """
     M, K = x2.shape
+    if act >= 6:
+        K //= 2
     dev = x2.device
     nbk, nbm = -(-K // bs), -(-M // bs)
     kp, mp = nbk * bs, nbm * bs
@@ -340,8 +407,20 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
         ROW=rows, COL=cols, BLOCK_M=bm, BLOCK_K=bk, BS=bs,
         SCALE_MODE=SCALE_MODE_IDS[scale_mode], ROUNDING=ROUNDING_IDS[rounding], HW_FP8=hw, INDEX64=index64,
         PACK_BITS=fmt.bits if pack else 8, BF16_BITS=bf16, num_warps=warps, **consts, **launch_options(),
+        **_activation_args(x2, act, y, K),
     )
     return row, col
+
+
+def _activation_args(x2, act, y, k):
+    if act == 0:
+        return {}
+    if y is not None and (y.stride(1) != 1 or y.dtype != x2.dtype):
+        raise ValueError("the activation output must be row-contiguous in the input dtype")
+    out_kind = _OUT_KIND[x2.dtype]
+    y_arg = None if y is None else (y.view(torch.int16) if y.dtype == torch.bfloat16 else y)
+    return dict(y_ptr=y_arg, stride_ym=0 if y is None else y.stride(0), GATE_OFF=k, ACT=act, OUT_KIND=out_kind,
+                WRITE_Y=y is not None)
 
 
 def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: str = "floor",

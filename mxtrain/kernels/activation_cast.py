@@ -1,0 +1,92 @@
+"""Activation + MX cast in one pass: read the fc1 output once, write the MX planes of act(h).
+
+``activation_cast(h, "swiglu", "fp8_e4m3", axis=(-1, 0))`` computes the activation in
+fp32 with torch's formulas, rounds it to ``h``'s dtype (gated ones as torch does in
+that dtype: ``round(round(act(gate)) * up)``), optionally writes that tensor, and
+quantizes it with the cast kernel's exact algorithm (:mod:`mxtrain.kernels.cast`).
+
+Exactness: the codes and scales are bit-identical to ``quantize_mx`` of the kernel's
+own activation output (``return_output=True`` gives it). That output equals torch's
+for relu, squared_relu and reglu bit for bit; for gelu / gelu_tanh / silu / swiglu /
+geglu the transcendental functions (erf, exp, tanh via sigmoid) come from Triton's
+libdevice / fast paths and can differ from torch's by a few fp32 ulps, so after
+rounding to bf16 an element may differ by one bf16 ulp where the fp32 value lies
+next to a rounding boundary (tests: ``|diff| <= 1 ulp of the dtype``, fp32 within 1e-6 relative).
+
+The kernel is the cast kernel with an activation prologue (``ACT`` constexpr): the
+same tile grid, one read of ``h`` (two column tiles of it for gated activations).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxtrain.kernels import cast as _cast
+from mxtrain.modules.activations import ACTIVATIONS, activation as torch_activation_impl, check_activation
+from mxtrain.quantization import MXPlane, MXTensor, quantize_mx
+from mxtrain.quantization._validate import normalize_axis
+from mxtrain.quantization.mx import _check_common
+
+__all__ = ["activation_cast", "torch_activation", "ACTIVATION_IDS"]
+
+ACTIVATION_IDS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5,
+                  "swiglu": 6, "geglu": 7, "reglu": 8}
+assert set(ACTIVATION_IDS) == set(ACTIVATIONS)
+
+
+def torch_activation(h: torch.Tensor, name: str) -> torch.Tensor:
+    """The unfused torch activation (the modules' own): what the kernel's output is compared with."""
+    return torch_activation_impl(h, check_activation(name))
+
+
+def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32, axis=(-1, 0),
+                    scale_mode: str = "floor", rounding: str = "even", seed=None, pack: bool = True,
+                    return_output: bool = False):
+    """MX planes of ``act(h)`` (``h``: [..., N], or [..., 2N] for gated activations).
+
+    Returns the :class:`MXTensor` of the activation output (logical shape [..., N]),
+    or ``(mxt, out)`` with ``return_output=True`` (``out`` in ``h``'s dtype). Blocks
+    along the last axis (any ndim) and/or the first axis of a 2-D output. Where the
+    kernel cannot run (see :func:`mxtrain.kernels.cast._fallback_reason`) it computes
+    ``torch_activation`` and the reference cast.
+    """
+    name = check_activation(activation)
+    act = ACTIVATION_IDS[name]
+    gated = act >= 6
+    if h.ndim < 1 or (gated and h.shape[-1] % 2):
+        raise ValueError(f"{name} needs an input with an even last dimension, got {list(h.shape)}")
+    out_shape = tuple(h.shape[:-1]) + ((h.shape[-1] // 2,) if gated else (h.shape[-1],))
+    fmt_, block_size, scale_mode, rounding = _check_common(h, fmt, block_size, scale_mode, rounding)
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    axes = tuple(normalize_axis(a, len(out_shape)) for a in axes)
+    last = len(out_shape) - 1
+    want_row, want_col = last in axes, (0 in axes and len(out_shape) >= 2)
+    probe = h.new_empty(()).expand(out_shape)  # shape/device stand-in for the output (no memory)
+    reason = _cast._fallback_reason(probe, fmt_, block_size, axes, pack)
+    if reason is None and want_col and (len(out_shape) > 2 or block_size > _cast.MAX_FUSED_BLOCK_SIZE):
+        reason = "the columnwise plane is fused for a 2-D output and block_size <= 128 only"
+    if reason is not None:
+        out = torch_activation(h, name)
+        mxt = quantize_mx(out, fmt_, block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding,
+                          seed=seed, pack=pack)
+        return (mxt, out) if return_output else mxt
+    h2 = h.reshape(-1, h.shape[-1])
+    if h2.stride(-1) != 1:
+        h2 = h2.contiguous()
+    n_out = out_shape[-1]
+    y = torch.empty(h2.shape[0], n_out, dtype=h.dtype, device=h.device) if return_output else None
+    seed_t = _cast._philox_seed(seed, h.device) if rounding == "stochastic" else None
+    row, col = _cast._launch(h2, fmt_, block_size, want_row, want_col, scale_mode, rounding, seed_t, pack,
+                             act=act, y=y)
+    planes = {}
+    lead = out_shape[:-1]
+    if row is not None:
+        planes[last] = MXPlane(data=row[0].reshape(*lead, row[0].shape[-1]),
+                               scale=row[1].reshape(*lead, row[1].shape[-1]), axis=last, packed=pack)
+    if col is not None:
+        planes[0] = MXPlane(data=col[0], scale=col[1], axis=0, packed=pack)
+    mxt = MXTensor(planes=tuple(planes[a] for a in axes), fmt=fmt_.name, block_size=block_size,
+                   shape=out_shape, dtype=h.dtype, scale_mode=scale_mode, rounding=rounding, whole_axis=False)
+    if return_output:
+        return mxt, y.reshape(out_shape)
+    return mxt

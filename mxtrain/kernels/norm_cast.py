@@ -1,0 +1,263 @@
+"""LayerNorm / RMSNorm forward + MX cast of the output in one kernel (rowwise and columnwise planes).
+
+``norm_cast(x, weight, bias, kind="LayerNorm", fmt="fp8_e4m3", axis=(-1, 0))`` returns a
+:class:`NormCastResult`: the MX planes of ``y = norm(x) * gamma + beta`` (``y`` rounded
+to ``x``'s dtype first, as the torch op returns it), the per-row ``mean`` (LayerNorm)
+and ``rstd`` in fp32, and optionally ``y`` itself.
+
+One program owns a band of ``BLOCK_M`` rows (32 = one columnwise block when the
+columnwise plane is written): pass 1 streams the band once for the row statistics
+(chunked Welford/Chan combination in fp32: no E[x^2] - E[x]^2 cancellation); pass 2
+streams it again, last chunk first (what pass 1 read last is the likeliest to still be in
+L2; a band of 32 rows x 8192 bf16 is 512 KiB, so at K = 8192 much of it comes from DRAM again), normalizes, rounds to the dtype and quantizes each
+[BLOCK_M, BLOCK_K] tile with the cast kernel's exact algorithm. The norm's fp32
+arithmetic is not torch's (different reduction order, rstd = 1/sqrt_rn(var + eps)),
+so ``y`` may differ from ``F.layer_norm`` / ``F.rms_norm`` by fp32 rounding (and then
+by one ulp of bf16/fp16 where a value sits next to a rounding boundary); the MX codes
+and scales are bit-identical to ``quantize_mx`` of the kernel's own ``y``. Tests check
+both: ``y`` against torch within 1e-5 (fp32) / one ulp (half types), mean/rstd
+against torch within 1e-5 relative, codes bit-exact against the reference cast of ``y``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mxtrain.kernels import cast as _cast
+from mxtrain.kernels._triton_utils import (
+    HAVE_TRITON, ROUNDING_IDS, SCALE_MODE_IDS, format_consts, interpret_mode, launch_options, tl, triton,
+)
+from mxtrain.quantization import MXPlane, MXTensor, quantize_mx
+from mxtrain.quantization._validate import normalize_axis
+from mxtrain.quantization.mx import _check_common
+from mxtrain.quantization.packing import packed_length
+
+__all__ = ["norm_cast", "NormCastResult", "torch_norm"]
+
+KINDS = ("LayerNorm", "RMSNorm")
+# (BLOCK_K, num_warps) of a band's tiles; BLOCK_M is the block size (columnwise) or 32
+TILE = (256, 4)
+
+
+@dataclass
+class NormCastResult:
+    mx: MXTensor
+    mean: torch.Tensor | None  # [rows] fp32 (LayerNorm), None for RMSNorm
+    rstd: torch.Tensor         # [rows] fp32
+    out: torch.Tensor | None   # y in x's dtype when asked for
+
+
+if HAVE_TRITON:
+    from mxtrain.kernels.cast import _quantize_blocks, _round_to_dtype, _store_codes, _store_out, _widen
+
+    @triton.jit
+    def _norm_cast_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
+        row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, seed_ptr,
+        M, K, stride_xm, stride_ym, eps,
+        row_data_stride, row_scale_stride, KP, NBK,
+        col_data_stride, col_scale_stride, MP, NBM,
+        RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr, WRITE_Y: tl.constexpr,
+        OUT_KIND: tl.constexpr, W_BF16: tl.constexpr, W_KIND: tl.constexpr,
+        ROW: tl.constexpr, COL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BS: tl.constexpr,
+        SCALE_MODE: tl.constexpr, ROUNDING: tl.constexpr, HW_FP8: tl.constexpr, INDEX64: tl.constexpr,
+        IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+        BIAS: tl.constexpr, MAX_CODE: tl.constexpr, MAX_NORM: tl.constexpr, INV_MAX_BITS: tl.constexpr,
+        NAN_KIND: tl.constexpr, PACK_BITS: tl.constexpr, BF16_BITS: tl.constexpr,
+    ):
+        pm = tl.program_id(0)
+        rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        if INDEX64:
+            rm = rm.to(tl.int64)
+        m_in = rm < M
+        # ---- pass 1: row statistics, chunk by chunk (Chan et al. combination of chunk means / M2)
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            mask = m_in[:, None] & (rk < K)[None, :]
+            x = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0), BF16_BITS)
+            if RMS:
+                m2 += tl.sum(x * x, axis=1)
+            else:
+                n_c = tl.minimum(K - k0, BLOCK_K).to(tl.float32)
+                n_new = k0 + n_c
+                c_mean = tl.sum(x, axis=1) / n_c
+                d = tl.where(mask, x - c_mean[:, None], 0.0)
+                c_m2 = tl.sum(d * d, axis=1)
+                delta = c_mean - mean
+                mean = mean + delta * (n_c / n_new)
+                m2 = m2 + c_m2 + delta * delta * (k0 * n_c / n_new)
+        rstd = 1.0 / tl.sqrt_rn(m2 / K + eps)
+        tl.store(rstd_ptr + rm, rstd, mask=m_in)
+        if not RMS:
+            tl.store(mean_ptr + rm, mean, mask=m_in)
+        if ROUNDING == 3:
+            seed = tl.load(seed_ptr)
+        else:
+            seed = 0
+        # ---- pass 2: normalize, round to the dtype, cast; last chunk first, so the chunks that
+        # pass 1 read last (the likeliest still in L2) are re-read first
+        k_extent = KP if ROW else K
+        n_chunks = tl.cdiv(k_extent, BLOCK_K)
+        for i in range(0, n_chunks):
+            k0 = (n_chunks - 1 - i) * BLOCK_K
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_in = rk < K
+            mask = m_in[:, None] & k_in[None, :]
+            x = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mask, other=0), BF16_BITS)
+            w = _widen(tl.load(w_ptr + rk, mask=k_in, other=0), W_BF16)
+            if ZERO_CENTERED:  # gamma = weight + 1 in the weight's dtype, as the modules compute it
+                w = _round_to_dtype(w + 1.0, W_KIND)
+            if RMS:
+                y = (x * rstd[:, None]) * w[None, :]
+            else:
+                y = ((x - mean[:, None]) * rstd[:, None]) * w[None, :]
+            if HAS_BIAS:
+                y = y + _widen(tl.load(b_ptr + rk, mask=k_in, other=0), W_BF16)[None, :]
+            y = tl.where(mask, _round_to_dtype(y, OUT_KIND), 0.0)
+            if WRITE_Y:
+                _store_out(y_ptr + rm[:, None] * stride_ym + rk[None, :], y, mask, OUT_KIND)
+            if ROW:
+                y3 = tl.reshape(y, (BLOCK_M, BLOCK_K // BS, BS))
+                if ROUNDING == 3:
+                    offs3 = tl.reshape(rm[:, None] * KP + rk[None, :], (BLOCK_M, BLOCK_K // BS, BS))
+                else:
+                    offs3 = 0
+                codes, scale = _quantize_blocks(y3, offs3, seed, 2, SCALE_MODE, ROUNDING, HW_FP8, IS_INT, BITS,
+                                                MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
+                blk = k0 // BS + tl.arange(0, BLOCK_K // BS)
+                tl.store(row_scale_ptr + rm[:, None] * row_scale_stride + blk[None, :], scale.to(tl.uint8),
+                         mask=m_in[:, None] & (blk < NBK)[None, :])
+                _store_codes(tl.reshape(codes, (BLOCK_M, BLOCK_K)), row_data_ptr, rm, row_data_stride, m_in,
+                             k0, KP, BLOCK_M, BLOCK_K, PACK_BITS)
+            if COL:
+                y3 = tl.reshape(y, (BLOCK_M // BS, BS, BLOCK_K))
+                if ROUNDING == 3:
+                    offs3 = tl.reshape(rk[None, :] * MP + rm[:, None], (BLOCK_M // BS, BS, BLOCK_K))
+                else:
+                    offs3 = 0
+                codes, scale = _quantize_blocks(y3, offs3, seed ^ 0x2545F491, 1, SCALE_MODE, ROUNDING, HW_FP8,
+                                                IS_INT, BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
+                blk = pm * (BLOCK_M // BS) + tl.arange(0, BLOCK_M // BS)
+                tl.store(col_scale_ptr + rk[:, None] * col_scale_stride + blk[None, :],
+                         tl.trans(scale).to(tl.uint8), mask=k_in[:, None] & (blk < NBM)[None, :])
+                codes_t = tl.trans(tl.reshape(codes, (BLOCK_M, BLOCK_K)))
+                _store_codes(codes_t, col_data_ptr, rk, col_data_stride, k_in, pm * BLOCK_M, MP, BLOCK_K, BLOCK_M,
+                             PACK_BITS)
+
+
+def torch_norm(x, weight, bias=None, kind="LayerNorm", eps=1e-5, zero_centered_gamma=False):
+    """The unfused torch norm (as the modules compute it)."""
+    gamma = weight + 1 if zero_centered_gamma else weight
+    if kind == "LayerNorm":
+        return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
+    return F.rms_norm(x, (x.shape[-1],), gamma, eps)
+
+
+def _reference(x2, weight, bias, kind, eps, zc, fmt, block_size, axis, scale_mode, rounding, seed, pack, out_shape):
+    y = torch_norm(x2, weight, bias, kind, eps, zc)
+    xf = x2.float()
+    if kind == "LayerNorm":
+        var, mean = torch.var_mean(xf, dim=-1, unbiased=False)
+    else:
+        var, mean = xf.square().mean(-1), None
+    rstd = torch.rsqrt(var + eps)
+    y = y.reshape(out_shape)
+    mxt = quantize_mx(y, fmt, block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding,
+                      seed=seed, pack=pack)
+    return mxt, mean, rstd, y
+
+
+def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, kind: str = "LayerNorm",
+              eps: float = 1e-5, zero_centered_gamma: bool = False, fmt="fp8_e4m3", block_size: int = 32,
+              axis=(-1, 0), scale_mode: str = "floor", rounding: str = "even", seed=None, pack: bool = True,
+              return_output: bool = False) -> NormCastResult:
+    """Norm over the last dim of ``x`` ([..., K]) and the MX planes of the result.
+
+    ``axis``: -1 (rowwise, any ndim), 0 (columnwise, 2-D) or both (2-D). ``bias`` is
+    LayerNorm's beta (RMSNorm takes none). Where the kernel cannot run (CPU without the
+    interpreter, unsupported block size or axes), torch's norm and the reference cast
+    give the same contract.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown normalization {kind!r}; allowed: {', '.join(KINDS)}")
+    if kind == "RMSNorm" and bias is not None:
+        raise ValueError("RMSNorm takes no bias")
+    fmt_, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
+    K = x.shape[-1]
+    if weight.shape != (K,) or (bias is not None and bias.shape != (K,)):
+        raise ValueError(f"weight/bias must have shape [{K}]")
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    axes = tuple(normalize_axis(a, x.ndim) for a in axes)
+    last = x.ndim - 1
+    want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
+    x2 = x.reshape(-1, K)
+    reason = _cast._fallback_reason(x, fmt_, block_size, axes, pack)
+    if reason is None and want_col and (x.ndim != 2 or block_size > _cast.MAX_FUSED_BLOCK_SIZE):
+        reason = "the columnwise plane is fused for 2-D inputs and block_size <= 128 only"
+    if reason is None and (weight.dtype not in (x.dtype, torch.float32) or
+                           (bias is not None and bias.dtype != weight.dtype) or weight.device != x.device):
+        reason = "weight/bias dtype or device"
+    if reason is not None:
+        mxt, mean, rstd, y = _reference(x2, weight, bias, kind, eps, zero_centered_gamma, fmt_, block_size, axis,
+                                        scale_mode, rounding, seed, pack, x.shape)
+        return NormCastResult(mxt, mean, rstd, y if return_output else None)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    dev = x.device
+    bs = block_size
+    block_k, warps = TILE
+    block_k = max(block_k, bs)
+    block_m = bs if want_col else 32
+    if block_m * block_k > 8192:
+        block_k = max(bs, 8192 // block_m)
+    nbk, nbm = -(-K // bs), -(-M // bs)
+    kp, mp = nbk * bs, nbm * bs
+    plen = (lambda n: packed_length(n, fmt_)) if pack else (lambda n: n)
+    alloc = _cast._alloc
+    row = (alloc((M, plen(kp)), device=dev), alloc((M, nbk), device=dev)) if want_row else None
+    col = (alloc((K, plen(mp)), device=dev), alloc((K, nbm), device=dev)) if want_col else None
+    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    rstd = torch.empty(M, dtype=torch.float32, device=dev)
+    mean = torch.empty(M, dtype=torch.float32, device=dev) if kind == "LayerNorm" else None
+    y = torch.empty(M, K, dtype=x.dtype, device=dev) if return_output else None
+    bf16 = x.dtype == torch.bfloat16
+    w_bf16 = weight.dtype == torch.bfloat16
+    view = (lambda t: t.view(torch.int16) if t is not None and t.dtype == torch.bfloat16 else t)
+    seed_t = _cast._philox_seed(seed, dev) if rounding == "stochastic" else torch.zeros(1, dtype=torch.int32,
+                                                                                          device=dev)
+    m_extent = mp if want_col else M
+    grid = (triton.cdiv(m_extent, block_m),)
+    index64 = max(m_extent * K, M * plen(kp), K * plen(mp)) >= 2**31 - 1
+    hw = (_cast.USE_HW_FP8_CVT and not interpret_mode() and fmt_.is_float and fmt_.bits == 8
+          and rounding == "even")
+    _norm_cast_kernel[grid](
+        view(x2), view(weight), view(bias) if bias is not None else dummy, view(y) if y is not None else dummy,
+        mean if mean is not None else rstd, rstd,
+        row[0] if row else dummy, row[1] if row else dummy, col[0] if col else dummy, col[1] if col else dummy,
+        seed_t, M, K, x2.stride(0), y.stride(0) if y is not None else 0, float(eps),
+        row[0].stride(0) if row else 0, row[1].stride(0) if row else 0, kp, nbk,
+        col[0].stride(0) if col else 0, col[1].stride(0) if col else 0, mp, nbm,
+        RMS=kind == "RMSNorm", HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered_gamma,
+        WRITE_Y=y is not None, OUT_KIND=_cast._OUT_KIND[x.dtype], W_BF16=w_bf16,
+        W_KIND=_cast._OUT_KIND[weight.dtype],
+        ROW=want_row, COL=want_col, BLOCK_M=block_m, BLOCK_K=block_k, BS=bs,
+        SCALE_MODE=SCALE_MODE_IDS[scale_mode], ROUNDING=ROUNDING_IDS[rounding], HW_FP8=hw, INDEX64=index64,
+        PACK_BITS=fmt_.bits if pack else 8, BF16_BITS=bf16, num_warps=warps,
+        **format_consts(fmt_), **launch_options(),
+    )
+    planes = {}
+    if row is not None:
+        lead = tuple(x.shape[:-1])
+        planes[last] = MXPlane(data=row[0].reshape(*lead, row[0].shape[-1]),
+                               scale=row[1].reshape(*lead, row[1].shape[-1]), axis=last, packed=pack)
+    if col is not None:
+        planes[0] = MXPlane(data=col[0], scale=col[1], axis=0, packed=pack)
+    mxt = MXTensor(planes=tuple(planes[a] for a in axes), fmt=fmt_.name, block_size=bs, shape=tuple(x.shape),
+                   dtype=x.dtype, scale_mode=scale_mode, rounding=rounding, whole_axis=False)
+    return NormCastResult(mxt, mean, rstd, y.reshape(x.shape) if y is not None else None)

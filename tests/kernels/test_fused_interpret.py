@@ -1,0 +1,98 @@
+"""Norm + cast and activation + cast kernels: codes bit-exact vs the reference cast of the kernel's own
+output, the output itself close to torch's op (see the tolerance notes in the kernel modules)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from kernel_helpers import planes_equal  # noqa: E402
+
+from mxtrain.kernels.activation_cast import ACTIVATION_IDS, activation_cast, torch_activation  # noqa: E402
+from mxtrain.kernels.norm_cast import norm_cast, torch_norm  # noqa: E402
+from mxtrain.quantization import quantize_mx  # noqa: E402
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=1e-5),
+       torch.float16: dict(rtol=2**-9, atol=1e-5)}
+
+
+def assert_codes_match_own_output(mxt, out, fmt, **kw):
+    ref = quantize_mx(out.cpu(), fmt, **kw)
+    problems = planes_equal(mxt, ref)
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("kind", ("LayerNorm", "RMSNorm"))
+def test_norm_cast(kdevice, kind, dtype):
+    g = torch.Generator().manual_seed(0)
+    for (m, k), fmt, zc in (((64, 96), "fp8_e4m3", False), ((40, 600), "fp4_e2m1", True)):
+        x = (torch.randn(m, k, generator=g) * 2 + 0.5).to(dtype).to(kdevice)
+        w = (torch.randn(k, generator=g) * 0.5 + (0 if zc else 1)).to(dtype).to(kdevice)
+        b = (torch.randn(k, generator=g) * 0.2).to(dtype).to(kdevice) if kind == "LayerNorm" else None
+        for axis, mode in (((-1, 0), "floor"), (-1, "rceil"), (0, "even")):
+            r = norm_cast(x, w, b, kind=kind, eps=1e-5, zero_centered_gamma=zc, fmt=fmt, axis=axis, scale_mode=mode,
+                          return_output=True)
+            assert_codes_match_own_output(r.mx, r.out, fmt, axis=axis, scale_mode=mode)
+            want = torch_norm(x.cpu(), w.cpu(), None if b is None else b.cpu(), kind, 1e-5, zc)
+            torch.testing.assert_close(r.out.cpu().float(), want.float(), **TOL[dtype])
+            xf = x.cpu().float()
+            if kind == "LayerNorm":
+                var, mean = torch.var_mean(xf, -1, unbiased=False)
+                torch.testing.assert_close(r.mean.cpu(), mean, rtol=1e-5, atol=1e-6)
+            else:
+                var = xf.square().mean(-1)
+                assert r.mean is None
+            torch.testing.assert_close(r.rstd.cpu(), torch.rsqrt(var + 1e-5), rtol=1e-5, atol=0)
+    # without return_output the planes are the same
+    r2 = norm_cast(x, w, b, kind=kind, zero_centered_gamma=zc, fmt="fp4_e2m1", axis=0, scale_mode="even")
+    assert not planes_equal(r2.mx, r.mx) and r2.out is None
+
+
+def test_norm_cast_3d_rowwise_and_fallback(kdevice):
+    x = torch.randn(2, 20, 64).to(kdevice)
+    w = torch.rand(64).to(kdevice) + 0.5
+    r = norm_cast(x, w, None, kind="RMSNorm", fmt="int8", axis=-1, return_output=True)
+    assert r.mx.shape == (2, 20, 64)
+    assert_codes_match_own_output(r.mx, r.out, "int8", axis=-1)
+    r = norm_cast(x, w, None, kind="RMSNorm", fmt="int8", block_size=0, axis=-1, return_output=True)  # fallback
+    assert_codes_match_own_output(r.mx, r.out, "int8", block_size=0, axis=-1)
+    with pytest.raises(ValueError):
+        norm_cast(x, w, w, kind="RMSNorm")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("act", tuple(ACTIVATION_IDS))
+def test_activation_cast(kdevice, act, dtype):
+    g = torch.Generator().manual_seed(1)
+    gated = act in ("swiglu", "geglu", "reglu")
+    h = (torch.randn(40, 144 if gated else 72, generator=g) * 3).to(dtype)
+    h[3, 5] = float("nan")
+    h = h.to(kdevice)
+    for fmt, axis, rounding in (("fp8_e4m3", (-1, 0), "even"), ("fp6_e3m2", (0, 1), "nearest")):
+        mxt, out = activation_cast(h, act, fmt, axis=axis, rounding=rounding, return_output=True)
+        assert out.shape == (40, 72) and mxt.shape == (40, 72)
+        assert_codes_match_own_output(mxt, out, fmt, axis=axis, rounding=rounding)
+        want = torch_activation(h.cpu(), act)
+        # erf/exp differ from torch's by fp32 ulps of the *input* scale (cancellation near gelu(x) ~ 0)
+        tol = dict(TOL[dtype], atol=2e-5) if dtype == torch.float32 else TOL[dtype]
+        if gated and dtype != torch.float32:  # act(gate) rounded to the dtype, then the product: two ulps
+            tol = dict(tol, rtol=2 * tol["rtol"])
+        torch.testing.assert_close(out.cpu().float(), want.float(), equal_nan=True, **tol)
+        if act in ("relu", "squared_relu", "reglu"):  # exact ops: bit-identical to torch
+            assert torch.equal(out.cpu().nan_to_num(), want.nan_to_num())
+    mxt2 = activation_cast(h, act, "fp6_e3m2", axis=(0, 1), rounding="nearest")
+    assert not planes_equal(mxt2, mxt)
+
+
+def test_activation_cast_nd_and_errors(kdevice):
+    h = torch.randn(2, 10, 64).to(kdevice)
+    mxt, out = activation_cast(h, "swiglu", "fp4_e2m1", axis=-1, return_output=True)
+    assert mxt.shape == (2, 10, 32)
+    assert_codes_match_own_output(mxt, out, "fp4_e2m1", axis=-1)
+    mxt, out = activation_cast(h, "gelu", "fp4_e2m1", axis=(-1, 0), return_output=True)  # 3-D both: fallback
+    assert_codes_match_own_output(mxt, out, "fp4_e2m1", axis=(-1, 0))
+    with pytest.raises(ValueError):
+        activation_cast(torch.randn(4, 7).to(kdevice), "swiglu", "fp8_e4m3")
+    with pytest.raises(ValueError):
+        activation_cast(h, "tanh", "fp8_e4m3")
