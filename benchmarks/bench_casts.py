@@ -1,0 +1,202 @@
+#!/usr/bin/env python
+"""Bandwidth of the Triton MX kernels against a device-to-device copy (GPU).
+
+Every figure is (bytes read + bytes written) / time, with time the median of
+``triton.testing.do_bench``; the ratio divides it by the same figure of a
+``torch`` copy of the input tensor timed in the same run (the memory ceiling
+that this device actually reaches). Goals: cast >= 0.80 of the copy,
+unpack+dequantize >= 0.80, fused norm/activation+cast >= 1.5x torch op + cast.
+
+    python benchmarks/bench_casts.py                  # table
+    python benchmarks/bench_casts.py --variants       # also every tile variant
+    python benchmarks/bench_casts.py --out section.md # the markdown section for RESULTS.md
+
+The kernels are checked bit-exact against the reference in tests/gpu; this
+script only times them (it does check each variant once against the default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
+
+
+def bench(fn, warmup=25, rep=200):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def gbps(nbytes, ms):
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--size", type=int, default=8192)
+    ap.add_argument("--variants", action="store_true", help="time every tile variant")
+    ap.add_argument("--out", default=None, help="write the markdown section here")
+    ap.add_argument("--once", action="store_true", help="run each kernel once and exit (for ncu)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_casts needs a CUDA GPU", file=sys.stderr)
+        return 1
+    import triton
+
+    from mxtrain.kernels import cast, dequantize as dq
+    from mxtrain.quantization import quantize_mx
+
+    n = args.size
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    rows = []  # (name, bytes, ms, baseline_name)
+    if args.once:  # warm (compile), then one launch of each kernel to profile
+        for _ in range(2):
+            cast.triton_quantize(x, "fp8_e4m3", axis=(-1, 0))
+            cast.triton_quantize(x, "fp8_e4m3", axis=-1)
+        torch.cuda.synchronize()
+        return 0
+
+    dst = torch.empty_like(x)
+    copy_ms = bench(lambda: dst.copy_(x))
+    copy_bytes = 2 * x.numel() * x.element_size()
+    copy_bw = gbps(copy_bytes, copy_ms)
+    rows.append(("copy bf16 (baseline)", copy_bytes, copy_ms, None))
+
+    # ---- cast: rowwise + columnwise MXFP8 from one read
+    def cast_bytes(fmt_bits, planes):
+        nb = -(-n // 32)
+        return x.numel() * 2 + planes * (n * n * fmt_bits // 8 + n * nb)
+
+    ref = quantize_mx(x, "fp8_e4m3", axis=(-1, 0))
+    variants = [("default", None, cast.USE_HW_FP8_CVT)]
+    if args.variants:
+        for cfg in ((32, 512, 4), (64, 128, 4), (128, 64, 4), (64, 256, 4), (128, 128, 8), (32, 128, 4)):
+            variants.append((f"tile {cfg}", cfg, True))
+        variants.append(("default, integer rounding (no hw cvt)", None, False))
+    default_cfg = cast.TILE_CONFIGS[(True, True)]
+    extra = []
+    for label, cfg, hw in variants:
+        cast.TILE_CONFIGS[(True, True)] = cfg or default_cfg
+        cast.USE_HW_FP8_CVT = hw
+        out = cast.triton_quantize(x, "fp8_e4m3", axis=(-1, 0))
+        ok = all(torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale) for a, b in zip(out.planes, ref.planes))
+        ms = bench(lambda: cast.triton_quantize(x, "fp8_e4m3", axis=(-1, 0)))
+        name = f"cast bf16->MXFP8 e4m3 row+col [{label}]" + ("" if ok else " MISMATCH")
+        (rows if label == "default" else extra).append((name, cast_bytes(8, 2), ms, "copy"))
+    cast.TILE_CONFIGS[(True, True)] = default_cfg
+    cast.USE_HW_FP8_CVT = True
+    ms = bench(lambda: cast.triton_quantize(x, "fp8_e4m3", axis=-1))
+    rows.append(("cast bf16->MXFP8 e4m3 rowwise only", cast_bytes(8, 1), ms, "copy"))
+    for fmt, bits in (("fp6_e2m3", 6), ("fp4_e2m1", 4)):
+        ms = bench(lambda: cast.triton_quantize(x, fmt, axis=(-1, 0)))
+        rows.append((f"cast bf16->MX {fmt} row+col", cast_bytes(bits, 2), ms, "copy"))
+    ms = bench(lambda: cast.triton_quantize(x, "fp8_e4m3", axis=(-1, 0), rounding="nearest"))
+    rows.append(("cast bf16->MXFP8 row+col, nearest (integer path)", cast_bytes(8, 2), ms, "copy"))
+    torch.cuda.synchronize()
+    t0 = datetime.datetime.now()
+    quantize_mx(x, "fp8_e4m3", axis=(-1, 0))
+    torch.cuda.synchronize()
+    ref_ms = (datetime.datetime.now() - t0).total_seconds() * 1e3
+    rows.append(("reference quantize_mx (same cast, one call)", cast_bytes(8, 2), ref_ms, "copy"))
+
+    # ---- fused unpack + dequantize -> bf16, rowwise plane
+    default_dq = dq.TILE_CONFIG
+    for fmt, bits in (("fp6_e2m3", 6), ("fp4_e2m1", 4), ("fp8_e4m3", 8)):
+        mxt = quantize_mx(x, fmt, axis=-1)
+        nbytes = n * n * bits // 8 + n * (n // 32) + n * n * 2
+        want = mxt.dequantize(torch.bfloat16)
+        cfgs = [default_dq]
+        if args.variants and bits != 8:
+            cfgs += [(16, 256, 4), (4, 1024, 4), (8, 1024, 8)]
+        for cfg in cfgs:
+            dq.TILE_CONFIG = cfg
+            got = dq.triton_dequantize(mxt, torch.bfloat16)
+            ok = torch.equal(got.view(torch.int16), want.view(torch.int16))
+            ms = bench(lambda: dq.triton_dequantize(mxt, torch.bfloat16))
+            name = f"unpack+dequantize {fmt} -> bf16 [{cfg}]" + ("" if ok else " MISMATCH")
+            (rows if cfg == default_dq else extra).append((name, nbytes, ms, "copy"))
+        dq.TILE_CONFIG = default_dq
+    mxt = quantize_mx(x, "fp4_e2m1", axis=0)
+    ms = bench(lambda: dq.triton_dequantize(mxt, torch.bfloat16, 0))
+    rows.append(("unpack+dequantize fp4 columnwise -> bf16 [M,K]", n * n // 2 + n * (n // 32) + n * n * 2, ms,
+                 "copy"))
+
+    # ---- norm + cast, activation + cast (if implemented)
+    rows += fused_rows(x, n, extra if args.variants else None)
+
+    dev_name = torch.cuda.get_device_name()
+    lines = [f"### Triton MX kernels: {dev_name}, {datetime.date.today()}, torch {torch.__version__}, "
+             f"triton {triton.__version__}, {n}x{n} bf16", "",
+             "| kernel | ms (median) | GB/s | ratio |", "|---|---|---|---|"]
+    for name, nbytes, ms, base in rows + extra:
+        ratio = "" if base is None else f"{gbps(nbytes, ms) / copy_bw:.2f} of copy"
+        if base is not None and base != "copy":
+            ratio = f"{base / ms:.2f}x vs unfused"
+        lines.append(f"| {name} | {ms:.4f} | {gbps(nbytes, ms):.0f} | {ratio} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+def fused_rows(x, n, variants_out=None):
+    """Norm+cast and activation+cast against torch op + separate cast (empty until those kernels exist)."""
+    rows = []
+    try:
+        from mxtrain.kernels import norm_cast
+    except ImportError:
+        norm_cast = None
+    try:
+        from mxtrain.kernels import activation_cast
+    except ImportError:
+        activation_cast = None
+    from mxtrain.kernels import cast
+
+    if norm_cast is not None:
+        w = torch.randn(n, device=x.device, dtype=torch.bfloat16)
+        b = torch.randn(n, device=x.device, dtype=torch.bfloat16)
+        for kind in ("LayerNorm", "RMSNorm"):
+            def unfused():
+                if kind == "LayerNorm":
+                    y = torch.nn.functional.layer_norm(x, (n,), w, b)
+                else:
+                    y = torch.nn.functional.rms_norm(x, (n,), w)
+                return cast.triton_quantize(y, "fp8_e4m3", axis=(-1, 0))
+            base_ms = bench(unfused)
+            nbytes = x.numel() * 2 + 2 * (n * n + n * (n // 32))
+            default_tile = norm_cast.TILE
+            tiles = [default_tile] + ([(512, 8), (128, 4), (256, 8)] if variants_out is not None else [])
+            for tile in tiles:
+                norm_cast.TILE = tile
+                ms = bench(lambda: norm_cast.norm_cast(x, w, b if kind == "LayerNorm" else None, kind=kind,
+                                                       fmt="fp8_e4m3", axis=(-1, 0)))
+                row = (f"{kind}+cast MXFP8 row+col [{tile}] (unfused {base_ms:.4f} ms)", nbytes, ms, base_ms)
+                (rows if tile == default_tile else variants_out).append(row)
+            norm_cast.TILE = default_tile
+    if activation_cast is not None:
+        h = torch.randn(n, 2 * n, device=x.device, dtype=torch.bfloat16)
+        for act in ("gelu", "swiglu"):
+            inp = h if act in ("swiglu",) else x
+
+            def unfused(act=act, inp=inp):
+                y = activation_cast.torch_activation(inp, act)
+                return cast.triton_quantize(y, "fp8_e4m3", axis=(-1, 0))
+            base_ms = bench(unfused)
+            ms = bench(lambda act=act, inp=inp: activation_cast.activation_cast(inp, act, "fp8_e4m3", axis=(-1, 0)))
+            nbytes = inp.numel() * 2 + 2 * (n * n + n * (n // 32))
+            rows.append((f"{act}+cast MXFP8 row+col (unfused {base_ms:.4f} ms)", nbytes, ms, base_ms))
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
