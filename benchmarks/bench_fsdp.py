@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -98,6 +99,8 @@ def sync(device):
 def run_mode(mode, args, device, rank, world):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
     model = Stack(args.layers, args.hidden, args.ffn, device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -144,10 +147,12 @@ def run_mode(mode, args, device, rank, world):
            "mx_weight_bytes_per_element": stats["bytes_per_element"] if stats["elements"] else None,
            "peak_gib": peak, "loss": losses[-1],
            "tokens_per_s": args.batch * args.seq * world / med(step_times)}
+    # an FSDP2 module and its state reference each other: only the cycle collector frees the
+    # previous mode's parameters (without this, each later mode's peak counted them too)
     del model, opt, x
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
     return res
 
 
