@@ -108,11 +108,18 @@ def test_mxfp8_training_matches_fp32_on_austen():
     torch.manual_seed(0)
     init_state = {k: v.clone() for k, v in TinyLM().state_dict().items()}
 
-    t0 = time.time()
-    fp32_val, fp32_losses = _train(init_state, train_batches, val_batches, None)
-    t1 = time.time()
-    mx_val, mx_losses = _train(init_state, train_batches, val_batches, mxtrain.MXFP8Recipe())
-    t2 = time.time()
+    # One intra-op thread: these ops are small, and on a shared machine idle OpenMP workers
+    # spinning against other processes made both runs many times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        t0 = time.time()
+        fp32_val, fp32_losses = _train(init_state, train_batches, val_batches, None)
+        t1 = time.time()
+        mx_val, mx_losses = _train(init_state, train_batches, val_batches, mxtrain.MXFP8Recipe())
+        t2 = time.time()
+    finally:
+        torch.set_num_threads(threads)
     rel = abs(mx_val - fp32_val) / fp32_val
     print(f"\nAusten byte LM, {STEPS} steps: fp32 val loss {fp32_val:.4f} ({t1 - t0:.0f}s), "
           f"MXFP8 val loss {mx_val:.4f} ({t2 - t1:.0f}s), relative difference {rel:.2%}; "
