@@ -37,16 +37,19 @@ _EXP_MASK = 0x7F800000
 _MANT_BITS = 23
 
 
-def _round_mantissa_bits_(b: torch.Tensor, drop: int, rounding: str) -> None:
-    """Round the fp32 patterns ``b`` (int32 view, in place) to ``23 - drop`` mantissa bits."""
+def _round_mantissa_bits(b: torch.Tensor, drop: int, rounding: str, inplace: bool) -> torch.Tensor:
+    """fp32 patterns ``b`` (int32 view) rounded to ``23 - drop`` mantissa bits (a new tensor unless ``inplace``)."""
     if drop <= 0:
-        return
+        return b if inplace else b.clone()
     half = 1 << (drop - 1)
     if rounding == "nearest":
-        b.add_(half)
+        r = b.add_(half) if inplace else b + half
     elif rounding == "even":
-        b.add_(torch.bitwise_right_shift(b, drop).bitwise_and_(1).add_(half - 1))
-    b.bitwise_and_(-(1 << drop))
+        lsb = torch.bitwise_right_shift(b, drop).bitwise_and_(1).add_(half - 1)
+        r = b.add_(lsb) if inplace else lsb.add_(b)
+    else:
+        r = b if inplace else b.clone()
+    return r.bitwise_and_(-(1 << drop))
 
 
 def _round_small(a: torch.Tensor, up: float, rounding: str) -> torch.Tensor:
@@ -62,17 +65,26 @@ def _round_small(a: torch.Tensor, up: float, rounding: str) -> torch.Tensor:
     return q.mul_(1.0 / up)
 
 
-def _gather_small(v: torch.Tensor, emin: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat indices and values of the elements of contiguous ``v`` below ``2**emin`` in magnitude."""
+def _gather_small(v: torch.Tensor, emin: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Flat indices and values of the nonzero elements of contiguous ``v`` below ``2**emin`` in magnitude.
+
+    None when there are none (zeros round to themselves). The test runs on integer
+    patterns (boolean tensors are slow on the CPU): ``(|bits| - 1) & 0x7FFFFFFF``
+    maps zero to the largest value and keeps the order of the other magnitudes.
+    """
     flat = v.view(-1)
-    sel = (flat.abs() < 2.0**emin).nonzero().squeeze(1)
+    key = (flat.view(torch.int32) & _ABS).sub_(1).bitwise_and_(_ABS)
+    below = ((emin + 127) << _MANT_BITS) - 1  # key < below  <=>  0 < |v| < 2**emin
+    if int(key.amin()) >= below:
+        return None
+    sel = (key < below).nonzero().squeeze(1)
     return sel, flat[sel]
 
 
-def _scatter_small_(y: torch.Tensor, sel: torch.Tensor, vals: torch.Tensor, mbits: int, emin: int,
-                    rounding: str) -> None:
-    """Write the exact grid values of the gathered small ``vals`` into contiguous ``y``."""
-    if sel.numel():
+def _scatter_small_(y: torch.Tensor, small, mbits: int, emin: int, rounding: str) -> None:
+    """Write the exact grid values of the gathered small values (see :func:`_gather_small`) into contiguous ``y``."""
+    if small is not None:
+        sel, vals = small
         y.view(-1)[sel] = torch.copysign(_round_small(vals.abs(), 2.0 ** (mbits - emin), rounding), vals)
 
 
@@ -91,15 +103,18 @@ def round_elemwise(x: torch.Tensor, fmt: "str | ElemFormat", rounding: str = "ev
         # torch's casts round to nearest even, keep subnormals and overflow to Inf: one pass each way
         return x.to(torch.bfloat16 if fmt.name == "bfloat16" else torch.float16).float()
     xc = x.contiguous()
-    y = xc.clone()
-    b = y.view(torch.int32)
-    small = _gather_small(xc, fmt.emin) if fmt.emin > -126 else None  # fpN subnormals
-    _round_mantissa_bits_(b, _MANT_BITS - fmt.mbits, rounding)
-    if small is not None:
-        _scatter_small_(y, *small, fmt.mbits, fmt.emin, rounding)
-        over = y.abs() > fmt.max_norm
-        y = torch.where(over, y * math.inf, y)
-    return torch.where(torch.isnan(xc), xc, y).view(x.shape)
+    fp_n = fmt.emin > -126
+    small = _gather_small(xc, fmt.emin) if fp_n else None  # fpN subnormals
+    y = _round_mantissa_bits(xc.view(torch.int32), _MANT_BITS - fmt.mbits, rounding, inplace=False)
+    y = y.view(torch.float32)
+    _scatter_small_(y, small, fmt.mbits, fmt.emin, rounding)
+    if fp_n:  # above max_norm: Inf (the bit rounding only overflows at fp32's own range)
+        y = torch.where(y.abs() > fmt.max_norm, y * math.inf, y)
+    # NaN payloads may not survive the bit rounding; one fused reduction says whether there are any
+    # (a sum is NaN if an element is NaN, or if +Inf and -Inf meet: then the where is merely redundant)
+    if torch.isnan(xc.sum()):
+        y = torch.where(torch.isnan(xc), xc, y)
+    return y.view(x.shape)
 
 
 def _scale_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +126,15 @@ _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _block_scales(amax: torch.Tensor, emax: int, scale_bits: int, flush_fp32_subnorms: bool):
-    """(2**X, 2**-X) per block, X = floor(log2 amax) - emax from the bits; NaN for non-finite blocks."""
+    """(2**X, 2**-X) per block, X = floor(log2 amax) - emax from the bits; NaN for non-finite blocks.
+
+    With 8-bit scales: 2**floor(log2 amax) is amax's exponent field alone, times 2**-emax,
+    at least 2**-127 (a zero block's X does not matter: its elements stay 0). A NaN/Inf
+    amax gives 2**X = Inf and 2**-X = 0, so every element of the block becomes 0 * Inf = NaN.
+    """
+    if scale_bits == 8 and not flush_fp32_subnorms:
+        sc = (amax.view(torch.int32) & _EXP_MASK).view(torch.float32).mul_(2.0**-emax).clamp_(min=2.0**-127)
+        return sc, sc.reciprocal()
     ab = amax.view(torch.int32) & _ABS
     biased = ab >> _MANT_BITS
     e = torch.where(biased == 0, torch.where(ab == 0, -126, -127), biased - 127) - emax
@@ -160,8 +183,8 @@ def fake_quantize_mx_floor(x: torch.Tensor, fmt: ElemFormat, block_size: int = 3
     post = math.prod(shape[ax + 1:])
     nb, width = (length // bs, bs) if length >= bs else (1, length)
     xv = x.contiguous().view(pre, nb, width, post)
-    lo, hi = torch.aminmax(xv, dim=2, keepdim=True)
-    amax = torch.maximum(lo.neg_(), hi)
+    # two reductions of the raw values (no temporary); NaN propagates, so a NaN block gets a NaN amax
+    amax = torch.maximum(xv.amin(dim=2, keepdim=True).neg_(), xv.amax(dim=2, keepdim=True))
     sc, inv = _block_scales(amax, fmt.emax, scale_bits, flush_fp32_subnorms)
     y = xv * inv
     if fmt.is_int:
@@ -182,8 +205,7 @@ def fake_quantize_mx_floor(x: torch.Tensor, fmt: ElemFormat, block_size: int = 3
         y.add_(0.0)  # two's complement has no -0
     else:
         small = _gather_small(y, fmt.emin) if fmt.emin > -126 else None
-        _round_mantissa_bits_(y.view(torch.int32), _MANT_BITS - fmt.mbits, rounding)
-        if small is not None:
-            _scatter_small_(y, *small, fmt.mbits, fmt.emin, rounding)
+        _round_mantissa_bits(y.view(torch.int32), _MANT_BITS - fmt.mbits, rounding, inplace=True)
+        _scatter_small_(y, small, fmt.mbits, fmt.emin, rounding)
         y.clamp_(-fmt.max_norm, fmt.max_norm)
     return y.mul_(sc).view(shape)

@@ -67,6 +67,19 @@ def _masked_backward(ctx, grad_output):
     return vec_quantize(torch.where(mask, grad_output, zero), mx_specs=ctx.mx_specs), None, None, None
 
 
+def _relu_grad(grad_output, out_sign):
+    """``where(out > 0, grad, 0)`` from the sign of the ReLU output (0 or 1), without a slow boolean where.
+
+    ``grad * sign`` equals it (up to the sign of zeros) when both are finite, which one
+    fused sum checks; otherwise the where itself runs.
+    """
+    g = grad_output * out_sign
+    if not torch.isfinite(g.sum()):
+        g = torch.where(out_sign > 0, grad_output, torch.zeros([1], dtype=grad_output.dtype,
+                                                               device=grad_output.device))
+    return g
+
+
 class ReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, inplace=False, mx_specs=None, name=None):
@@ -78,11 +91,14 @@ class ReLUFunction(torch.autograd.Function):
             output = input
         else:
             output = vec_quantize(torch.relu(input), mx_specs=mx_specs)
-        ctx.save_for_backward(output > 0)
+        ctx.save_for_backward(torch.sign(output))  # 1 where output > 0, else 0 (NaN where NaN)
         ctx.mx_specs = get_backwards_mx_specs(mx_specs)
         return output
 
-    backward = staticmethod(_masked_backward)
+    @staticmethod
+    def backward(ctx, grad_output):
+        (out_sign,) = ctx.saved_tensors
+        return vec_quantize(_relu_grad(grad_output, out_sign), mx_specs=ctx.mx_specs), None, None, None
 
 
 class ReLU6Function(torch.autograd.Function):
