@@ -64,6 +64,7 @@ TILE_CONFIGS = {
 }
 
 if HAVE_TRITON:
+    from mxtrain.kernels.dequantize import _decode
 
     @triton.jit
     def _inverse_scale(scale):
@@ -158,6 +159,32 @@ if HAVE_TRITON:
         return code, scale
 
     @triton.jit
+    def _plane_values(codes, scale, AXIS: tl.constexpr, HW_FP8: tl.constexpr, IS_INT: tl.constexpr,
+                      BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
+                      NAN_KIND: tl.constexpr):
+        """fp32 ``code * 2**X`` of a plane's codes (blocks along ``AXIS``), as the dequantize kernel computes it."""
+        if HW_FP8:  # the codes came from cvt.rn.satfinite: decode them back with the hardware (exact)
+            if MBITS == 3:
+                v = codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                v = codes.to(tl.uint8).to(tl.float8e5, bitcast=True).to(tl.float32)
+        else:
+            v = _decode(codes, IS_INT, BITS, MBITS, EMIN, BIAS, NAN_KIND)
+        s = tl.where(scale == 255, 0x7FC00000, tl.where(scale == 0, 0x00400000, scale << 23))
+        return v * tl.expand_dims(s.to(tl.float32, bitcast=True), AXIS)
+
+    @triton.jit
+    def _store_values(ptr, v, mask, SOFT_BF16: tl.constexpr):
+        """Store fp32 ``v`` in the values' dtype (round to nearest even), as the dequantize kernel does."""
+        if SOFT_BF16:  # ptr is an int16 view: the interpreter's fp32->bf16 cast mishandles subnormals
+            vb = v.to(tl.int32, bitcast=True)
+            hb = (vb + 0x7FFF + ((vb >> 16) & 1)) >> 16
+            hb = tl.where(v != v, 0x7FC0, hb)
+            tl.store(ptr, hb.to(tl.int16), mask=mask)
+        else:
+            tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _widen(raw, BF16_BITS: tl.constexpr):
         """fp32 of a loaded tile; bf16 arrives as int16 bits and widens exactly (the interpreter's
         own bf16 cast drops subnormals)."""
@@ -246,13 +273,19 @@ if HAVE_TRITON:
         NAN_KIND: tl.constexpr, PACK_BITS: tl.constexpr, BF16_BITS: tl.constexpr,
         y_ptr=None, stride_ym=0, GATE_OFF=0, ACT: tl.constexpr = 0, OUT_KIND: tl.constexpr = 0,
         WRITE_Y: tl.constexpr = False,
+        row_val_ptr=None, col_val_ptr=None, stride_vm=0, ROW_CODES: tl.constexpr = True,
+        COL_CODES: tl.constexpr = True, ROW_VALS: tl.constexpr = False, COL_VALS: tl.constexpr = False,
+        SOFT_BF16: tl.constexpr = False,
     ):
         """Cast a [M, K] tile grid; with ACT > 0 the input is first mapped through an activation
         (6 swiglu, 7 geglu, 8 reglu take act(x[:, :K]) * x[:, K:], K = GATE_OFF) and rounded to
-        the output dtype (OUT_KIND), optionally written to ``y_ptr``, and that is what gets cast."""
-        # the grid covers MP rows when the columnwise plane is written (its zero padding
-        # is stored) and KP columns when the rowwise one is
-        k_extent = KP if ROW else K
+        the output dtype (OUT_KIND), optionally written to ``y_ptr``, and that is what gets cast.
+
+        Per plane: ``*_CODES`` stores its codes and scale bytes, ``*_VALS`` its dequantized values
+        ``code * 2**X`` in the logical [M, K] layout (row stride ``stride_vm``) at ``*_val_ptr``."""
+        # the grid covers MP rows when the columnwise codes are written (their zero padding
+        # is stored) and KP columns when the rowwise ones are
+        k_extent = KP if (ROW and ROW_CODES) else K
         n_k = tl.cdiv(k_extent, BLOCK_K)
         pid = tl.program_id(0)
         pm = pid // n_k
@@ -290,11 +323,16 @@ if HAVE_TRITON:
                 offs3 = 0
             codes, scale = _quantize_blocks(x3, offs3, seed, 2, SCALE_MODE, ROUNDING, HW_FP8, IS_INT, BITS, MBITS,
                                             EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
-            blk = pk * (BLOCK_K // BS) + tl.arange(0, BLOCK_K // BS)
-            tl.store(row_scale_ptr + rm[:, None] * row_scale_stride + blk[None, :], scale.to(tl.uint8),
-                     mask=m_in[:, None] & (blk < NBK)[None, :])
-            _store_codes(tl.reshape(codes, (BLOCK_M, BLOCK_K)), row_data_ptr, rm, row_data_stride, m_in,
-                         pk * BLOCK_K, KP, BLOCK_M, BLOCK_K, PACK_BITS)
+            if ROW_VALS:
+                v = tl.reshape(_plane_values(codes, scale, 2, HW_FP8, IS_INT, BITS, MBITS, EMIN, BIAS, NAN_KIND),
+                               (BLOCK_M, BLOCK_K))
+                _store_values(row_val_ptr + rm[:, None] * stride_vm + rk[None, :], v, in_mask, SOFT_BF16)
+            if ROW_CODES:
+                blk = pk * (BLOCK_K // BS) + tl.arange(0, BLOCK_K // BS)
+                tl.store(row_scale_ptr + rm[:, None] * row_scale_stride + blk[None, :], scale.to(tl.uint8),
+                         mask=m_in[:, None] & (blk < NBK)[None, :])
+                _store_codes(tl.reshape(codes, (BLOCK_M, BLOCK_K)), row_data_ptr, rm, row_data_stride, m_in,
+                             pk * BLOCK_K, KP, BLOCK_M, BLOCK_K, PACK_BITS)
         if COL:
             x3 = tl.reshape(x, (BLOCK_M // BS, BS, BLOCK_K))
             if ROUNDING == 3:
@@ -304,11 +342,112 @@ if HAVE_TRITON:
             # another Philox key for the columnwise plane
             codes, scale = _quantize_blocks(x3, offs3, seed ^ 0x2545F491, 1, SCALE_MODE, ROUNDING, HW_FP8, IS_INT,
                                             BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
-            blk = pm * (BLOCK_M // BS) + tl.arange(0, BLOCK_M // BS)
-            tl.store(col_scale_ptr + rk[:, None] * col_scale_stride + blk[None, :], tl.trans(scale).to(tl.uint8),
-                     mask=k_in[:, None] & (blk < NBM)[None, :])
-            codes_t = tl.trans(tl.reshape(codes, (BLOCK_M, BLOCK_K)))
-            _store_codes(codes_t, col_data_ptr, rk, col_data_stride, k_in, pm * BLOCK_M, MP, BLOCK_K, BLOCK_M, PACK_BITS)
+            if COL_VALS:
+                v = tl.reshape(_plane_values(codes, scale, 1, HW_FP8, IS_INT, BITS, MBITS, EMIN, BIAS, NAN_KIND),
+                               (BLOCK_M, BLOCK_K))
+                _store_values(col_val_ptr + rm[:, None] * stride_vm + rk[None, :], v, in_mask, SOFT_BF16)
+            if COL_CODES:
+                blk = pm * (BLOCK_M // BS) + tl.arange(0, BLOCK_M // BS)
+                tl.store(col_scale_ptr + rk[:, None] * col_scale_stride + blk[None, :],
+                         tl.trans(scale).to(tl.uint8), mask=k_in[:, None] & (blk < NBM)[None, :])
+                codes_t = tl.trans(tl.reshape(codes, (BLOCK_M, BLOCK_K)))
+                _store_codes(codes_t, col_data_ptr, rk, col_data_stride, k_in, pm * BLOCK_M, MP, BLOCK_K, BLOCK_M,
+                             PACK_BITS)
+
+
+    @triton.jit
+    def _mx_cast_strip_kernel(
+        x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, seed_ptr,
+        M, K, stride_xm, stride_xk,
+        row_data_stride, row_scale_stride, KP, NBK,
+        col_data_stride, col_scale_stride, MP, NBM,
+        row_val_ptr, col_val_ptr, stride_vm,
+        ROW: tl.constexpr, COL: tl.constexpr, REP: tl.constexpr, J: tl.constexpr, BLOCK_K: tl.constexpr,
+        BS: tl.constexpr,
+        SCALE_MODE: tl.constexpr, ROUNDING: tl.constexpr, HW_FP8: tl.constexpr, INDEX64: tl.constexpr,
+        IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
+        BIAS: tl.constexpr, MAX_CODE: tl.constexpr, MAX_NORM: tl.constexpr, INV_MAX_BITS: tl.constexpr,
+        NAN_KIND: tl.constexpr, PACK_BITS: tl.constexpr, BF16_BITS: tl.constexpr,
+        ROW_CODES: tl.constexpr, COL_CODES: tl.constexpr, ROW_VALS: tl.constexpr, COL_VALS: tl.constexpr,
+        SOFT_BF16: tl.constexpr,
+    ):
+        """Both planes of a [REP*J, BLOCK_K] strip whose rows are taken in the order ``j*REP + rep``
+        (tile dims [REP, J, BLOCK_K]): a thread's register repetitions run over REP consecutive rows
+        and the lanes over J, so a columnwise block (BS = G*REP consecutive rows, G = BS // REP
+        consecutive j) reduces in-thread over REP and across G lanes of one warp, with no
+        cross-warp step; the columnwise codes of the strip are REP*J bytes long per column (one
+        128-byte line at 128 rows) and its scales REP*J // BS bytes. Same bits as _mx_cast_kernel."""
+        BLOCK_M: tl.constexpr = REP * J
+        G: tl.constexpr = BS // REP
+        NBT: tl.constexpr = J // G  # columnwise blocks in the strip
+        k_extent = KP if (ROW and ROW_CODES) else K
+        n_k = tl.cdiv(k_extent, BLOCK_K)
+        pid = tl.program_id(0)
+        pm = pid // n_k
+        pk = pid % n_k
+        rep = tl.arange(0, REP)
+        jj = tl.arange(0, J)
+        rows = pm * BLOCK_M + jj[None, :] * REP + rep[:, None]  # [REP, J]
+        rk = pk * BLOCK_K + tl.arange(0, BLOCK_K)
+        if INDEX64:
+            rows = rows.to(tl.int64)
+            rk = rk.to(tl.int64)
+        rows3 = rows[:, :, None]
+        rk3 = rk[None, None, :]
+        m_in3 = rows3 < M
+        k_in = rk < K
+        in_mask = m_in3 & (rk3 < K)
+        x = _widen(tl.load(x_ptr + rows3 * stride_xm + rk3 * stride_xk, mask=in_mask, other=0), BF16_BITS)
+        if ROUNDING == 3:
+            seed = tl.load(seed_ptr)
+        else:
+            seed = 0
+        # ---- rowwise: blocks along the last dim
+        if ROW:
+            x4 = tl.reshape(x, (REP, J, BLOCK_K // BS, BS))
+            if ROUNDING == 3:
+                offs4 = tl.reshape(rows3 * KP + rk3, (REP, J, BLOCK_K // BS, BS))
+            else:
+                offs4 = 0
+            codes, scale = _quantize_blocks(x4, offs4, seed, 3, SCALE_MODE, ROUNDING, HW_FP8, IS_INT, BITS, MBITS,
+                                            EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
+            if ROW_VALS:
+                v = tl.reshape(_plane_values(codes, scale, 3, HW_FP8, IS_INT, BITS, MBITS, EMIN, BIAS, NAN_KIND),
+                               (REP, J, BLOCK_K))
+                _store_values(row_val_ptr + rows3 * stride_vm + rk3, v, in_mask, SOFT_BF16)
+            if ROW_CODES:
+                blk = pk * (BLOCK_K // BS) + tl.arange(0, BLOCK_K // BS)
+                tl.store(row_scale_ptr + rows3 * row_scale_stride + blk[None, None, :], scale.to(tl.uint8),
+                         mask=m_in3 & (blk < NBK)[None, None, :])
+                rflat = tl.reshape(rows, (BLOCK_M,))
+                _store_codes(tl.reshape(codes, (BLOCK_M, BLOCK_K)), row_data_ptr, rflat, row_data_stride, rflat < M,
+                             pk * BLOCK_K, KP, BLOCK_M, BLOCK_K, PACK_BITS)
+        # ---- columnwise: blocks of BS rows = REP (in-thread) x G consecutive j (lanes)
+        if COL:
+            amax = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0)  # [J, BK]
+            amax = tl.max(tl.reshape(amax, (NBT, G, BLOCK_K)), axis=1)  # [NBT, BK]
+            cscale = _shared_scale(amax, SCALE_MODE, EMAX, MBITS, INV_MAX_BITS)
+            inv = tl.reshape(tl.broadcast_to(tl.expand_dims(_inverse_scale(cscale), 1), (NBT, G, BLOCK_K)),
+                             (J, BLOCK_K))
+            nanb = tl.reshape(tl.broadcast_to(tl.expand_dims(cscale == 255, 1), (NBT, G, BLOCK_K)), (J, BLOCK_K))
+            y = x * inv[None, :, :]
+            if ROUNDING == 3:
+                u = tl.rand(seed ^ 0x2545F491, rk3 * MP + rows3)
+            else:
+                u = 0.0
+            ccodes = _element_codes(y, u, IS_INT, BITS, MBITS, EMIN, MAX_CODE, MAX_NORM, ROUNDING, HW_FP8)
+            ccodes = tl.where(nanb[None, :, :], 0, ccodes)
+            if COL_VALS:
+                sfull = tl.reshape(tl.broadcast_to(tl.expand_dims(cscale, 1), (NBT, G, BLOCK_K)), (J, BLOCK_K))
+                v = _plane_values(ccodes, sfull, 0, HW_FP8, IS_INT, BITS, MBITS, EMIN, BIAS, NAN_KIND)
+                _store_values(col_val_ptr + rows3 * stride_vm + rk3, v, in_mask, SOFT_BF16)
+            if COL_CODES:
+                blk = pm * NBT + tl.arange(0, NBT)
+                tl.store(col_scale_ptr + rk[:, None] * col_scale_stride + blk[None, :], tl.trans(cscale).to(tl.uint8),
+                         mask=k_in[:, None] & (blk < NBM)[None, :])
+                codes_t = tl.reshape(tl.permute(ccodes, (2, 1, 0)), (BLOCK_K, BLOCK_M))  # [BK, j*REP + rep]
+                _store_codes(codes_t, col_data_ptr, rk, col_data_stride, k_in, pm * BLOCK_M, MP, BLOCK_K, BLOCK_M,
+                             PACK_BITS)
 
 
 _GROUP = {8: 1, 6: 4, 4: 2, 2: 4}
@@ -345,6 +484,22 @@ def _philox_seed(seed, device: torch.device) -> torch.Tensor:
     return s.to(device=device, dtype=torch.int32)
 
 
+# the strip kernel for both planes (see _mx_cast_strip_kernel): (REP, J, BLOCK_K, num_warps), or None
+# to use the [BLOCK_M, BLOCK_K] tile kernel for both planes too; the benchmark overrides it
+STRIP_CONFIG: tuple[int, int, int, int] | None = None
+
+
+def _strip_config(rows: bool, cols: bool, bs: int, act: int) -> tuple[int, int, int, int] | None:
+    """The strip kernel's config when it takes this launch (a columnwise plane, no activation, fitting block size)."""
+    cfg = STRIP_CONFIG
+    if cfg is None or not cols or act:
+        return None
+    rep, j, bk, _ = cfg
+    if bs % rep or (rep * j) % bs or (rows and bk % bs):
+        return None
+    return cfg
+
+
 def _tile_config(rows: bool, cols: bool, bs: int) -> tuple[int, int, int]:
     bm, bk, warps = TILE_CONFIGS[(rows, cols)]
     if cols:
@@ -367,11 +522,21 @@ def _alloc(shape, fill: int = 0xA5, device=None) -> torch.Tensor:
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
+def _alloc_values(shape, dtype, device) -> torch.Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(shape, -7.75, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, scale_mode: str, rounding: str,
-            seed_t: torch.Tensor | None, pack: bool = True, act: int = 0, y: torch.Tensor | None = None):
-    """Run the cast on a 2-D tensor; returns ((row_data, row_scale) | None, (col_data, col_scale) | None).
+            seed_t: torch.Tensor | None, pack: bool = True, act: int = 0, y: torch.Tensor | None = None,
+            row_codes: bool = True, col_codes: bool = True, row_vals: torch.dtype | None = None,
+            col_vals: torch.dtype | None = None):
+    """Run the cast on a 2-D tensor; returns (row, col), each None or (data | None, scale | None, values | None).
 
     ``act`` > 0 casts ``act(x2)`` instead (gated ones: x2 is [M, 2K]); ``y`` receives that output.
+    ``row_codes`` / ``col_codes`` False skip a plane's codes and scales; ``row_vals`` / ``col_vals``
+    (a dtype) also write its dequantized values, [M, K] in that dtype.
     """
     M, K = x2.shape
     if act >= 6:
@@ -380,15 +545,20 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
     nbk, nbm = -(-K // bs), -(-M // bs)
     kp, mp = nbk * bs, nbm * bs
     dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    row_codes, col_codes = rows and row_codes, cols and col_codes
+    row_vals, col_vals = (row_vals if rows else None), (col_vals if cols else None)
     row = col = None
     plen = (lambda n: packed_length(n, fmt)) if pack else (lambda n: n)
     if rows:
-        row = (_alloc((M, plen(kp)), device=dev), _alloc((M, nbk), device=dev))
+        row = ((_alloc((M, plen(kp)), device=dev), _alloc((M, nbk), device=dev)) if row_codes else (None, None))
+        row += (None if row_vals is None else _alloc_values((M, K), row_vals, dev),)
     if cols:
-        col = (_alloc((K, plen(mp)), device=dev), _alloc((K, nbm), device=dev))
-    bm, bk, warps = _tile_config(rows, cols, bs)
-    m_extent = mp if cols else M
-    k_extent = kp if rows else K
+        col = ((_alloc((K, plen(mp)), device=dev), _alloc((K, nbm), device=dev)) if col_codes else (None, None))
+        col += (None if col_vals is None else _alloc_values((M, K), col_vals, dev),)
+    strip = _strip_config(rows, cols, bs, act)
+    bm, bk, warps = _tile_config(rows, cols, bs) if strip is None else (strip[0] * strip[1], strip[2], strip[3])
+    m_extent = mp if col_codes else M
+    k_extent = kp if row_codes else K
     grid = (triton.cdiv(m_extent, bm) * triton.cdiv(k_extent, bk),)
     index64 = max(m_extent * max(abs(x2.stride(0)), 1), k_extent * max(abs(x2.stride(1)), 1),
                   M * plen(kp) if rows else 0, K * plen(mp) if cols else 0,
@@ -398,18 +568,53 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
     if seed_t is None:
         seed_t = torch.zeros(1, dtype=torch.int32, device=dev)
     bf16 = x2.dtype == torch.bfloat16
+    if strip is not None:
+        vals = _values_args(row if row_vals is not None else None, col if col_vals is not None else None,
+                            row_codes, col_codes, K) or dict(ROW_CODES=True, COL_CODES=True, ROW_VALS=False,
+                                                             COL_VALS=False, SOFT_BF16=False)
+        vals.setdefault("row_val_ptr", None)
+        vals.setdefault("col_val_ptr", None)
+        vals.setdefault("stride_vm", 0)
+        _mx_cast_strip_kernel[grid](
+            x2.view(torch.int16) if bf16 else x2, row[0] if row_codes else dummy, row[1] if row_codes else dummy,
+            col[0] if col_codes else dummy, col[1] if col_codes else dummy, seed_t,
+            M, K, x2.stride(0), x2.stride(1),
+            row[0].stride(0) if row_codes else 0, row[1].stride(0) if row_codes else 0, kp, nbk,
+            col[0].stride(0) if col_codes else 0, col[1].stride(0) if col_codes else 0, mp, nbm,
+            ROW=rows, COL=cols, REP=strip[0], J=strip[1], BLOCK_K=strip[2], BS=bs,
+            SCALE_MODE=SCALE_MODE_IDS[scale_mode], ROUNDING=ROUNDING_IDS[rounding], HW_FP8=hw, INDEX64=index64,
+            PACK_BITS=fmt.bits if pack else 8, BF16_BITS=bf16, num_warps=warps, **consts, **launch_options(),
+            **vals,
+        )
+        return row, col
     _mx_cast_kernel[grid](
-        x2.view(torch.int16) if bf16 else x2, row[0] if rows else dummy, row[1] if rows else dummy, col[0] if cols else dummy,
-        col[1] if cols else dummy, seed_t,
+        x2.view(torch.int16) if bf16 else x2, row[0] if row_codes else dummy, row[1] if row_codes else dummy,
+        col[0] if col_codes else dummy, col[1] if col_codes else dummy, seed_t,
         M, K, x2.stride(0), x2.stride(1),
-        row[0].stride(0) if rows else 0, row[1].stride(0) if rows else 0, kp, nbk,
-        col[0].stride(0) if cols else 0, col[1].stride(0) if cols else 0, mp, nbm,
+        row[0].stride(0) if row_codes else 0, row[1].stride(0) if row_codes else 0, kp, nbk,
+        col[0].stride(0) if col_codes else 0, col[1].stride(0) if col_codes else 0, mp, nbm,
         ROW=rows, COL=cols, BLOCK_M=bm, BLOCK_K=bk, BS=bs,
         SCALE_MODE=SCALE_MODE_IDS[scale_mode], ROUNDING=ROUNDING_IDS[rounding], HW_FP8=hw, INDEX64=index64,
         PACK_BITS=fmt.bits if pack else 8, BF16_BITS=bf16, num_warps=warps, **consts, **launch_options(),
         **_activation_args(x2, act, y, K),
+        **_values_args(row if row_vals is not None else None, col if col_vals is not None else None,
+                       row_codes, col_codes, K),
     )
     return row, col
+
+
+def _values_args(row, col, row_codes: bool, col_codes: bool, k: int) -> dict:
+    """Kernel arguments for the dequantized-values outputs (nothing when none is asked for)."""
+    if row is None and col is None and row_codes and col_codes:
+        return {}
+    vals = [t[2] for t in (row, col) if t is not None]
+    soft = interpret_mode() and any(v.dtype == torch.bfloat16 for v in vals)
+
+    def arg(v):  # the interpreter gets bf16 as int16 bits (rounded by hand in the kernel)
+        return v.view(torch.int16) if soft and v.dtype == torch.bfloat16 else v
+    return dict(row_val_ptr=None if row is None else arg(row[2]), col_val_ptr=None if col is None else arg(col[2]),
+                stride_vm=k, ROW_CODES=row_codes, COL_CODES=col_codes, ROW_VALS=row is not None,
+                COL_VALS=col is not None, SOFT_BF16=soft)
 
 
 def _activation_args(x2, act, y, k):
@@ -424,7 +629,8 @@ def _activation_args(x2, act, y, k):
 
 
 def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: str = "floor",
-                    rounding: str = "even", seed=None, pack: bool = True) -> MXTensor:
+                    rounding: str = "even", seed=None, pack: bool = True, dequantized=(),
+                    dequantized_dtype: torch.dtype = torch.bfloat16, keep_codes=None) -> MXTensor:
     """:func:`mxtrain.quantization.quantize_mx` on the Triton cast kernel (same signature, same bits).
 
     Blocks along the last axis (rowwise, any ndim) and/or the first axis
@@ -432,7 +638,14 @@ def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_m
     from one read. Other cases run the reference (see :func:`_fallback_reason`).
     ``pack=False`` stores one code per byte. Stochastic rounding uses an
     in-kernel Philox stream (reproducible per seed, not the reference's bits).
+
+    ``dequantized`` / ``dequantized_dtype`` / ``keep_codes``: as
+    :func:`mxtrain.kernels.dispatch.quantize`; the same pass writes the dequantized
+    values of the ``dequantized`` planes (logical layout) and skips the codes and
+    scales of planes not in ``keep_codes``.
     """
+    from mxtrain.kernels.dispatch import attach_values, values_request
+
     fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
     axes = axis if isinstance(axis, tuple) else (axis,)
     if not axes:
@@ -440,34 +653,51 @@ def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_m
     axes = tuple(normalize_axis(a, x.ndim) for a in axes)
     if len(set(axes)) != len(axes):
         raise ValueError(f"axis tuple {axis} names an axis twice")
+    deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
     if _fallback_reason(x, fmt, block_size, axes, pack) is not None:
-        return quantize_mx(x, fmt, block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding,
-                           seed=seed, pack=pack)
+        mxt = quantize_mx(x, fmt, block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding,
+                          seed=seed, pack=pack)
+        if deq or keep != axes:
+            mxt = attach_values(mxt, deq, dequantized_dtype, keep, backend="reference")
+        return mxt
     seed_t = _philox_seed(seed, x.device) if rounding == "stochastic" else None
     last = x.ndim - 1
     want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
-    planes: dict[int, MXPlane] = {}
+    vdt = dequantized_dtype
+    opts = dict(row_codes=last in keep, col_codes=0 in keep, row_vals=vdt if last in deq else None,
+                col_vals=vdt if 0 in deq else None)
     if x.ndim == 2 and want_row and want_col and block_size <= MAX_FUSED_BLOCK_SIZE:
-        row, col = _launch(x, fmt, block_size, True, True, scale_mode, rounding, seed_t, pack)
+        row, col = _launch(x, fmt, block_size, True, True, scale_mode, rounding, seed_t, pack, **opts)
     else:
         row = col = None
         if want_row:
             row, _ = _launch(x.reshape(-1, x.shape[-1]), fmt, block_size, True, False, scale_mode, rounding,
-                             seed_t, pack)
+                             seed_t, pack, **opts)
         if want_col:
             _, col = _launch(x.reshape(x.shape[0], -1), fmt, block_size, False, True, scale_mode, rounding,
-                             seed_t, pack)
+                             seed_t, pack, **opts)
+    planes: dict[int, MXPlane] = {}
+    values: dict[int, torch.Tensor] = {}
     if row is not None:
         lead = tuple(x.shape[:-1])
-        planes[last] = MXPlane(data=row[0].reshape(*lead, row[0].shape[-1]),
-                               scale=row[1].reshape(*lead, row[1].shape[-1]), axis=last, packed=pack)
+        if row[0] is not None:
+            planes[last] = MXPlane(data=row[0].reshape(*lead, row[0].shape[-1]),
+                                   scale=row[1].reshape(*lead, row[1].shape[-1]), axis=last, packed=pack)
+        if row[2] is not None:
+            values[last] = row[2].reshape(x.shape)
     if col is not None:
         rest = tuple(x.shape[1:])
-        planes[0] = MXPlane(data=col[0].reshape(*rest, col[0].shape[-1]),
-                            scale=col[1].reshape(*rest, col[1].shape[-1]), axis=0, packed=pack)
-    return MXTensor(planes=tuple(planes[a] for a in axes), fmt=fmt.name, block_size=block_size,
+        if col[0] is not None:
+            planes[0] = MXPlane(data=col[0].reshape(*rest, col[0].shape[-1]),
+                                scale=col[1].reshape(*rest, col[1].shape[-1]), axis=0, packed=pack)
+        if col[2] is not None:
+            values[0] = col[2].reshape(x.shape)
+    return MXTensor(planes=tuple(planes[a] for a in axes if a in planes), fmt=fmt.name, block_size=block_size,
                     shape=tuple(x.shape), dtype=x.dtype, scale_mode=scale_mode, rounding=rounding,
-                    whole_axis=False)
+                    whole_axis=False, values=tuple((a, values[a]) for a in axes if a in values))
+
+
+triton_quantize.supports_values = True
 
 
 def _register() -> None:

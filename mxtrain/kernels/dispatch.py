@@ -8,12 +8,15 @@ registered kernel and CPU tensors the reference.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable
 
 import torch
 
 from mxtrain.quantization import MXTensor, quantize_mx
+from mxtrain.quantization.float8 import Float8Tensor, quantize_float8 as quantize_float8_reference
+from mxtrain.quantization.float8 import Float8Tensor, quantize_float8 as quantize_float8_reference
 
 BACKENDS = ("auto", "reference", "triton", "cuda")
 
@@ -22,6 +25,12 @@ _QUANTIZE_IMPLS: dict[str, Callable[..., MXTensor]] = {"reference": quantize_mx}
 _GEMM_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
 # name -> dequantize implementation (mxt, dtype, axis) -> tensor; filled by kernel modules
 _DEQUANTIZE_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
+# FP8 (mxtrain.recipes.float8): casts with quantize_float8's signature, GEMMs with mx_gemm's
+_FLOAT8_QUANTIZE_IMPLS: dict[str, Callable[..., Float8Tensor]] = {"reference": quantize_float8_reference}
+_FLOAT8_GEMM_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
+# FP8 (mxtrain.recipes.float8): casts with quantize_float8's signature, GEMMs with mx_gemm's
+_FLOAT8_QUANTIZE_IMPLS: dict[str, Callable[..., Float8Tensor]] = {"reference": quantize_float8_reference}
+_FLOAT8_GEMM_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
 _PREFERENCE = ("cuda", "triton")
 _KERNELS_LOADED = False
 
@@ -36,6 +45,22 @@ def register_gemm(name: str, fn: Callable[..., torch.Tensor]) -> None:
 
 def register_dequantize(name: str, fn: Callable[..., torch.Tensor]) -> None:
     _DEQUANTIZE_IMPLS[name] = fn
+
+
+def register_float8_quantize(name: str, fn: Callable[..., Float8Tensor]) -> None:
+    _FLOAT8_QUANTIZE_IMPLS[name] = fn
+
+
+def register_float8_gemm(name: str, fn: Callable[..., torch.Tensor]) -> None:
+    _FLOAT8_GEMM_IMPLS[name] = fn
+
+
+def register_float8_quantize(name: str, fn: Callable[..., Float8Tensor]) -> None:
+    _FLOAT8_QUANTIZE_IMPLS[name] = fn
+
+
+def register_float8_gemm(name: str, fn: Callable[..., torch.Tensor]) -> None:
+    _FLOAT8_GEMM_IMPLS[name] = fn
 
 
 def _load_kernels() -> None:
@@ -53,6 +78,18 @@ def _load_kernels() -> None:
         if torch.cuda.is_available():
             import mxtrain.kernels.gemm  # noqa: F401
     except ImportError:  # no (working) triton: the reference serves every call
+        pass
+    try:
+        import mxtrain.kernels.float8_cast  # noqa: F401
+        if torch.cuda.is_available():
+            import mxtrain.kernels.float8_gemm  # noqa: F401
+    except ImportError:
+        pass
+    try:
+        import mxtrain.kernels.float8_cast  # noqa: F401
+        if torch.cuda.is_available():
+            import mxtrain.kernels.float8_gemm  # noqa: F401
+    except ImportError:
         pass
 
 
@@ -72,21 +109,95 @@ def _resolve(backend: str | None, device: torch.device, impls: dict) -> str:
     return backend
 
 
+VALUES_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
+
+
+def values_request(ndim: int, axis, dequantized, keep_codes, dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Normalized ``(dequantized axes, axes whose codes are kept)`` of a quantize call, validated.
+
+    ``dequantized``: axes (among ``axis``) whose dequantized values the result carries;
+    ``keep_codes``: axes whose codes+scales it keeps (None: all of ``axis``). Every axis of
+    ``axis`` needs its codes or its values.
+    """
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    norm = lambda a: a % ndim if ndim and -ndim <= a < ndim else a  # noqa: E731  (bad axes: quantize_mx says)
+    axes = tuple(norm(a) for a in axes)
+    deq = dequantized if isinstance(dequantized, (tuple, list)) else (dequantized,)
+    deq = tuple(dict.fromkeys(norm(a) for a in deq))
+    keep = axes if keep_codes is None else (keep_codes if isinstance(keep_codes, (tuple, list)) else (keep_codes,))
+    keep = tuple(dict.fromkeys(norm(a) for a in keep))
+    for what, sub in (("dequantized", deq), ("keep_codes", keep)):
+        if any(a not in axes for a in sub):
+            raise ValueError(f"{what} axes {sub} must be among the quantized axes {axes}")
+    if any(a not in keep and a not in deq for a in axes):
+        raise ValueError(f"axes {axes}: each needs its codes kept or its values dequantized "
+                         f"(keep_codes={keep}, dequantized={deq})")
+    if deq and dtype not in VALUES_DTYPES:
+        raise ValueError(f"dequantized_dtype must be one of {VALUES_DTYPES}, got {dtype}")
+    return deq, keep
+
+
+def attach_values(mxt: MXTensor, dequantized: tuple[int, ...], dtype: torch.dtype,
+                  keep_codes: tuple[int, ...], backend: str | None = None) -> MXTensor:
+    """``mxt`` with the dequantized values of the ``dequantized`` axes attached and only the planes of
+    ``keep_codes`` kept: the semantics of ``quantize(..., dequantized=...)`` (quantize, then dequantize)."""
+    values = tuple((a, dequantize(mxt, dtype, a, backend=backend)) for a in dequantized)
+    planes = tuple(p for p in mxt.planes if p.axis in keep_codes)
+    return dataclasses.replace(mxt, planes=planes, values=values)
+
+
 def quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: str = "floor",
-             rounding: str = "even", seed=None, pack: bool = True, backend: str | None = None) -> MXTensor:
-    """``quantize_mx`` through the selected backend (bit-identical across backends)."""
+             rounding: str = "even", seed=None, pack: bool = True, backend: str | None = None,
+             dequantized=(), dequantized_dtype: torch.dtype = torch.bfloat16, keep_codes=None) -> MXTensor:
+    """``quantize_mx`` through the selected backend (bit-identical across backends).
+
+    ``dequantized``: axes (among ``axis``) whose plane the result also carries as
+    dequantized values in ``dequantized_dtype`` (logical layout; see
+    :attr:`MXTensor.values`), bit-identical to ``result.dequantize(dtype, axis)``.
+    The Triton cast writes them in the same pass (no separate dequantize pass);
+    other backends quantize, then dequantize. ``keep_codes``: axes whose codes and
+    scales are kept (default: all); a plane needed only as a GEMM operand right
+    away can skip its codes (``keep_codes`` without that axis).
+    """
     name = _resolve(backend, x.device, _QUANTIZE_IMPLS)
-    return _QUANTIZE_IMPLS[name](x, fmt, block_size=block_size, axis=axis, scale_mode=scale_mode,
-                                 rounding=rounding, seed=seed, pack=pack)
+    fn = _QUANTIZE_IMPLS[name]
+    kw = dict(block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding, seed=seed, pack=pack)
+    if dequantized == () and keep_codes is None:
+        return fn(x, fmt, **kw)
+    deq, keep = values_request(x.ndim, axis, dequantized, keep_codes, dequantized_dtype)
+    if getattr(fn, "supports_values", False):
+        return fn(x, fmt, **kw, dequantized=deq, dequantized_dtype=dequantized_dtype, keep_codes=keep)
+    return attach_values(fn(x, fmt, **kw), deq, dequantized_dtype, keep,
+                         backend="reference" if name == "reference" else None)
 
 
 def dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None = None,
                backend: str | None = None) -> torch.Tensor:
     """``mxt.dequantize(dtype, axis)`` through the selected backend (bit-identical across backends)."""
     name = _resolve(backend, mxt.device, _DEQUANTIZE_IMPLS)
-    if name == "reference":
+    if name == "reference" or mxt.values_only(axis) is not None:  # values without codes: cast them
         return mxt.dequantize(dtype, axis)
     return _DEQUANTIZE_IMPLS[name](mxt, dtype, axis)
+
+
+def quantize_float8(x: torch.Tensor, fmt, *, axes=-1, scale: torch.Tensor | None = None, block=None,
+                    power_of_2_scales: bool = False, amax_epsilon: float = 0.0, amax_reduction_group=None,
+                    backend: str | None = None) -> Float8Tensor:
+    """``mxtrain.quantization.float8.quantize_float8`` through the selected backend (bit-identical)."""
+    name = _resolve(backend, x.device, _FLOAT8_QUANTIZE_IMPLS)
+    return _FLOAT8_QUANTIZE_IMPLS[name](x, fmt, axes=axes, scale=scale, block=block,
+                                        power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon,
+                                        amax_reduction_group=amax_reduction_group)
+
+
+def quantize_float8(x: torch.Tensor, fmt, *, axes=-1, scale: torch.Tensor | None = None, block=None,
+                    power_of_2_scales: bool = False, amax_epsilon: float = 0.0, amax_reduction_group=None,
+                    backend: str | None = None) -> Float8Tensor:
+    """``mxtrain.quantization.float8.quantize_float8`` through the selected backend (bit-identical)."""
+    name = _resolve(backend, x.device, _FLOAT8_QUANTIZE_IMPLS)
+    return _FLOAT8_QUANTIZE_IMPLS[name](x, fmt, axes=axes, scale=scale, block=block,
+                                        power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon,
+                                        amax_reduction_group=amax_reduction_group)
 
 
 def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:
@@ -95,9 +206,9 @@ def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:
     An :class:`MXTensor` must have a plane blocked along ``axis`` (blocks run
     along the reduction dim); a plain tensor is used as is (high precision).
     """
-    if isinstance(t, MXTensor):
+    if isinstance(t, (MXTensor, Float8Tensor)):
         if t.ndim != 2:
-            raise ValueError(f"GEMM operands must be 2-D, got an MXTensor of shape {list(t.shape)}")
+            raise ValueError(f"GEMM operands must be 2-D, got an {type(t).__name__} of shape {list(t.shape)}")
         return t.dequantize_blocked(torch.float32, axis=axis)
     if t.ndim != 2:
         raise ValueError(f"GEMM operands must be 2-D, got shape {list(t.shape)}")
@@ -114,14 +225,17 @@ def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axi
     (the order of accumulation is free), plus ``bias`` in fp32, rounded once to
     ``out_dtype``. Fprop ``X W^T``: ``(x, 1), (w, 1)``; dgrad ``dY W``:
     ``(dy, 1), (w, 0)``; wgrad ``dY^T X``: ``(dy, 0), (x, 0)``. CUDA operands take
-    the cuBLAS path of :mod:`mxtrain.kernels.gemm`; others the reference.
+    the cuBLAS path of :mod:`mxtrain.kernels.gemm` (``Float8Tensor`` operands: the FP8
+    GEMMs of :mod:`mxtrain.kernels.float8_gemm`); others the reference.
     """
-    device = a.device if isinstance(a, (MXTensor, torch.Tensor)) else torch.device("cpu")
+    device = a.device if isinstance(a, (MXTensor, Float8Tensor, torch.Tensor)) else torch.device("cpu")
+    # FP8 operands (Float8Tensor) have GEMMs of their own (mxtrain/kernels/float8_gemm.py)
+    impls = _FLOAT8_GEMM_IMPLS if isinstance(a, Float8Tensor) or isinstance(b, Float8Tensor) else _GEMM_IMPLS
     # a forced kernel backend names the casts; the GEMM then takes whatever GPU GEMM exists
     requested = backend or os.environ.get("MXTRAIN_BACKEND", "auto")
-    name = _resolve("reference" if requested == "reference" else "auto", device, _GEMM_IMPLS)
+    name = _resolve("reference" if requested == "reference" else "auto", device, impls)
     if name != "reference":
-        return _GEMM_IMPLS[name](a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+        return impls[name](a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
     av, bv = gemm_operand(a, a_axis), gemm_operand(b, b_axis)
     if av.shape[1] != bv.shape[1]:
         raise ValueError(f"GEMM reduction sizes differ: {av.shape[1]} vs {bv.shape[1]}")

@@ -5,7 +5,8 @@ only exception is a scale so small that the value falls below bf16's smallest
 subnormal, 2**-133), so the fused unpack + dequantize kernel writes the operand
 in bf16 and cuBLAS multiplies it with fp32 accumulation: the result is the
 fp32-accumulated product of the dequantized operands, as the reference computes
-it, up to the order of accumulation. A columnwise plane is dequantized in the
+it, up to the order of accumulation. An operand whose cast already wrote its
+dequantized bf16 values (``MXTensor.values``) skips the dequantize pass. A columnwise plane is dequantized in the
 logical layout and handed over as a transposed view (cuBLAS takes either).
 
 Measured figures for this path and for the alternatives are in
@@ -21,9 +22,20 @@ from mxtrain.quantization import MXTensor
 
 
 def _operand(t: "MXTensor | torch.Tensor", axis: int, dtype: torch.dtype) -> torch.Tensor:
-    """The 2-D operand with its reduction axis last (a view where a transpose is needed)."""
+    """The 2-D operand with its reduction axis last (a view where a transpose is needed).
+
+    An MXTensor that carries the dequantized values of this plane (written by the
+    cast, see ``MXTensor.values``) hands them over as they are when their dtype is
+    the GEMM's: they are ``dequantize(dtype, axis)`` bit for bit, so no pass runs.
+    In another dtype the codes are dequantized, or, where only values were kept,
+    the values are cast (exact for fp32 values and for bf16 values of a bf16 input).
+    """
     if isinstance(t, MXTensor):
-        logical = dequantize(t, dtype, axis)
+        carried = t.dequantized_values(axis)
+        if carried is not None and carried.dtype == dtype:
+            logical = carried
+        else:
+            logical = dequantize(t, dtype, axis)  # a values-only plane: MXTensor.dequantize casts them
     else:
         logical = t.to(dtype)
     return logical if axis % 2 == 1 else logical.t()

@@ -47,6 +47,18 @@ class MXTensor:
     ``rowwise`` is the plane blocked along the last axis, ``columnwise`` the one
     blocked along the first axis of a 2-D tensor (what the transposed GEMM
     operand needs). ``shape`` and ``dtype`` are the logical (original) ones.
+
+    ``values`` (optional, default empty) carries, for some block axes, the
+    dequantized values of that plane: ``((axis, tensor), ...)`` with each tensor
+    in the logical shape (as :meth:`dequantize` returns it), written by a cast
+    that dequantized while it quantized (``mxtrain.kernels.dispatch.quantize(...,
+    dequantized=...)``), so a GEMM that uses the plane right away skips the
+    dequantize pass. They equal ``dequantize(tensor.dtype, axis)`` bit for bit.
+    A plane may be carried by its values alone (its codes were never needed
+    later, e.g. a forward GEMM operand): then ``planes`` may be empty, and
+    :meth:`dequantize` of that axis returns the values cast to the asked dtype
+    (exact when the values are fp32, or bf16 from a bf16 input: every MX value
+    of a bf16 input is exact in bf16). ``nbytes`` counts codes and scales only.
     """
 
     planes: tuple[MXPlane, ...]
@@ -57,13 +69,25 @@ class MXTensor:
     scale_mode: str = "floor"
     rounding: str = "even"
     whole_axis: bool = False
+    values: tuple = ()
 
     def __post_init__(self):
-        if not self.planes:
-            raise ValueError("an MXTensor needs at least one plane")
+        if not self.planes and not self.values:
+            raise ValueError("an MXTensor needs at least one plane (or the dequantized values of one)")
         axes = [p.axis for p in self.planes]
         if len(set(axes)) != len(axes):
             raise ValueError(f"planes must have distinct axes, got {axes}")
+        vaxes = []
+        for entry in self.values:
+            if (not isinstance(entry, tuple) or len(entry) != 2 or not isinstance(entry[0], int)
+                    or not isinstance(entry[1], torch.Tensor)):
+                raise TypeError("values must be a tuple of (axis, tensor) pairs")
+            if tuple(entry[1].shape) != tuple(self.shape):
+                raise ValueError(f"dequantized values of shape {list(entry[1].shape)} for an MXTensor of shape "
+                                 f"{list(self.shape)}")
+            vaxes.append(entry[0])
+        if len(set(vaxes)) != len(vaxes):
+            raise ValueError(f"values must have distinct axes, got {vaxes}")
 
     @property
     def format(self) -> ElemFormat:
@@ -75,7 +99,7 @@ class MXTensor:
 
     @property
     def device(self) -> torch.device:
-        return self.planes[0].data.device
+        return self.planes[0].data.device if self.planes else self.values[0][1].device
 
     def plane(self, axis: int | None = None) -> MXPlane:
         """The plane blocked along ``axis`` (the first plane when None)."""
@@ -85,8 +109,14 @@ class MXTensor:
         for p in self.planes:
             if p.axis == ax:
                 return p
-        raise ValueError(f"this MXTensor has no plane blocked along axis {axis}; "
-                         f"it has planes along {[p.axis for p in self.planes]}")
+        raise ValueError(f"this MXTensor has no plane (codes) blocked along axis {axis}; "
+                         f"it has planes along {[p.axis for p in self.planes]}"
+                         + (f" and dequantized values along {[a for a, _ in self.values]}" if self.values else ""))
+
+    def dequantized_values(self, axis: int) -> torch.Tensor | None:
+        """The carried dequantized values of the plane blocked along ``axis`` (logical shape), or None."""
+        ax = axis % self.ndim if self.ndim else axis
+        return next((v for a, v in self.values if a == ax), None)
 
     def _find(self, axis: int) -> MXPlane | None:
         return next((p for p in self.planes if p.axis == axis), None)
@@ -114,10 +144,24 @@ class MXTensor:
 
         ``dtype`` defaults to the dtype that was quantized. Casting to bf16/fp16
         rounds only where a value falls outside their range or below their
-        subnormals (tiny scales); fp32 is always exact.
+        subnormals (tiny scales); fp32 is always exact. A plane carried only by
+        its dequantized values (see ``values``) returns those, cast to ``dtype``.
         """
+        carried = self.values_only(axis)
+        if carried is not None:
+            return carried[1].to(dtype or self.dtype)
         p = self.plane(axis)
         return self.dequantize_blocked(dtype, p.axis).movedim(-1, p.axis)
+
+    def values_only(self, axis: int | None = None) -> tuple[int, torch.Tensor] | None:
+        """``(axis, values)`` when the plane along ``axis`` is carried by its dequantized values
+        without its codes, else None (``axis`` None: the first plane, as :meth:`plane`)."""
+        if axis is None:
+            return self.values[0] if not self.planes and self.values else None
+        ax = axis % self.ndim if self.ndim else axis
+        if self._find(ax) is not None:
+            return None
+        return next(((a, v) for a, v in self.values if a == ax), None)
 
     def dequantize_blocked(self, dtype: torch.dtype | None = None, axis: int | None = None) -> torch.Tensor:
         """Like :meth:`dequantize` but in the plane's stored layout: the block axis last, unpadded.
@@ -125,6 +169,9 @@ class MXTensor:
         For the columnwise plane of a 2-D ``[M, K]`` tensor this is the ``[K, M]``
         transpose, which is the operand layout a GEMM reducing over M wants.
         """
+        carried = self.values_only(axis)
+        if carried is not None:
+            return carried[1].to(dtype or self.dtype).movedim(carried[0], -1)
         p = self.plane(axis)
         moved = list(self.shape)
         length = moved.pop(p.axis)
@@ -132,8 +179,9 @@ class MXTensor:
         return values.reshape(*moved, length)
 
     def to(self, *args, **kwargs) -> "MXTensor":
-        """Move every plane (codes and scales together) to a device."""
-        return replace(self, planes=tuple(p.to(*args, **kwargs) for p in self.planes))
+        """Move every plane (codes and scales together, and carried values) to a device."""
+        return replace(self, planes=tuple(p.to(*args, **kwargs) for p in self.planes),
+                       values=tuple((a, v.to(*args, **kwargs)) for a, v in self.values))
 
     def cpu(self) -> "MXTensor":
         return self.to("cpu")
@@ -147,6 +195,9 @@ class MXTensor:
             name = "rowwise" if p.axis == self.ndim - 1 else ("columnwise" if p.axis == 0 else f"axis={p.axis}")
             orient.append(f"{name}: data{list(p.data.shape)}{' packed' if p.packed else ''} "
                           f"scale{list(p.scale.shape)}")
+        for a, v in self.values:
+            name = "rowwise" if a == self.ndim - 1 else ("columnwise" if a == 0 else f"axis={a}")
+            orient.append(f"{name} dequantized values: {v.dtype}")
         block = "whole-axis" if self.whole_axis else str(self.block_size)
         return (f"MXTensor({self.fmt}, shape={list(self.shape)}, dtype={self.dtype}, block={block}, "
                 f"scale_mode={self.scale_mode}, rounding={self.rounding}, device={self.device}, "
