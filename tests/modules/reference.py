@@ -11,6 +11,7 @@ outputs go back to the input dtype, parameter gradients to the parameter dtype).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -289,3 +290,51 @@ def assert_backward_uses_forward_recipe(module, x, dy, recipe_a, recipe_b) -> No
         got = forward_then_backward(module, x, dy, recipe_a, **kwargs)
         for name, g in expected.items():
             assert torch.equal(got[name], g), f"grad {name} differs when backward runs with {kwargs}"
+
+
+def wide_range(t: torch.Tensor, binades: int = 10, seed: int = 7) -> torch.Tensor:
+    """``t`` times 2**k with a random k in [-binades, binades] per element.
+
+    On randn data MXFP8 e4m3 rounds every element to 3 mantissa bits whatever its
+    block (the elements stay in e4m3's normal range): quantizing along the wrong axis
+    would go unnoticed. Values spread over many binades put small elements into the
+    subnormals of their block, so the block direction shows in the result.
+    """
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(-binades, binades + 1, t.shape, generator=g)
+    return (t.float() * torch.exp2(k.float())).to(t.dtype)
+
+
+@contextlib.contextmanager
+def record_gemm_operands():
+    """Record the fp32 operand values (reduction axis last) of every reference MX GEMM run inside.
+
+    Yields a list that fills with ``(a_values, b_values)`` pairs: the GEMM computed is
+    ``a_values @ b_values.T``. Spies on ``mxtrain.kernels.dispatch.gemm_operand``, which
+    the reference ``mx_gemm`` calls for a then b.
+    """
+    import mxtrain.kernels.dispatch as dispatch
+
+    original = dispatch.gemm_operand
+    values: list = []
+    pairs: list = []
+
+    def spy(t, axis):
+        v = original(t, axis)
+        values.append(v.detach().clone())
+        if len(values) % 2 == 0:
+            pairs.append((values[-2], values[-1]))
+        return v
+
+    dispatch.gemm_operand = spy
+    try:
+        yield pairs
+    finally:
+        dispatch.gemm_operand = original
+
+
+def find_gemm(pairs, a=None, b=None) -> bool:
+    """Whether some recorded GEMM has exactly operand values ``a`` (if given) and ``b`` (if given)."""
+    def same(x, y):
+        return y is None or (x.shape == y.shape and torch.equal(x, y))
+    return any(same(pa, a) and same(pb, b) for pa, pb in pairs)

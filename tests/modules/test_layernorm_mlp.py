@@ -223,3 +223,33 @@ def test_bad_constructor_args():
     with pytest.raises(ValueError, match="hidden_size"):
         mxtrain.LayerNormMLP(True, 32)
     assert mxtrain.LayerNormMLP(8, 8, activation="SwiGLU").activation == "swiglu"
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_hybrid"])
+def test_gemm_operands_are_the_roles_in_their_block_directions(recipe):
+    """Bit-exact operands of the six GEMMs that come straight from inputs, weights or the norm
+    (fc1's X and W, fc2's W and dY), on values wide enough that MXFP8 shows a wrong block direction."""
+    from .reference import find_gemm, fq, record_gemm_operands, ref_norm, wide_range
+
+    recipe = RECIPES[recipe]
+    m = _make(64, 96, activation="swiglu")
+    with torch.no_grad():
+        m.fc1_weight.copy_(wide_range(m.fc1_weight, seed=3))
+        m.fc2_weight.copy_(wide_range(m.fc2_weight, seed=4))
+    x, dy = _data((40, 64))
+    x, dy = wide_range(x, binades=16, seed=5), wide_range(dy, binades=16, seed=6)
+    w1, w2 = m.fc1_weight.detach(), m.fc2_weight.detach()
+    ln = ref_norm(x, m.layer_norm_weight.detach(), m.layer_norm_bias.detach(), "LayerNorm", m.eps, False)
+    for t, role in ((ln, "fprop_input"), (w1, "fprop_weight"), (w2, "dgrad_weight"), (dy, "dgrad_grad_output"),
+                    (dy, "wgrad_grad_output"), (ln, "wgrad_input")):
+        assert not torch.equal(fq(t, recipe, role, 0), fq(t, recipe, role, 1)), role
+    with record_gemm_operands() as gemms:
+        run_module(m, x, dy, recipe)
+    assert len(gemms) == 6
+    assert find_gemm(gemms, fq(ln, recipe, "fprop_input", 1), fq(w1, recipe, "fprop_weight", 1)), "fc1 fprop"
+    assert find_gemm(gemms, None, fq(w2, recipe, "fprop_weight", 1)), "fc2 fprop"
+    assert find_gemm(gemms, fq(dy, recipe, "dgrad_grad_output", 1), fq(w2, recipe, "dgrad_weight", 0).t()), \
+        "fc2 dgrad"
+    assert find_gemm(gemms, fq(dy, recipe, "wgrad_grad_output", 0).t(), None), "fc2 wgrad"
+    assert find_gemm(gemms, None, fq(w1, recipe, "dgrad_weight", 0).t()), "fc1 dgrad"
+    assert find_gemm(gemms, None, fq(ln, recipe, "wgrad_input", 0).t()), "fc1 wgrad"

@@ -212,3 +212,34 @@ def test_inplace_change_of_input_is_caught_when_backward_needs_it_in_high_precis
     x.mul_(2)
     y.sum().backward()
     assert_close_rel(m.weight.grad, g_ref["weight"], 1e-5, "dweight")
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_hybrid", "mixed"])
+def test_gemm_operands_are_the_roles_in_their_block_directions(recipe):
+    """The operands reaching each GEMM are exactly fq(operand, role, axis) of DESIGN.md's table.
+
+    On randn data MXFP8 rounds each element alike in either block direction (e4m3 keeps
+    them all normal), so the output comparisons cannot see a wrong direction; values
+    spread over 20-32 binades make every direction show, and operands are compared bit for bit.
+    """
+    from .reference import find_gemm, fq, record_gemm_operands, wide_range
+
+    recipe = RECIPES[recipe]
+    m = _make(64, 96)
+    with torch.no_grad():
+        m.weight.copy_(wide_range(m.weight, seed=3))
+    x, dy = _data((2, 24, 64), 96)
+    x2d, w = wide_range(x, seed=4).reshape(-1, 64), m.weight.detach()
+    dy2d = wide_range(dy, binades=16, seed=5).reshape(-1, 96)  # e5m2 (hybrid dY) spans 30 binades
+    for t, role in ((x2d, "fprop_input"), (w, "fprop_weight"), (dy2d, "dgrad_grad_output"),
+                    (dy2d, "wgrad_grad_output"), (w, "dgrad_weight"), (x2d, "wgrad_input")):
+        if recipe.role(role).fmt is not None:  # the check has teeth: the other direction differs
+            assert not torch.equal(fq(t, recipe, role, 0), fq(t, recipe, role, 1)), role
+    with record_gemm_operands() as gemms:
+        run_module(m, x2d, dy2d, recipe)
+    assert len(gemms) == 3
+    assert find_gemm(gemms, fq(x2d, recipe, "fprop_input", 1), fq(w, recipe, "fprop_weight", 1)), "fprop"
+    assert find_gemm(gemms, fq(dy2d, recipe, "dgrad_grad_output", 1), fq(w, recipe, "dgrad_weight", 0).t()), \
+        "dgrad"
+    assert find_gemm(gemms, fq(dy2d, recipe, "wgrad_grad_output", 0).t(), fq(x2d, recipe, "wgrad_input", 0).t()), \
+        "wgrad"
