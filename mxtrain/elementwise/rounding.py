@@ -65,6 +65,23 @@ def _round_small(a: torch.Tensor, up: float, rounding: str) -> torch.Tensor:
     return q.mul_(1.0 / up)
 
 
+# On a GPU a data-dependent branch costs a host synchronisation per call; there the small
+# values and NaN are fixed with full-tensor selects instead (same bits). Tests flip this on the CPU.
+FORCE_SELECT = False
+
+
+def _select_mode(t: torch.Tensor) -> bool:
+    return FORCE_SELECT or t.device.type != "cpu"
+
+
+def _fix_small_select(y: torch.Tensor, v: torch.Tensor, mbits: int, emin: int, rounding: str) -> torch.Tensor:
+    """``y`` with the nonzero elements of ``v`` below ``2**emin`` replaced by their exact grid value (no sync)."""
+    key = (v.view(torch.int32) & _ABS).sub_(1).bitwise_and_(_ABS)
+    small = key < ((emin + 127) << _MANT_BITS) - 1
+    fixed = torch.copysign(_round_small(v.abs(), 2.0 ** (mbits - emin), rounding), v)
+    return torch.where(small, fixed, y)
+
+
 def _gather_small(v: torch.Tensor, emin: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Flat indices and values of the nonzero elements of contiguous ``v`` below ``2**emin`` in magnitude.
 
@@ -104,15 +121,18 @@ def round_elemwise(x: torch.Tensor, fmt: "str | ElemFormat", rounding: str = "ev
         return x.to(torch.bfloat16 if fmt.name == "bfloat16" else torch.float16).float()
     xc = x.contiguous()
     fp_n = fmt.emin > -126
-    small = _gather_small(xc, fmt.emin) if fp_n else None  # fpN subnormals
+    select = _select_mode(xc)
+    small = _gather_small(xc, fmt.emin) if fp_n and not select else None  # fpN subnormals
     y = _round_mantissa_bits(xc.view(torch.int32), _MANT_BITS - fmt.mbits, rounding, inplace=False)
     y = y.view(torch.float32)
+    if fp_n and select:
+        y = _fix_small_select(y, xc, fmt.mbits, fmt.emin, rounding)
     _scatter_small_(y, small, fmt.mbits, fmt.emin, rounding)
     if fp_n:  # above max_norm: Inf (the bit rounding only overflows at fp32's own range)
         y = torch.where(y.abs() > fmt.max_norm, y * math.inf, y)
-    # NaN payloads may not survive the bit rounding; one fused reduction says whether there are any
-    # (a sum is NaN if an element is NaN, or if +Inf and -Inf meet: then the where is merely redundant)
-    if torch.isnan(xc.sum()):
+    # NaN payloads may not survive the bit rounding; on the CPU one fused reduction says whether there
+    # are any (a sum is NaN if an element is NaN, or if +Inf and -Inf meet: the where is then redundant)
+    if select or torch.isnan(xc.sum()):
         y = torch.where(torch.isnan(xc), xc, y)
     return y.view(x.shape)
 
@@ -204,8 +224,13 @@ def fake_quantize_mx_floor(x: torch.Tensor, fmt: ElemFormat, block_size: int = 3
             y.mul_(2.0**-fmt.mbits)
         y.add_(0.0)  # two's complement has no -0
     else:
-        small = _gather_small(y, fmt.emin) if fmt.emin > -126 else None
-        _round_mantissa_bits(y.view(torch.int32), _MANT_BITS - fmt.mbits, rounding, inplace=True)
-        _scatter_small_(y, small, fmt.mbits, fmt.emin, rounding)
+        if fmt.emin > -126 and _select_mode(y):
+            y = _fix_small_select(_round_mantissa_bits(y.view(torch.int32), _MANT_BITS - fmt.mbits, rounding,
+                                                       inplace=False).view(torch.float32), y, fmt.mbits, fmt.emin,
+                                  rounding)
+        else:
+            small = _gather_small(y, fmt.emin) if fmt.emin > -126 else None
+            _round_mantissa_bits(y.view(torch.int32), _MANT_BITS - fmt.mbits, rounding, inplace=True)
+            _scatter_small_(y, small, fmt.mbits, fmt.emin, rounding)
         y.clamp_(-fmt.max_norm, fmt.max_norm)
     return y.mul_(sc).view(shape)

@@ -55,7 +55,7 @@ from torch import nn
 from mxtrain.compat import mx as mxtrain_mx
 
 __all__ = ["FashionCNN", "StudyConfig", "parse_config", "run_config", "run_study", "main", "TABLE1", "TABLE2",
-           "SEARCH_MATMUL_FORMATS", "SEARCH_ELEMWISE_FORMATS", "config_bits", "load_data"]
+           "SEARCH_MATMUL_FORMATS", "SEARCH_ELEMWISE_FORMATS", "config_bits", "load_data", "merge_studies"]
 
 TABLE1 = ("int2+bfloat16", "int8+bfloat16", "fp8_e4m3+bfloat16", "fp8_e5m2+bfloat16", "bfloat16+bfloat16")
 TABLE2 = ("fp8_e4m3+fp16", "fp8_e4m3+fp12", "fp8_e4m3+fp10", "fp8_e4m3+fp8")
@@ -216,7 +216,7 @@ def _set_determinism(device: torch.device) -> None:
 
 
 def run_config(cfg: StudyConfig, data, epochs: int, seed: int = 0, batch_size: int = 64, lr: float = 1.0,
-               gamma: float = 0.7, mx_lib=None, progress: bool = True, log=print) -> RunResult:
+               gamma: float = 0.7, mx_lib=None, progress: bool = True, log=print, on_epoch=None) -> RunResult:
     """Train the classifier under ``cfg`` for ``epochs`` epochs, testing after each one."""
     from tqdm import tqdm
     tx, ty, vx, vy = data
@@ -251,7 +251,9 @@ def run_config(cfg: StudyConfig, data, epochs: int, seed: int = 0, batch_size: i
         result.accuracy.append(acc)
         result.train_loss.append(float(total) / max(1, count))
         log(f"  {cfg.name:28s} epoch {epoch:2d}: train loss {result.train_loss[-1]:.4f}  test accuracy {acc:6.2f}%")
-    result.seconds = time.perf_counter() - start
+        result.seconds = time.perf_counter() - start
+        if on_epoch is not None:
+            on_epoch(result)
     return result
 
 
@@ -376,18 +378,85 @@ def _write(out: Path, results: dict, epochs: int, search, meta) -> None:
     _plot(results, out / "study.png")
 
 
+def _subprocess_run(cfg: StudyConfig, epochs: int, common: dict, workdir: Path):
+    """Start one configuration in its own process (``--jobs``); returns (Popen, its output folder)."""
+    import subprocess
+    out = workdir / cfg.name.replace("/", "_").replace("+", "__")
+    cmd = [sys.executable, "-m", "mxtrain.examples.fashion_mnist", "--configs", cfg.name, "--epochs", str(epochs),
+           "--no-search", "--quiet", "--out", str(out), "--device", common["device"], "--seed", str(common["seed"]),
+           "--batch-size", str(common["batch_size"]), "--threads", str(common["threads"])]
+    if common["subset"]:
+        cmd += ["--subset", str(common["subset"])]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    log = open(out.with_suffix(".log"), "w")
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), out
+
+
+def _read_run(folder: Path) -> "RunResult | None":
+    try:
+        runs = json.loads((folder / "runs.json").read_text())["runs"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return RunResult(**runs[0]) if runs else None
+
+
+def _train_many(cfgs, epochs, data, common, jobs, workdir, log, progress, on_update):
+    """Train ``cfgs``; with ``jobs > 1`` in parallel processes. Returns {name: RunResult} (missing if a job failed)."""
+    results = {}
+    if jobs <= 1:
+        from tqdm import tqdm
+        for cfg in tqdm(cfgs, desc="configurations", disable=not progress or len(cfgs) < 2, unit="run",
+                        dynamic_ncols=True):
+            log(f"{cfg.name}: {cfg.bits['total']:g} bits per element")
+            results[cfg.name] = run_config(cfg, data, epochs, seed=common["seed"], batch_size=common["batch_size"],
+                                           progress=progress, log=log,
+                                           on_epoch=lambda r: on_update({**results, r.config: r}))
+            on_update(results)
+        return results
+    workdir.mkdir(parents=True, exist_ok=True)
+    pending = list(cfgs)
+    running = []
+    while pending or running:
+        while pending and len(running) < jobs:
+            cfg = pending.pop(0)
+            log(f"{cfg.name}: {cfg.bits['total']:g} bits per element (process)")
+            running.append((cfg, *_subprocess_run(cfg, epochs, common, workdir)))
+        time.sleep(0.5)
+        for item in list(running):
+            cfg, proc, folder = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            r = _read_run(folder)
+            if proc.returncode != 0 or r is None:
+                log(f"{cfg.name}: failed (exit {proc.returncode}); see {folder.with_suffix('.log')}")
+                continue
+            results[cfg.name] = r
+            log(f"{cfg.name}: test accuracy per epoch {', '.join(f'{a:.2f}' for a in r.accuracy)}")
+            on_update(results)
+    return results
+
+
 def run_study(configs: list[str] | None = None, epochs: int = 10, subset: int | None = None,
               out: str | os.PathLike = "runs/fashion_mnist", device: str = "cpu", seed: int = 0,
               batch_size: int = 64, search: bool | None = None, search_epochs: int | None = None,
-              target: float = 90.0, search_max_runs: int = 12, progress: bool = True, log=print) -> dict:
-    """Run the grid (default: the baseline and the lab's two tables), then the search; write the files."""
+              target: float = 90.0, search_max_runs: int = 12, jobs: int = 1, progress: bool = True,
+              log=print) -> dict:
+    """Run the grid (default: the baseline and the lab's two tables), then the search; write the files.
+
+    ``jobs > 1`` trains that many configurations at once, each in its own process
+    (useful on a GPU, which one small model leaves mostly idle); the search then
+    tries its candidates in waves of ``jobs``, keeping the cost order of the answer.
+    """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for, but torch sees no CUDA device")
     _set_determinism(dev)
     if search is None:
         search = configs is None
-    names = list(configs) if configs else [BASELINE, *TABLE1, *TABLE2]
+    names = list(configs) if configs is not None else [BASELINE, *TABLE1, *TABLE2]
     parsed = [parse_config(n) for n in names]
     data = load_data(subset, dev)
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
@@ -396,43 +465,70 @@ def run_study(configs: list[str] | None = None, epochs: int = 10, subset: int | 
             "optimizer": "Adadelta lr 1.0, StepLR gamma 0.7", "block_size": BLOCK_SIZE, "scale_bits": SCALE_BITS,
             "round": "nearest"}
     out = Path(out)
+    common = {"device": device, "seed": seed, "batch_size": batch_size, "subset": subset,
+              "threads": max(1, (os.cpu_count() or 2) // max(1, jobs)) if jobs > 1 else torch.get_num_threads()}
+    if jobs > 1:
+        data = None  # each process loads its own copy
     results: dict[str, RunResult] = {}
-    from tqdm import tqdm
-    for cfg in tqdm(parsed, desc="configurations", disable=not progress, unit="run", dynamic_ncols=True):
-        log(f"{cfg.name}: {cfg.bits['total']:g} bits per element")
-        results[cfg.name] = run_config(cfg, data, epochs, seed=seed, batch_size=batch_size, progress=progress,
-                                       log=log)
-        _write(out, results, epochs, None, meta)
-    search_info = None
+    state = {"search": None}
+
+    def write(res=None):
+        _write(out, {**results, **(res or {})}, epochs, state["search"], meta)
+
+    results.update(_train_many(parsed, epochs, data, common, jobs, out / "jobs", log, progress, write))
+    write()
     if search:
         search_epochs = search_epochs or epochs
-        search_info = {"target": target, "epochs": search_epochs, "tried": [], "best": None}
+        info = state["search"] = {"target": target, "epochs": search_epochs, "tried": [], "best": None}
         failed: list[StudyConfig] = []
         runs = 0
-        for cand in search_candidates():
-            if runs >= search_max_runs:
-                break
-            bits = cand.bits["total"]
-            dom = _dominated(cand, failed)
-            if dom is not None:
-                continue
-            known = results.get(cand.name) if search_epochs == epochs else None
-            r = known or run_config(cand, data, search_epochs, seed=seed, batch_size=batch_size, progress=progress,
-                                    log=log)
-            if known is None:
-                runs += 1
-                results[f"search:{cand.name}"] = r
-            ok = r.accuracy[-1] >= target
-            search_info["tried"].append({"config": cand.name, "bits": bits, "accuracy": round(r.accuracy[-1], 2),
-                                         "outcome": "reaches target" if ok else "below target"})
-            log(f"search: {cand.name} ({bits:g} bits): {r.accuracy[-1]:.2f}% -> {'OK' if ok else 'below'}")
-            if ok:
-                search_info["best"] = {"config": cand.name, "bits": bits, "detail": cand.bits,
-                                       "accuracy": r.accuracy[-1]}
-                break
-            failed.append(cand)
-    _write(out, results, epochs, search_info, meta)
-    return {"results": results, "search": search_info, "out": str(out), "meta": meta}
+        remaining = search_candidates()
+        while remaining and info["best"] is None and runs < search_max_runs:
+            wave = []
+            for cand in list(remaining):
+                if len(wave) >= max(1, jobs) or runs + len(wave) >= search_max_runs:
+                    break
+                remaining.remove(cand)
+                if _dominated(cand, failed) is None:
+                    wave.append(cand)
+            todo = [c for c in wave if not (search_epochs == epochs and c.name in results)]
+            trained = _train_many(todo, search_epochs, data, common, jobs, out / "jobs", log, progress,
+                                  lambda res: write({f"search:{k}": v for k, v in res.items()}))
+            runs += len(todo)
+            for k, v in trained.items():
+                results[f"search:{k}"] = v
+            for cand in wave:  # in cost order: the first success is the answer
+                r = results.get(cand.name) if cand.name not in trained else trained[cand.name]
+                if r is None or not r.accuracy:
+                    continue
+                ok = r.accuracy[-1] >= target
+                info["tried"].append({"config": cand.name, "bits": cand.bits["total"],
+                                      "accuracy": round(r.accuracy[-1], 2),
+                                      "outcome": "reaches target" if ok else "below target"})
+                log(f"search: {cand.name} ({cand.bits['total']:g} bits): {r.accuracy[-1]:.2f}% -> "
+                    f"{'OK' if ok else 'below'}")
+                if ok:
+                    info["best"] = {"config": cand.name, "bits": cand.bits["total"], "detail": cand.bits,
+                                    "accuracy": r.accuracy[-1]}
+                    break
+                failed.append(cand)
+            write()
+    write()
+    return {"results": results, "search": state["search"], "out": str(out), "meta": meta}
+
+
+def merge_studies(folders, out) -> Path:
+    """Combine the runs of several study folders (e.g. from separate machines) into one set of files."""
+    results, meta, epochs = {}, None, 0
+    for folder in folders:
+        data = json.loads((Path(folder) / "runs.json").read_text())
+        meta = meta or data["meta"]
+        epochs = max(epochs, data["epochs"])
+        for r in data["runs"]:
+            results[r["config"]] = RunResult(**r)
+    out = Path(out)
+    _write(out, results, epochs, None, meta)
+    return out
 
 
 def _cpu_name() -> str:
@@ -463,9 +559,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--search", dest="search", action="store_true", default=None,
                    help="search the fewest bits keeping --target accuracy (default: on without --configs)")
     p.add_argument("--no-search", dest="search", action="store_false")
+    p.add_argument("--search-only", action="store_true", help="skip the tables, only search")
     p.add_argument("--search-epochs", type=int, default=None, help="epochs per search run (default: --epochs)")
     p.add_argument("--search-max-runs", type=int, default=12, help="most search runs to train (default 12)")
     p.add_argument("--target", type=float, default=90.0, help="accuracy the search must keep (default 90)")
+    p.add_argument("--jobs", type=int, default=1, help="configurations trained at once, one process each (default 1)")
+    p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                   help="only combine the runs.json of these study folders into --out (tables and plot)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -479,7 +579,13 @@ def main(argv=None) -> int:
 def run_from_args(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.merge:
+        out = merge_studies(args.merge, args.out)
+        print((out / "tables.md").read_text())
+        return 0
     configs = [c for c in args.configs.split(",") if c.strip()] if args.configs else None
+    if args.search_only:
+        configs, args.search = [], True
     try:
         if configs:
             for c in configs:
@@ -489,7 +595,8 @@ def run_from_args(args) -> int:
         return 2
     res = run_study(configs, epochs=args.epochs, subset=args.subset, out=args.out, device=args.device, seed=args.seed,
                     batch_size=args.batch_size, search=args.search, search_epochs=args.search_epochs,
-                    target=args.target, search_max_runs=args.search_max_runs, progress=not args.quiet)
+                    target=args.target, search_max_runs=args.search_max_runs, jobs=args.jobs,
+                    progress=not args.quiet)
     print(Path(res["out"], "tables.md").read_text())
     print(f"wrote {res['out']}/runs.csv, runs.json, tables.md, study.png")
     return 0

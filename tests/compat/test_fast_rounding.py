@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from mxtrain.elementwise import rounding as fast_rounding
 from mxtrain.elementwise import fake_quantize_mx_floor, round_elemwise
 from mxtrain.formats import parse_format
 from mxtrain.quantization import fake_quantize_mx, quantize_elemwise
@@ -30,10 +31,17 @@ def bits_equal(a, b):
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.view(torch.int32)[~nan], b.view(torch.int32)[~nan])
 
 
+@pytest.fixture(params=["branch", "select"])
+def mode(request, monkeypatch):
+    """The CPU's data-dependent branches, and the GPU's sync-free selects (forced on the CPU)."""
+    monkeypatch.setattr(fast_rounding, "FORCE_SELECT", request.param == "select")
+    return request.param
+
+
 @pytest.mark.parametrize("rounding", ["even", "nearest", "floor"])
 @pytest.mark.parametrize("fmt", ["bfloat16", "bfloat12", "bfloat10", "fp16", "fp12", "fp10", "fp8", "fp7", "fp24",
                                  "fp32"])
-def test_elemwise_bits(fmt, rounding):
+def test_elemwise_bits(fmt, rounding, mode):
     x = adversarial(40000)
     assert bits_equal(round_elemwise(x, fmt, rounding), quantize_elemwise(x, fmt, rounding))
 
@@ -52,7 +60,7 @@ GEOMETRIES = [((64, 100), -1, 32), ((8, 16, 5, 5), 1, 32), ((8, 70, 3), 1, 32), 
 
 @pytest.mark.parametrize("rounding", ["even", "nearest", "floor"])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1", "int8", "int4", "int2"])
-def test_mx_bits(fmt, rounding):
+def test_mx_bits(fmt, rounding, mode):
     for shape, axis, bs in GEOMETRIES:
         for scale in (1.0, 1e-38, 1e30):
             x = adversarial(math.prod(shape), seed=len(shape)).view(shape) * scale

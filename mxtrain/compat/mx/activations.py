@@ -73,6 +73,9 @@ def _relu_grad(grad_output, out_sign):
     ``grad * sign`` equals it (up to the sign of zeros) when both are finite, which one
     fused sum checks; otherwise the where itself runs.
     """
+    if grad_output.device.type != "cpu":  # a select costs nothing there, a finiteness check a sync
+        return torch.where(out_sign > 0, grad_output, torch.zeros([1], dtype=grad_output.dtype,
+                                                                   device=grad_output.device))
     g = grad_output * out_sign
     if not torch.isfinite(g.sum()):
         g = torch.where(out_sign > 0, grad_output, torch.zeros([1], dtype=grad_output.dtype,

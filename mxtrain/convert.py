@@ -1,0 +1,238 @@
+"""``mxtrain.convert``: swap the torch modules of a model for MX ones, in place and undoably.
+
+    handle = mxtrain.convert(model, recipe=mxtrain.MXFP8Recipe(elemwise_format="bfloat16"))
+    loss = model(x).sum(); loss.backward()        # MX GEMMs, bfloat16 activations
+    handle.undo()                                 # the original modules are back
+
+What is replaced (exact types; subclasses are left alone):
+
+| torch module | becomes |
+|---|---|
+| ``nn.Linear`` | :class:`mxtrain.Linear` |
+| ``nn.Conv1d``, ``nn.Conv2d`` | :class:`mxtrain.modules.conv.Conv1d` / ``Conv2d`` (MX GEMM operands per the recipe's roles) |
+| ``nn.LayerNorm`` (last dim) | :class:`mxtrain.LayerNorm` |
+| ``nn.RMSNorm`` (last dim) | :class:`mxtrain.RMSNorm` |
+| ``nn.ReLU``, ``ReLU6``, ``LeakyReLU``, ``GELU``, ``SiLU``, ``Sigmoid``, ``Tanh``, ``Softmax`` | their elementwise-precision versions in :mod:`mxtrain.elementwise.modules` |
+
+A replacement holds the very same ``Parameter`` and buffer objects as the module
+it replaces (and its hooks, training flag and attributes), so the state dict,
+optimizers built before or after, and weight updates are shared; the original
+module objects are kept by the handle and put back by :meth:`Conversion.undo`
+or :func:`unconvert`. With ``recipe=None`` the new modules follow the innermost
+``mx_autocast`` (and are plain torch outside it); with a recipe they use it
+always. This is the scoped, undoable form of microxcaling's ``inject_pyt_ops``,
+which patches torch for the whole process.
+
+``include`` / ``exclude`` select modules by qualified name (a glob such as
+``"encoder.*"`` or ``"fc1"``), by type (``nn.Softmax``), or by a predicate
+``f(name, module) -> bool``; a list means any of them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from mxtrain.autocast import mx_autocast
+from mxtrain.elementwise.modules import ELEMENTWISE_MODULES
+from mxtrain.modules import LayerNorm, Linear, RMSNorm
+from mxtrain.modules.conv import Conv1d, Conv2d
+from mxtrain.recipes import Recipe
+
+__all__ = ["convert", "unconvert", "Conversion", "CONVERSIONS"]
+
+
+def _layernorm_ok(m):
+    if len(m.normalized_shape) != 1:
+        return f"normalizes {len(m.normalized_shape)} dims (mxtrain.LayerNorm: the last one only)"
+    return None
+
+
+def _rmsnorm_ok(m):
+    if len(m.normalized_shape) != 1:
+        return f"normalizes {len(m.normalized_shape)} dims (mxtrain.RMSNorm: the last one only)"
+    return None
+
+
+def _prepare_norm(new, old):
+    new.__dict__["zero_centered_gamma"] = False
+    if "bias" not in new._parameters:  # nn.RMSNorm has no bias; mxtrain's norms read self.bias
+        new._parameters["bias"] = None
+    if getattr(old, "eps", None) is None:  # nn.RMSNorm's eps=None means torch.finfo(dtype).eps
+        import torch
+        dtype = old.weight.dtype if getattr(old, "weight", None) is not None else torch.get_default_dtype()
+        new.__dict__["eps"] = torch.finfo(dtype).eps
+
+
+# torch type -> (replacement type, check returning a reason to skip or None, fix-up after copying attributes)
+CONVERSIONS: dict = {
+    nn.Linear: (Linear, None, None),
+    nn.Conv1d: (Conv1d, None, None),
+    nn.Conv2d: (Conv2d, None, None),
+    nn.LayerNorm: (LayerNorm, _layernorm_ok, _prepare_norm),
+}
+if hasattr(nn, "RMSNorm"):
+    CONVERSIONS[nn.RMSNorm] = (RMSNorm, _rmsnorm_ok, _prepare_norm)
+for _torch_type, _elementwise_type in ELEMENTWISE_MODULES.items():
+    CONVERSIONS[_torch_type] = (_elementwise_type, None, None)
+
+
+class _PinnedRecipe:
+    """Runs ``forward`` under the recipe pinned by :func:`convert` (backward keeps it through autograd)."""
+
+    def forward(self, *args, **kwargs):
+        with mx_autocast(recipe=self.__dict__["_mx_recipe"]):
+            return super().forward(*args, **kwargs)
+
+
+_PINNED: dict[type, type] = {}
+
+
+def _pinned(cls: type) -> type:
+    """``cls`` running under a pinned recipe; a module-level class here, so converted models pickle."""
+    if cls not in _PINNED:
+        name = f"Pinned{cls.__name__}"
+        if name in globals():
+            name = f"Pinned{cls.__module__.rsplit('.', 1)[-1].title()}{cls.__name__}"
+        pinned = type(name, (_PinnedRecipe, cls), {"__module__": __name__, "__qualname__": name,
+                                                    "__doc__": cls.__doc__})
+        globals()[name] = _PINNED[cls] = pinned
+    return _PINNED[cls]
+
+
+def _transplant(new_cls: type, old: nn.Module) -> nn.Module:
+    """An instance of ``new_cls`` sharing ``old``'s parameters, buffers, children, hooks and attributes."""
+    new = new_cls.__new__(new_cls)
+    for k, v in old.__dict__.items():
+        new.__dict__[k] = OrderedDict(v) if isinstance(v, OrderedDict) else (dict(v) if type(v) is dict else v)
+    return new
+
+
+def _matches(selector, name: str, module: nn.Module) -> bool:
+    if isinstance(selector, (list, tuple, set, frozenset)):
+        return any(_matches(s, name, module) for s in selector)
+    if isinstance(selector, str):
+        return fnmatch.fnmatchcase(name, selector)
+    if isinstance(selector, type):
+        return isinstance(module, selector)
+    if callable(selector):
+        return bool(selector(name, module))
+    raise TypeError(f"include/exclude take names (glob patterns), module types or predicates f(name, module); "
+                    f"got {type(selector).__name__} {selector!r}")
+
+
+@dataclass
+class Conversion:
+    """What :func:`convert` did to a model; :meth:`undo` puts the original modules back.
+
+    Attributes:
+        replaced: ``[(qualified name, torch type name, new type name)]``.
+        skipped: ``[(qualified name, reason)]`` for modules of a convertible type left alone.
+        recipe: the pinned recipe, or None (the modules follow ``mx_autocast``).
+    """
+
+    model: nn.Module
+    recipe: Recipe | None
+    replaced: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+    _swaps: list = field(default_factory=list, repr=False)  # (parent, attribute, original, replacement)
+    undone: bool = False
+
+    def undo(self) -> None:
+        """Put the original modules back (idempotent)."""
+        if self.undone:
+            return
+        for parent, attr, original, replacement in reversed(self._swaps):
+            if parent._modules.get(attr) is replacement:
+                parent._modules[attr] = original
+            else:
+                warnings.warn(f"mxtrain.convert: {type(parent).__name__}.{attr} was changed after conversion; "
+                              "leaving it as it is", stacklevel=2)
+        self.undone = True
+        stack = self.model.__dict__.get("_mxtrain_conversions", [])
+        if self in stack:
+            stack.remove(self)
+
+    def __enter__(self) -> "Conversion":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.undo()
+        return False
+
+    def summary(self) -> str:
+        lines = [f"converted {len(self.replaced)} module(s)"
+                 + (f" with recipe {self.recipe!r}" if self.recipe is not None else " (following mx_autocast)")]
+        lines += [f"  {name or '<root>'}: {old} -> {new}" for name, old, new in self.replaced]
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"Conversion(replaced={len(self.replaced)}, skipped={len(self.skipped)}, recipe={self.recipe!r}, "
+                f"undone={self.undone})")
+
+
+def convert(model: nn.Module, recipe: Recipe | None = None, *, include=None, exclude=None) -> Conversion:
+    """Replace, in place, the torch modules of ``model`` by their MX versions (see the module docstring).
+
+    Args:
+        model: any ``nn.Module``; its submodules are replaced (the root itself is not: wrap it).
+        recipe: pin this recipe on the new modules; None: they follow ``mx_autocast``.
+        include: only convert modules matching this (name glob, type, predicate or a list of them).
+        exclude: leave modules matching this alone.
+
+    Returns:
+        a :class:`Conversion`; ``.undo()`` (or ``mxtrain.unconvert(model)``, or leaving a
+        ``with`` block) restores the original modules.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert expects an nn.Module, got {type(model).__name__}")
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be an mxtrain recipe (MXFP8Recipe(), MXRecipe(...)...) or None, "
+                        f"got {type(recipe).__name__}")
+    handle = Conversion(model=model, recipe=recipe)
+    done: dict[int, nn.Module] = {}  # a module shared by several parents is replaced once
+    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
+        for attr, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            name = f"{parent_name}.{attr}" if parent_name else attr
+            entry = CONVERSIONS.get(type(child))
+            if entry is None:
+                continue
+            if include is not None and not _matches(include, name, child):
+                continue
+            if exclude is not None and _matches(exclude, name, child):
+                continue
+            new = done.get(id(child))
+            if new is None:
+                new_cls, check, fixup = entry
+                reason = check(child) if check else None
+                if reason:
+                    handle.skipped.append((name, reason))
+                    continue
+                new = _transplant(_pinned(new_cls) if recipe is not None else new_cls, child)
+                if recipe is not None:
+                    new.__dict__["_mx_recipe"] = recipe
+                if fixup:
+                    fixup(new, child)
+                done[id(child)] = new
+                handle.replaced.append((name, type(child).__name__, f"{new_cls.__module__}.{new_cls.__name__}"))
+            parent._modules[attr] = new
+            handle._swaps.append((parent, attr, child, new))
+    model.__dict__.setdefault("_mxtrain_conversions", []).append(handle)
+    return handle
+
+
+def unconvert(model: nn.Module) -> int:
+    """Undo every :func:`convert` applied to ``model`` (latest first); returns how many were undone."""
+    stack = model.__dict__.get("_mxtrain_conversions", [])
+    n = 0
+    while stack:
+        stack[-1].undo()
+        n += 1
+    return n

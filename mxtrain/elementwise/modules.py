@@ -1,0 +1,112 @@
+"""Activations and softmax whose every basic operation is rounded to the recipe's elementwise precision.
+
+Drop-in subclasses of the torch modules (same constructor arguments, no
+parameters). The precision is the recipe's ``elemwise_format`` (``bfloatN`` /
+``fpN``), rounded with its ``rounding``, subnormals per ``elemwise_subnormals``, the
+backward pass rounded too unless ``quantize_backward=False``: the recipe of the
+innermost ``mx_autocast``, or the one :func:`mxtrain.convert` pinned on the module.
+With no recipe, or one without ``elemwise_format``, each module is exactly its
+torch parent. The formulas are microxcaling's (``mxtrain.compat.mx.activations``
+and ``softmax``): e.g. GELU becomes ``x * sigmoid(1.59375 (x + 0.044677734 x**3))``,
+its tanh approximation in bfloat16 constants, and softmax ``exp(x - max) / sum``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from mxtrain.autocast import get_recipe
+from mxtrain.compat.mx import activations as _act
+from mxtrain.compat.mx.softmax import SoftmaxFunction
+from mxtrain.compat.mx.specs import DEFAULTS, MxSpecs
+from mxtrain.formats import parse_elemwise_format
+
+__all__ = ["elementwise_specs", "ReLU", "ReLU6", "LeakyReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "Softmax",
+           "ELEMENTWISE_MODULES"]
+
+_MX_ROUND = {"even": "even", "nearest": "nearest", "floor": "floor", "stochastic": "dither"}
+
+
+@functools.lru_cache(maxsize=64)
+def elementwise_specs(recipe) -> MxSpecs | None:
+    """microxcaling-style specs that round every elementwise op per ``recipe`` (None: no rounding)."""
+    if recipe is None or recipe.elemwise_format is None:
+        return None
+    fmt = parse_elemwise_format(recipe.elemwise_format)
+    specs = MxSpecs()
+    specs["bfloat" if fmt.ebits == 8 else "fp"] = fmt.bits
+    for key in DEFAULTS:
+        if key == "round" or key.startswith("round_"):
+            specs[key] = _MX_ROUND[recipe.rounding]
+    specs["bfloat_subnorms"] = recipe.elemwise_subnormals
+    specs["quantize_backprop"] = recipe.quantize_backward
+    return specs
+
+
+def _specs(module):
+    return elementwise_specs(module.__dict__.get("_mx_recipe") or get_recipe())
+
+
+class ReLU(nn.ReLU):
+    def forward(self, x):
+        s = _specs(self)
+        return super().forward(x) if s is None else _act.ReLUFunction.apply(x, self.inplace, s, None)
+
+
+class ReLU6(nn.ReLU6):
+    def forward(self, x):
+        s = _specs(self)
+        return super().forward(x) if s is None else _act.ReLU6Function.apply(x, self.inplace, s, None)
+
+
+class LeakyReLU(nn.LeakyReLU):
+    def forward(self, x):
+        s = _specs(self)
+        if s is None:
+            return super().forward(x)
+        return _act.LeakyReLUFunction.apply(x, self.negative_slope, self.inplace, s, None)
+
+
+class GELU(nn.GELU):
+    """With elementwise precision on: microxcaling's sigmoid form of the tanh approximation (either ``approximate``)."""
+
+    def forward(self, x):
+        s = _specs(self)
+        return super().forward(x) if s is None else _act.GELUFunction.apply(x, s, False, None)
+
+
+class SiLU(nn.SiLU):
+    def forward(self, x):
+        s = _specs(self)
+        return super().forward(x) if s is None else _act.SiLUFunction.apply(x, self.inplace, s, None)
+
+
+class Sigmoid(nn.Sigmoid):
+    def forward(self, x):
+        s = _specs(self)
+        return super().forward(x) if s is None else _act.SigmoidFunction.apply(x, s, None)
+
+
+class Tanh(nn.Tanh):
+    def forward(self, x):
+        s = _specs(self)
+        return super().forward(x) if s is None else _act.TanhFunction.apply(x, s, None)
+
+
+class Softmax(nn.Softmax):
+    def forward(self, x):
+        s = _specs(self)
+        if s is None:
+            return super().forward(x)
+        dim = self.dim
+        if dim is None:  # torch's legacy implicit dim
+            dim = 0 if x.ndim in (0, 1, 3) else 1
+        return SoftmaxFunction.apply(x, dim, s, None)
+
+
+# torch module type -> its elementwise-precision replacement
+ELEMENTWISE_MODULES = {nn.ReLU: ReLU, nn.ReLU6: ReLU6, nn.LeakyReLU: LeakyReLU, nn.GELU: GELU, nn.SiLU: SiLU,
+                       nn.Sigmoid: Sigmoid, nn.Tanh: Tanh, nn.Softmax: Softmax}
