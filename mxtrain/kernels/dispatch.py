@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from mxtrain.quantization import MXTensor, quantize_mx
+from mxtrain.quantization.float8 import Float8Tensor, quantize_float8 as quantize_float8_reference
 
 BACKENDS = ("auto", "reference", "triton", "cuda")
 
@@ -23,6 +24,9 @@ _QUANTIZE_IMPLS: dict[str, Callable[..., MXTensor]] = {"reference": quantize_mx}
 _GEMM_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
 # name -> dequantize implementation (mxt, dtype, axis) -> tensor; filled by kernel modules
 _DEQUANTIZE_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
+# FP8 (mxtrain.recipes.float8): casts with quantize_float8's signature, GEMMs with mx_gemm's
+_FLOAT8_QUANTIZE_IMPLS: dict[str, Callable[..., Float8Tensor]] = {"reference": quantize_float8_reference}
+_FLOAT8_GEMM_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
 _PREFERENCE = ("cuda", "triton")
 _KERNELS_LOADED = False
 
@@ -37,6 +41,14 @@ def register_gemm(name: str, fn: Callable[..., torch.Tensor]) -> None:
 
 def register_dequantize(name: str, fn: Callable[..., torch.Tensor]) -> None:
     _DEQUANTIZE_IMPLS[name] = fn
+
+
+def register_float8_quantize(name: str, fn: Callable[..., Float8Tensor]) -> None:
+    _FLOAT8_QUANTIZE_IMPLS[name] = fn
+
+
+def register_float8_gemm(name: str, fn: Callable[..., torch.Tensor]) -> None:
+    _FLOAT8_GEMM_IMPLS[name] = fn
 
 
 def _load_kernels() -> None:
@@ -54,6 +66,12 @@ def _load_kernels() -> None:
         if torch.cuda.is_available():
             import mxtrain.kernels.gemm  # noqa: F401
     except ImportError:  # no (working) triton: the reference serves every call
+        pass
+    try:
+        import mxtrain.kernels.float8_cast  # noqa: F401
+        if torch.cuda.is_available():
+            import mxtrain.kernels.float8_gemm  # noqa: F401
+    except ImportError:
         pass
 
 
@@ -144,15 +162,25 @@ def dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None
     return _DEQUANTIZE_IMPLS[name](mxt, dtype, axis)
 
 
+def quantize_float8(x: torch.Tensor, fmt, *, axes=-1, scale: torch.Tensor | None = None, block=None,
+                    power_of_2_scales: bool = False, amax_epsilon: float = 0.0, amax_reduction_group=None,
+                    backend: str | None = None) -> Float8Tensor:
+    """``mxtrain.quantization.float8.quantize_float8`` through the selected backend (bit-identical)."""
+    name = _resolve(backend, x.device, _FLOAT8_QUANTIZE_IMPLS)
+    return _FLOAT8_QUANTIZE_IMPLS[name](x, fmt, axes=axes, scale=scale, block=block,
+                                        power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon,
+                                        amax_reduction_group=amax_reduction_group)
+
+
 def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:
     """fp32 values of a 2-D GEMM operand with its reduction axis ``axis`` moved last.
 
     An :class:`MXTensor` must have a plane blocked along ``axis`` (blocks run
     along the reduction dim); a plain tensor is used as is (high precision).
     """
-    if isinstance(t, MXTensor):
+    if isinstance(t, (MXTensor, Float8Tensor)):
         if t.ndim != 2:
-            raise ValueError(f"GEMM operands must be 2-D, got an MXTensor of shape {list(t.shape)}")
+            raise ValueError(f"GEMM operands must be 2-D, got an {type(t).__name__} of shape {list(t.shape)}")
         return t.dequantize_blocked(torch.float32, axis=axis)
     if t.ndim != 2:
         raise ValueError(f"GEMM operands must be 2-D, got shape {list(t.shape)}")
@@ -169,14 +197,17 @@ def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axi
     (the order of accumulation is free), plus ``bias`` in fp32, rounded once to
     ``out_dtype``. Fprop ``X W^T``: ``(x, 1), (w, 1)``; dgrad ``dY W``:
     ``(dy, 1), (w, 0)``; wgrad ``dY^T X``: ``(dy, 0), (x, 0)``. CUDA operands take
-    the cuBLAS path of :mod:`mxtrain.kernels.gemm`; others the reference.
+    the cuBLAS path of :mod:`mxtrain.kernels.gemm` (``Float8Tensor`` operands: the FP8
+    GEMMs of :mod:`mxtrain.kernels.float8_gemm`); others the reference.
     """
-    device = a.device if isinstance(a, (MXTensor, torch.Tensor)) else torch.device("cpu")
+    device = a.device if isinstance(a, (MXTensor, Float8Tensor, torch.Tensor)) else torch.device("cpu")
+    # FP8 operands (Float8Tensor) have GEMMs of their own (mxtrain/kernels/float8_gemm.py)
+    impls = _FLOAT8_GEMM_IMPLS if isinstance(a, Float8Tensor) or isinstance(b, Float8Tensor) else _GEMM_IMPLS
     # a forced kernel backend names the casts; the GEMM then takes whatever GPU GEMM exists
     requested = backend or os.environ.get("MXTRAIN_BACKEND", "auto")
-    name = _resolve("reference" if requested == "reference" else "auto", device, _GEMM_IMPLS)
+    name = _resolve("reference" if requested == "reference" else "auto", device, impls)
     if name != "reference":
-        return _GEMM_IMPLS[name](a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+        return impls[name](a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
     av, bv = gemm_operand(a, a_axis), gemm_operand(b, b_axis)
     if av.shape[1] != bv.shape[1]:
         raise ValueError(f"GEMM reduction sizes differ: {av.shape[1]} vs {bv.shape[1]}")

@@ -7,7 +7,9 @@ import dataclasses
 import torch
 
 from mxtrain.kernels.dispatch import quantize
+from mxtrain.modules._float8 import quantize_float8_operand
 from mxtrain.quantization import MXTensor, quantize_elemwise
+from mxtrain.recipes.float8 import Float8RoleSpec
 
 _GENERATORS: dict[tuple[int, torch.device], torch.Generator] = {}
 
@@ -46,6 +48,11 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator) -> list["MXTensor
             groups.setdefault(spec, []).append((i, axis))
     for spec, uses in groups.items():
         axes = tuple(dict.fromkeys(axis for _, axis in uses))
+        if isinstance(spec, Float8RoleSpec):  # FP8 recipes: a Float8Tensor (data + scale_inv) per use
+            fp8 = quantize_float8_operand(t2d, spec, axes)
+            for i, axis in uses:
+                out[i] = fp8.only(axis)
+            continue
         mx = quantize(t2d, spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
                       rounding=spec.rounding, seed=generator)
         for i, axis in uses:

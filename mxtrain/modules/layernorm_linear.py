@@ -14,6 +14,7 @@ from mxtrain.autocast import get_recipe
 from mxtrain.modules._common import (
     check_input, check_mx_operands, recipe_generator, release_mx_operands, round_elemwise,
 )
+from mxtrain.modules._recipe_state import RecipeStateMixin
 from mxtrain.modules.linear import init_linear_, mx_linear_backward, mx_linear_forward
 from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
 
@@ -58,7 +59,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         return dx, dlnw, dlnb, dw, db, None, None
 
 
-class LayerNormLinear(nn.Module):
+class LayerNormLinear(RecipeStateMixin, nn.Module):
     """``norm -> linear`` with MX GEMMs under ``mx_autocast``.
 
     Parameters (Transformer Engine's names): ``layer_norm_weight``,
@@ -104,7 +105,7 @@ class LayerNormLinear(nn.Module):
             return (y, ln_out) if self.return_layernorm_output else y
         cfg = (self.normalization, self.eps, self.zero_centered_gamma, self.return_layernorm_output)
         return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias,
-                                        cfg, recipe)
+                                        cfg, self.forward_recipe(recipe))
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, "

@@ -21,6 +21,7 @@ from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.modules._common import (
     check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
 )
+from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
 from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
 from mxtrain.modules.linear import init_linear_
 from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
@@ -33,20 +34,21 @@ class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, cfg, recipe):
         normalization, eps, zc, act = cfg
-        role = recipe.role
+        # each GEMM's own view: a recipe with per-module state keeps fc1's and fc2's tensors apart
+        role1, role2 = gemm_recipe(recipe, "fc1").role, gemm_recipe(recipe, "fc2").role
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
         ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
         ln_row, ln_col = quantize_operand(
-            ln_out, [(role("fprop_input"), 1), (role("wgrad_input") if ctx.needs_input_grad[3] else None, 0)], gen)
+            ln_out, [(role1("fprop_input"), 1), (role1("wgrad_input") if ctx.needs_input_grad[3] else None, 0)], gen)
         del ln_out
-        (w1_row,) = quantize_operand(fc1_weight, [(role("fprop_weight"), 1)], gen)
+        (w1_row,) = quantize_operand(fc1_weight, [(role1("fprop_weight"), 1)], gen)
         h = mx_gemm(ln_row, w1_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc1_bias)
         del ln_row, w1_row
         a = round_elemwise(activation(h, act), recipe)
-        (a_row,) = quantize_operand(a, [(role("fprop_input"), 1)], gen)
+        (a_row,) = quantize_operand(a, [(role2("fprop_input"), 1)], gen)
         del a
-        (w2_row,) = quantize_operand(fc2_weight, [(role("fprop_weight"), 1)], gen)
+        (w2_row,) = quantize_operand(fc2_weight, [(role2("fprop_weight"), 1)], gen)
         y = mx_gemm(a_row, w2_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc2_bias)
         del a_row, w2_row
         ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight)
@@ -61,27 +63,27 @@ class _LayerNormMLPFn(torch.autograd.Function):
         x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight = ctx.saved_tensors
         normalization, eps, zc, act = ctx.cfg
         recipe, gen = ctx.recipe, ctx.gen
-        role = recipe.role
+        role1, role2 = gemm_recipe(recipe, "fc1").role, gemm_recipe(recipe, "fc2").role
         need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
         need_ln = need_x or need_lnw or need_lnb
         need_h = need_ln or need_w1 or need_b1
         d1, d1b, d2, d2b = ctx.dtypes
         dy2d = dy.reshape(-1, dy.shape[-1])
         dy_row, dy_col = quantize_operand(
-            dy2d, [(role("dgrad_grad_output") if need_h else None, 1),
-                   (role("wgrad_grad_output") if need_w2 else None, 0)], gen)
+            dy2d, [(role2("dgrad_grad_output") if need_h else None, 1),
+                   (role2("wgrad_grad_output") if need_w2 else None, 0)], gen)
 
         dw2 = da = None
         if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it
             a = round_elemwise(activation(h, act), recipe)
-            (a_col,) = quantize_operand(a, [(role("wgrad_input"), 0)], gen)
+            (a_col,) = quantize_operand(a, [(role2("wgrad_input"), 0)], gen)
             del a
             dw2 = mx_gemm(dy_col, a_col, a_axis=0, b_axis=0, out_dtype=d2)
             del a_col
         del dy_col
         db2 = dy2d.float().sum(0).to(d2b) if need_b2 else None
         if need_h:
-            (w2_col,) = quantize_operand(fc2_weight, [(role("dgrad_weight"), 0)], gen)
+            (w2_col,) = quantize_operand(fc2_weight, [(role2("dgrad_weight"), 0)], gen)
             da = mx_gemm(dy_row, w2_col, a_axis=1, b_axis=0, out_dtype=h.dtype)
             del w2_col
         del dy_row
@@ -92,15 +94,15 @@ class _LayerNormMLPFn(torch.autograd.Function):
             del da
             db1 = dh.float().sum(0).to(d1b) if need_b1 else None
             dh_row, dh_col = quantize_operand(
-                dh, [(role("dgrad_grad_output") if need_ln else None, 1),
-                     (role("wgrad_grad_output") if need_w1 else None, 0)], gen)
+                dh, [(role1("dgrad_grad_output") if need_ln else None, 1),
+                     (role1("wgrad_grad_output") if need_w1 else None, 0)], gen)
             del dh
             if need_w1:
                 dw1 = mx_gemm(dh_col, ctx.ln_col, a_axis=0, b_axis=0, out_dtype=d1)
             del dh_col
             release_mx_operands(ctx, "ln_col")
             if need_ln:
-                (w1_col,) = quantize_operand(fc1_weight, [(role("dgrad_weight"), 0)], gen)
+                (w1_col,) = quantize_operand(fc1_weight, [(role1("dgrad_weight"), 0)], gen)
                 dln = mx_gemm(dh_row, w1_col, a_axis=1, b_axis=0, out_dtype=x2d.dtype)
                 del dh_row, w1_col
                 dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln, normalization, eps, zc,
@@ -111,7 +113,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         return dx, dlnw, dlnb, dw1, db1, dw2, db2, None, None
 
 
-class LayerNormMLP(nn.Module):
+class LayerNormMLP(RecipeStateMixin, nn.Module):
     """``norm -> fc1 -> activation -> fc2`` with MX GEMMs under ``mx_autocast``.
 
     Parameters (Transformer Engine's names): ``layer_norm_weight``,
@@ -167,7 +169,7 @@ class LayerNormMLP(nn.Module):
         else:
             cfg = (self.normalization, self.eps, self.zero_centered_gamma, self.activation)
             y = _LayerNormMLPFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
-                                      self.fc1_bias, self.fc2_weight, fc2_bias, cfg, recipe)
+                                      self.fc1_bias, self.fc2_weight, fc2_bias, cfg, self.forward_recipe(recipe))
         return (y, self.fc2_bias) if self.return_bias else y
 
     def extra_repr(self) -> str:

@@ -19,6 +19,7 @@ from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.modules._common import (
     check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands,
 )
+from mxtrain.modules._recipe_state import RecipeStateMixin
 
 
 def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool):
@@ -88,17 +89,21 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return _LinearFn.apply(x, weight, bias, recipe)
 
 
-class Linear(nn.Linear):
+class Linear(RecipeStateMixin, nn.Linear):
     """Drop-in ``nn.Linear`` (same parameters, init and state-dict keys) with MX GEMMs under ``mx_autocast``.
 
     Inputs ``[..., in_features]`` of any rank; fp32/bf16/fp16. ``in_features`` or
     ``out_features`` that are not multiples of the block size are handled by
     zero-padding the last block (the reference pads; the padding never reaches the result).
+    A recipe with per-module state (DelayedScaling) keeps it here (see ``_recipe_state``).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self.in_features, "Linear")
-        return mx_linear(x, self.weight, self.bias)
+        recipe = get_recipe()
+        if recipe is None:
+            return F.linear(x, self.weight, self.bias)
+        return _LinearFn.apply(x, self.weight, self.bias, self.forward_recipe(recipe))
 
 
 def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from mxtrain.recipes.float8 import FLOAT8_RECIPE_CLASSES
 from mxtrain.recipes.recipe import _FROM_TEXT, RECIPE_CLASSES, Recipe
 
 __all__ = ["RECIPE_SHORT_NAMES", "HIGH_PRECISION_NAMES", "recipe_from_string"]
 
-RECIPE_SHORT_NAMES: dict[str, type[Recipe]] = {cls.short_name: cls for cls in RECIPE_CLASSES.values()}
+RECIPE_SHORT_NAMES: dict[str, type[Recipe]] = {
+    cls.short_name: cls for cls in (*RECIPE_CLASSES.values(), *FLOAT8_RECIPE_CLASSES.values())}
 
 # Words meaning "no MX recipe": the model runs in its own dtype, mx_autocast(enabled=False).
 HIGH_PRECISION_NAMES = ("none", "off", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
@@ -18,14 +20,16 @@ _SYNTAX = ("'NAME' or 'NAME:key=value,key=value' with NAME one of "
 def recipe_from_string(text: str) -> Recipe | None:
     """Parse a command-line recipe spec; None for high precision.
 
-    ``"mxfp8"``, ``"mxfp6"``, ``"mxfp4"``, ``"mxint8"``, ``"mx"`` name the recipe
-    classes (case-insensitive); ``"bf16"``, ``"none"``, ``"off"``, ``"fp32"``...
+    ``"mxfp8"``, ``"mxfp6"``, ``"mxfp4"``, ``"mxint8"``, ``"mx"`` name the MX recipe
+    classes, ``"fp8_current"``, ``"fp8_delayed"``, ``"fp8_block"`` the FP8 ones
+    (case-insensitive, ``-`` or ``_``); ``"bf16"``, ``"none"``, ``"off"``, ``"fp32"``...
     give None (no MX quantization). Options follow a colon as comma-separated
     ``key=value`` pairs, with the recipe's field names as keys::
 
         mxfp8:fp8_format=hybrid
         mxfp4:grad_rounding=stochastic,seed=0,elemwise_format=bfloat16
         mx:fprop_input=fp8_e4m3,fprop_weight=int4,quantize_backward=false,block_size=16
+        fp8_delayed:amax_history_len=16,amax_compute_algo=most_recent,margin=1
 
     Values are read for the field's type: ints (``16``, ``0x10``), bools
     (``true``/``false``/``yes``/``no``/``1``/``0``), ``none`` for optional fields,

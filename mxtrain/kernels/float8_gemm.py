@@ -1,0 +1,160 @@
+"""FP8 GEMMs on Hopper: per-tensor scales through ``torch._scaled_mm`` (cuBLASLt), 128-block scales in Triton.
+
+``mx_gemm`` sends :class:`~mxtrain.quantization.float8.Float8Tensor` operands here
+(on CUDA). Each operand's plane for its reduction axis is already in the layout
+the tensor cores want, the reduction axis contiguous: ``A`` is ``[M, K]``
+row-major and ``B`` is ``[N, K]`` row-major, i.e. ``Bᵀ`` column-major (cuBLASLt's
+FP8 GEMM is TN-only; the cast wrote the transposes).
+
+* Per-tensor (current / delayed scaling): ``torch._scaled_mm(A, Bᵀ, scale_a,
+  scale_b)`` with the operands' ``scale_inv``; bias in the epilogue when it has
+  the output dtype. ``K`` and ``N`` must be multiples of 16, and e5m2 x e5m2 has
+  no kernel: those cases, and mixed FP8 / high-precision operands, run the
+  fallback (fp32 GEMM of the dequantized operands). Fast accumulation (no
+  periodic promotion inside the tensor cores) is used for fprop only, as
+  Transformer Engine does; ``MXTRAIN_FP8_FAST_ACCUM=all|none|fprop`` overrides.
+* Blocks (Float8BlockScaling): :func:`block_fp8_gemm`, a Triton kernel that takes
+  the tensor-core partial product of each 128-long K slice in fp32 and adds it,
+  times the two operands' block scale-inverses, into an fp32 accumulator
+  (DeepSeek-V3's "promotion" every 128 K). ``A`` has 1x128 blocks; ``B`` 1x128 or
+  128x128 blocks.
+
+The result is the fp32-accumulated product of the dequantized operands up to the
+order (and, with fast accumulation, the precision) of accumulation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from mxtrain.kernels.dispatch import register_float8_gemm
+from mxtrain.quantization.float8 import Float8Tensor
+
+__all__ = ["float8_gemm", "scaled_mm_gemm", "block_fp8_gemm", "fallback_gemm"]
+
+
+def _operand_values(t, axis: int) -> torch.Tensor:
+    """fp32 ``[rows, K]`` values of an operand reducing over ``axis`` (FP8 or high precision)."""
+    if isinstance(t, Float8Tensor):
+        return t.dequantize_blocked(torch.float32, axis)
+    t = t.float()
+    return t if axis % 2 == 1 else t.t()
+
+
+def fallback_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    av, bv = _operand_values(a, a_axis), _operand_values(b, b_axis)
+    if av.shape[1] != bv.shape[1]:
+        raise ValueError(f"GEMM reduction sizes differ: {av.shape[1]} vs {bv.shape[1]}")
+    out = av @ bv.t()
+    if bias is not None:
+        out += bias.float()
+    return out.to(out_dtype)
+
+
+def _fast_accum(a_axis: int, b_axis: int) -> bool:
+    mode = os.environ.get("MXTRAIN_FP8_FAST_ACCUM", "fprop")
+    if mode == "all":
+        return True
+    if mode == "none":
+        return False
+    return a_axis % 2 == 1 and b_axis % 2 == 1  # fprop: X (rowwise) times W (rowwise)
+
+
+def scaled_mm_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: int, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None = None, use_fast_accum: bool | None = None) -> torch.Tensor:
+    """Per-tensor-scaled ``A @ Bᵀ`` through ``torch._scaled_mm`` (requires K, N % 16 == 0, not e5m2 x e5m2)."""
+    pa, pb = a.plane(a_axis), b.plane(b_axis)
+    fast = _fast_accum(a_axis, b_axis) if use_fast_accum is None else use_fast_accum
+    epilogue_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
+    out = torch._scaled_mm(pa.data, pb.data.t(), pa.scale_inv, pb.scale_inv,
+                           bias=bias if epilogue_bias else None,
+                           out_dtype=out_dtype if (bias is None or epilogue_bias) else torch.float32,
+                           use_fast_accum=fast)
+    if bias is not None and not epilogue_bias:
+        out = out.add_(bias.float()).to(out_dtype)
+    return out
+
+
+@triton.jit
+def _block_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
+                       stride_sa, stride_sb, A_BR: tl.constexpr, B_BR: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    width = GROUP_M * grid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + rm[:, None].to(tl.int64) * stride_am + rk[None, :]
+    b_ptrs = b_ptr + rn[None, :].to(tl.int64) * stride_bn + rk[:, None]
+    sa_ptrs = sa_ptr + (rm // A_BR) * stride_sa
+    sb_ptrs = sb_ptr + (rn // B_BR) * stride_sb
+    mm, mn = rm < M, rn < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BK)):
+        kmask = rk + kb * BK < K
+        a = tl.load(a_ptrs, mask=mm[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=kmask[:, None] & mn[None, :], other=0.0)
+        part = tl.dot(a, b)  # this K slice in the tensor cores, fp32 out
+        sa = tl.load(sa_ptrs + kb, mask=mm, other=0.0)
+        sb = tl.load(sb_ptrs + kb, mask=mn, other=0.0)
+        acc += part * sa[:, None] * sb[None, :]  # promoted: scaled and summed in fp32
+        a_ptrs += BK
+        b_ptrs += BK
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=mn, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + rm[:, None].to(tl.int64) * stride_cm + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mm[:, None] & mn[None, :])
+
+
+BLOCK_GEMM_CONFIG = dict(BM=128, BN=128, num_warps=8, num_stages=4)
+
+
+def block_fp8_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: int, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None = None, BM: int | None = None, BN: int | None = None) -> torch.Tensor:
+    """``A @ Bᵀ`` for 128-block-scaled operands: the Triton kernel promoting every 128 K (see module doc)."""
+    pa, pb = a.plane(a_axis), b.plane(b_axis)
+    if pa.block is None or pb.block is None or pa.block[1] != 128 or pb.block[1] != 128 or pa.block[0] != 1:
+        raise ValueError(f"block_fp8_gemm takes A with 1x128 blocks and B with 1x128 or 128x128 blocks, "
+                         f"got {pa.block} and {pb.block}")
+    (M, K), (N, Kb) = pa.data.shape, pb.data.shape
+    if K != Kb:
+        raise ValueError(f"GEMM reduction sizes differ: {K} vs {Kb}")
+    cfg = dict(BLOCK_GEMM_CONFIG)
+    cfg["BM"], cfg["BN"] = BM or cfg["BM"], BN or cfg["BN"]
+    out = torch.empty((M, N), dtype=out_dtype, device=pa.data.device)
+    grid = (triton.cdiv(M, cfg["BM"]) * triton.cdiv(N, cfg["BN"]),)
+    sa, sb = pa.scale_inv.contiguous(), pb.scale_inv.contiguous()
+    _block_gemm_kernel[grid](
+        pa.data, pb.data, out, sa, sb, bias if bias is not None else out, M, N, K,
+        pa.data.stride(0), pb.data.stride(0), out.stride(0), sa.stride(0), sb.stride(0),
+        A_BR=pa.block[0], B_BR=pb.block[0], HAS_BIAS=bias is not None, BK=128, GROUP_M=8, **cfg)
+    return out
+
+
+def float8_gemm(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dtype = torch.float32,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``A @ Bᵀ (+ bias)`` for FP8 operands on CUDA: the path their scaling calls for (see module doc)."""
+    if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
+        pa, pb = a.plane(a_axis), b.plane(b_axis)
+        if pa.block is None and pb.block is None:
+            (M, K), N = pa.data.shape, pb.data.shape[0]
+            if K % 16 == 0 and N % 16 == 0 and not (a.fmt == b.fmt == "fp8_e5m2") and K == pb.data.shape[1]:
+                return scaled_mm_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+        elif pa.block is not None and pb.block is not None and pa.block[0] == 1:
+            return block_fp8_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+    return fallback_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+
+
+if torch.cuda.is_available():
+    register_float8_gemm("cuda", float8_gemm)

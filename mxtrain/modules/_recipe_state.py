@@ -1,0 +1,90 @@
+"""Per-module recipe state: the hook that lets a recipe keep state on each module (DelayedScaling).
+
+Most recipes are stateless: a module hands ``get_recipe()`` straight to its
+autograd function. A recipe that needs state per module (``DelayedScaling``: amax
+histories and scales of the module's tensors) offers two methods:
+
+* ``recipe.make_state()`` -> a fresh state object, with ``state_dict()`` /
+  ``load_state_dict(d)``, and an ``update(recipe)`` run once per forward;
+* ``recipe.bind(state)`` -> the recipe as this module uses it (its role specs
+  carry the state); the module keeps that on its autograd ctx for backward.
+
+:class:`RecipeStateMixin` gives a module that: :meth:`~RecipeStateMixin.forward_recipe`
+creates the state lazily on the first forward under such a recipe, runs its
+per-step update and binds it; the state is saved in the module's state dict under
+``<prefix>_extra_state`` (PyTorch's name for non-tensor module state) *only when
+the module has one*, so modules that never ran a stateful recipe keep exactly
+their torch counterpart's state-dict keys (and load ``nn.Linear`` checkpoints
+strictly). Loading a state dict that carries one restores it, before any
+forward, so a run resumes exactly.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RecipeStateMixin", "gemm_recipe", "EXTRA_STATE_KEY", "STATE_TYPES"]
+
+EXTRA_STATE_KEY = "_extra_state"
+_ATTR = "_mxtrain_recipe_state"
+
+
+def _state_types() -> dict:
+    from mxtrain.quantization.float8 import DelayedScalingState
+    return {DelayedScalingState.kind: DelayedScalingState}
+
+
+STATE_TYPES = _state_types()  # state_dict()["kind"] -> class with from_state_dict(d)
+
+
+class RecipeStateMixin:
+    """Mix into an ``nn.Module`` (before the torch base) to give it per-module recipe state."""
+
+    @property
+    def recipe_state(self):
+        """The recipe state this module keeps (None until a stateful recipe has run or been loaded)."""
+        return self.__dict__.get(_ATTR)
+
+    def forward_recipe(self, recipe):
+        """The recipe this forward runs: ``recipe`` itself, or bound to this module's state (see module doc)."""
+        make_state = getattr(recipe, "make_state", None)
+        if make_state is None:
+            return recipe
+        state = self.__dict__.get(_ATTR)
+        if state is None:
+            state = self.__dict__[_ATTR] = make_state()
+        state.update(recipe)  # the previous step's amaxes enter the histories; new scales
+        return recipe.bind(state)
+
+    def reset_recipe_state(self) -> None:
+        """Forget the recipe state (histories, scales); the next forward starts afresh."""
+        self.__dict__.pop(_ATTR, None)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        state = self.__dict__.get(_ATTR)
+        if state is not None:
+            destination[prefix + EXTRA_STATE_KEY] = state.state_dict()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + EXTRA_STATE_KEY
+        if key in state_dict:
+            d = state_dict[key]
+            cls = STATE_TYPES.get(d.get("kind")) if isinstance(d, dict) else None
+            if cls is None:
+                error_msgs.append(f"{key}: not an mxtrain recipe state (expected a dict with 'kind' in "
+                                  f"{sorted(STATE_TYPES)})")
+            else:
+                self.__dict__[_ATTR] = cls.from_state_dict(d)
+            # torch would report the key as unexpected: this class does not override set_extra_state
+            # (so that modules without state need no such key when loading strictly)
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+
+def gemm_recipe(recipe, gemm: str):
+    """The recipe for one of a module's several GEMMs (``"fc1"``, ``"fc2"``): a bound recipe keeps
+    their tensors apart in the state; any other recipe is returned as is."""
+    for_gemm = getattr(recipe, "for_gemm", None)
+    return recipe if for_gemm is None else for_gemm(gemm)
+
