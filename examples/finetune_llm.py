@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import math
 import os
@@ -109,14 +110,24 @@ def load_tokens(args, tok, vocab_size: int):
     return encode(train), encode(val)
 
 
-def shard_model(model, world: int):
-    """FSDP2: every decoder layer, then the root (embedding, final norm and tied head)."""
+def shard_model(model, world: int, mx_all_gather: bool):
+    """FSDP2: every decoder layer, then the root (embedding, final norm and tied head).
+
+    With ``mx_all_gather`` the GEMM weights of the mxtrain modules travel as packed MX
+    bytes under an MX recipe (``mxtrain.distributed.enable_mx_all_gather``, called
+    before ``fully_shard`` and before the optimizer exists); weights that do not split
+    into whole MX blocks across the ranks keep high-precision all-gathers.
+    """
     if world <= 1:
         return model
-    try:  # the packed-MX all-gather of mxtrain.distributed, where it exists
-        from mxtrain.distributed import fully_shard  # type: ignore[attr-defined]
-    except ImportError:
-        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
+    if mx_all_gather:
+        import warnings
+
+        import mxtrain.distributed as mxdist
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # strict=False lists the weights it leaves alone
+            model.mx_all_gather_weights = mxdist.enable_mx_all_gather(model, strict=False, world_size=world)
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -124,14 +135,15 @@ def shard_model(model, world: int):
 
 
 class PeakMemory:
-    """Peak memory of one training run: CUDA allocator peak, or sampled process RSS on CPU.
+    """Peak memory of one recipe's run (model copy, optimizer state, activations, gradients).
 
-    ``ru_maxrss`` would include the model load and earlier recipes, so on CPU a
-    thread samples ``/proc/self/statm`` every 10 ms between start() and stop().
+    CUDA: the allocator's peak (the base model waits on the CPU). CPU: the peak of
+    the process RSS, sampled every 10 ms by a thread, minus the RSS at start()
+    (``ru_maxrss`` would count the model load and the earlier recipes).
     """
 
     def __init__(self, device: torch.device):
-        self.device, self.peak, self._stop = device, 0, threading.Event()
+        self.device, self.peak, self.base, self._stop = device, 0, 0, threading.Event()
         self._thread = None
 
     def _rss(self) -> int:
@@ -143,6 +155,7 @@ class PeakMemory:
             self.peak = max(self.peak, self._rss())
 
     def start(self):
+        gc.collect()  # an FSDP2 model and its optimizer form reference cycles: free the last recipe's
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -152,7 +165,7 @@ class PeakMemory:
             except OSError:
                 pass
             if os.path.exists("/proc/self/statm"):
-                self.peak = self._rss()
+                self.peak = self.base = self._rss()
                 self._thread = threading.Thread(target=self._sample, daemon=True)
                 self._thread.start()
         return self
@@ -164,42 +177,13 @@ class PeakMemory:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-        return self.peak / 2**20
+        return (self.peak - self.base) / 2**20
 
 
 # ----------------------------------------------------------------------------------------- checkpoints
 
 def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("_") or "recipe"
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    steps = sorted(run_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    steps = [p for p in steps if (p / ".metadata").is_file()]
-    return steps[-1] if steps else None
-
-
-def save_checkpoint(run_dir: Path, step: int, model, opt, sched, history: dict, rank: int):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    model_sd, optim_sd = get_state_dict(model, opt)
-    # One JSON string (a leaf DCP stores as bytes): nested empty containers would not round-trip.
-    extra = json.dumps({"step": step, "sched": sched.state_dict(), "history": history})
-    path = run_dir / f"step_{step:06d}"
-    dcp.save({"model": model_sd, "optim": optim_sd, "extra": extra}, checkpoint_id=str(path))
-    return path
-
-
-def load_checkpoint(path: Path, model, opt, sched) -> tuple[int, dict]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd, "extra": ""}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = json.loads(state["extra"])
-    sched.load_state_dict(extra["sched"])
-    return int(extra["step"]), extra["history"]
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -237,17 +221,25 @@ def evaluate(model, val_ids, args, device, recipe, rank: int, world: int) -> flo
 
 def train(label: str, recipe, base, data, args, device, rank: int, world: int) -> dict:
     import copy
+
+    from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     train_ids, val_ids = data
-    model = shard_model(copy.deepcopy(base).to(device), world)
+    mem = PeakMemory(device).start()
+    model = shard_model(copy.deepcopy(base).to(device), world, mx_all_gather=not args.no_mx_all_gather)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
             math.pi * min(s, args.steps) / args.steps))))
     run_dir = Path(args.ckpt_dir) / slug(label) if args.ckpt_dir else None
+    if rank == 0 and world > 1 and recipe is not None:
+        n_mx = len(getattr(model, "mx_all_gather_weights", []))
+        print(f"[{label}] FSDP2 over {world} ranks; {n_mx} GEMM weights all-gathered as packed MX bytes", flush=True)
 
     start, history = 0, {"train": [], "eval": []}
-    if args.resume and run_dir is not None and (ckpt := latest_checkpoint(run_dir)) is not None:
-        start, history = load_checkpoint(ckpt, model, opt, sched)
+    if args.resume and run_dir is not None and (ckpt := latest_checkpoint(str(run_dir))) is not None:
+        meta = load_checkpoint(ckpt, model, opt)  # DCP: any world size, FSDP2 or not
+        start, history = int(meta["step"]), meta["history"]
+        sched.load_state_dict(meta["sched"])
         if rank == 0:
             print(f"[{label}] resumed from {ckpt} at step {start}", flush=True)
     if start == 0 and not args.no_initial_eval:
@@ -259,7 +251,6 @@ def train(label: str, recipe, base, data, args, device, rank: int, world: int) -
         next(batches)
     tokens_per_step = args.batch_size * args.seq_len * world
     warm = min(2, max(0, args.steps - start - 3))  # steps left out of tokens/s (allocator, kernel compiles)
-    mem = PeakMemory(device).start()
     bar = tqdm(range(start, args.steps), desc=f"{label:>8}", disable=rank != 0 or args.no_progress,
                file=sys.stdout, initial=start, total=args.steps, dynamic_ncols=True)
     t0 = None
@@ -283,7 +274,8 @@ def train(label: str, recipe, base, data, args, device, rank: int, world: int) -
         if args.eval_every and done % args.eval_every == 0 and done < args.steps:
             history["eval"].append((done, evaluate(model, val_ids, args, device, recipe, rank, world)))
         if run_dir is not None and (done == args.steps or (args.ckpt_every and done % args.ckpt_every == 0)):
-            path = save_checkpoint(run_dir, done, model, opt, sched, history, rank)
+            path = save_checkpoint(str(run_dir), done, model, opt,
+                                   extra={"sched": sched.state_dict(), "history": history})
             if rank == 0:
                 bar.write(f"[{label}] saved {path}")
     if device.type == "cuda":
@@ -309,7 +301,8 @@ def train(label: str, recipe, base, data, args, device, rank: int, world: int) -
         "steps": args.steps,
         "history": history,
     }
-    del model, opt
+    del model, opt, sched
+    gc.collect()
     return result
 
 
@@ -388,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="high-precision compute dtype (bf16: torch.autocast, for GPUs)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-mx-all-gather", action="store_true",
+                   help="FSDP2 all-gathers weights in high precision even under an MX recipe")
     p.add_argument("--ckpt-dir", default=None, help="save DCP checkpoints under DIR/<recipe>/step_N")
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
     p.add_argument("--resume", action="store_true", help="continue each recipe from its newest checkpoint")
