@@ -4,10 +4,12 @@ Bit-identical to the reference :func:`mxtrain.quantization.float8.quantize_float
 (tests/float8/test_float8_kernels_interpret.py, tests/gpu/test_float8_gpu.py):
 
 * Per-tensor: one read of the source writes the rowwise FP8 data and, when the
-  GEMMs need it, its transpose (Hopper's FP8 GEMM is TN-only), with the given
-  scale. Delayed scaling gets the tensor's amax from the same pass (atomic max);
-  current scaling computes the amax first (one reduction; torch) and the scale
-  with the reference's torch ops, so scales match the reference exactly.
+  GEMMs need it, its transpose (Hopper's FP8 GEMM is TN-only), and the
+  scale-inverse. Delayed scaling casts with the given scale and gets the
+  tensor's amax from the same pass (atomic max); current scaling runs one
+  reduction first (``torch.aminmax``) and the cast kernel turns it into the amax,
+  the scale (IEEE division, as the reference) and the scale-inverse: two
+  launches per cast.
 * Blocks: one read of a 128-row tile writes the 1x128-block rowwise plane, the
   1x128-block columnwise plane (blocks along the tokens, stored transposed) or
   the 128x128-block plane and its transpose, each with its scale-inverses.
@@ -28,7 +30,7 @@ import triton.language as tl
 
 from mxtrain.kernels.dispatch import register_float8_quantize
 from mxtrain.quantization.float8 import (
-    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, compute_scale, fp8_format_name,
+    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
     quantize_float8 as quantize_float8_reference, tensor_amax,
 )
 
@@ -69,21 +71,37 @@ def _saturate(v, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _tensor_cast_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, M, N, stride_xm,
-                        FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                        ROW: tl.constexpr, COL: tl.constexpr, AMAX: tl.constexpr,
+def _tensor_cast_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, lo_ptr, hi_ptr, sinv_ptr, M, N, stride_xm,
+                        FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
+                        POW2: tl.constexpr, MODE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr):
+    """One BM x BN tile of a per-tensor cast. MODE 0: ``scale`` given (delayed scaling), the tensor's amax
+    gathered by atomic max; 1: scale from the fp32 ``amax`` given (all-reduced); 2: scale from torch.aminmax's
+    ``lo``/``hi`` (and the amax written). The first program writes ``scale_inv`` (and the amax)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
+    lanes = tl.arange(0, BN)
+    first = (lanes + pid_m + pid_n) == 0  # lane 0 of the first program
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-    if AMAX:
+    zero = tl.zeros([BN], tl.float32)  # scalars are broadcast to [BN] vectors: vector math only
+    if MODE == 0:
         a = tl.where(x == x, tl.abs(x), float("inf"))
         tl.atomic_max(amax_ptr, tl.max(tl.max(a, axis=1), axis=0))
-    scale = tl.load(scale_ptr)
-    q = _fp8_code(_saturate(x * scale, FMAX), MBITS, EMIN).to(tl.uint8)
+        s = zero + tl.load(scale_ptr)
+    else:
+        if MODE == 1:
+            amax = zero + tl.load(amax_ptr)
+        else:
+            hi = zero + tl.load(hi_ptr).to(tl.float32)
+            lo = zero + tl.load(lo_ptr).to(tl.float32)
+            amax = tl.where((hi != hi) | (lo != lo), float("inf"), tl.abs(tl.maximum(hi, -lo)))
+            tl.store(amax_ptr + lanes * 0, amax, mask=first)
+        s = _block_scale(amax, FMAX, EPS, POW2)
+    tl.store(sinv_ptr + lanes * 0, tl.math.div_rn(zero + 1.0, s), mask=first)
+    q = _fp8_code(_saturate(x * s[None, :], FMAX), MBITS, EMIN).to(tl.uint8)
     if ROW:
         tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
     if COL:
@@ -121,15 +139,18 @@ def _block_cast_kernel(x_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, M, N, stride_x
     a = tl.where(x == x, tl.abs(x), float("inf"))
     mask_t = (rn[:, None] < N) & (rm[None, :] < M)
     if SQUARE:
-        s = _block_scale(tl.max(tl.max(a, axis=1), axis=0), FMAX, EPS, POW2)
-        q = _fp8_code(_saturate(x * s, FMAX), MBITS, EMIN).to(tl.uint8)
-        si = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        # the tile's amax, broadcast to a [B] vector (every lane equal): vector math only, no 0-d tensors
+        lanes = tl.arange(0, B)
+        amax = tl.zeros([B], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
+        s = _block_scale(amax, FMAX, EPS, POW2)
+        q = _fp8_code(_saturate(x * s[:, None], FMAX), MBITS, EMIN).to(tl.uint8)
+        si = tl.math.div_rn(tl.full([B], 1.0, tl.float32), s)
         if ROW:
             tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
-            tl.store(rsi_ptr + pid_m * NB_N + pid_n, si)
+            tl.store(rsi_ptr + pid_m * NB_N + pid_n + lanes * 0, si, mask=lanes == 0)
         if COL:
             tl.store(col_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=mask_t)
-            tl.store(csi_ptr + pid_n * NB_M + pid_m, si)
+            tl.store(csi_ptr + pid_n * NB_M + pid_m + lanes * 0, si, mask=lanes == 0)
     else:
         if ROW:
             s = _block_scale(tl.max(a, axis=1), FMAX, EPS, POW2)  # [B]: one per row
@@ -181,20 +202,23 @@ def triton_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axes=-1, scale: t
     row = torch.empty((M, N), dtype=dtype, device=x.device) if want_row else None
     col = torch.empty((N, M), dtype=dtype, device=x.device) if want_col else None
     if block is None:
-        delayed = scale is not None
-        amax = torch.zeros((), dtype=torch.float32, device=x.device)
-        if delayed:
-            scale = scale.to(device=x.device, dtype=torch.float32).reshape(())
-        else:
-            amax = tensor_amax(x2d)
-            all_reduce_amax(amax, amax_reduction_group)
-            scale = compute_scale(amax, fmax, power_of_2=power_of_2_scales, epsilon=amax_epsilon)
+        f32 = {"dtype": torch.float32, "device": x.device}
+        scale_inv = torch.empty((), **f32)
+        lo = hi = x2d  # stand-ins for unused pointers
+        if scale is not None:  # delayed: the given scale; the amax comes from the same pass
+            mode, amax = 0, torch.zeros((), **f32)
+            scale = scale.to(**f32).reshape(())
+        elif amax_reduction_group is not None:  # current, all ranks' amax: reduce it first
+            mode, amax, scale = 1, all_reduce_amax(tensor_amax(x2d), amax_reduction_group), x2d
+        else:  # current: one reduction pass, then the kernel turns it into amax, scale and scale_inv
+            mode, amax, scale = 2, torch.empty((), **f32), x2d
+            lo, hi = torch.aminmax(x2d)
         BM, BN = 64, 64
         grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-        _tensor_cast_kernel[grid](x2d, _bytes(row, x2d), _bytes(col, x2d), scale, amax, M, N,
-                                  x2d.stride(0), FMAX=fmax, MBITS=mbits, EMIN=emin, ROW=want_row, COL=want_col,
-                                  AMAX=delayed, BM=BM, BN=BN, num_warps=4)
-        scale_inv = torch.reciprocal(scale)
+        _tensor_cast_kernel[grid](x2d, _bytes(row, x2d), _bytes(col, x2d), scale, amax, lo, hi, scale_inv, M, N,
+                                  x2d.stride(0), FMAX=fmax, MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
+                                  POW2=bool(power_of_2_scales), MODE=mode, ROW=want_row, COL=want_col,
+                                  BM=BM, BN=BN, num_warps=4)
         planes = []
         for a in norm:
             planes.append(Float8Plane(row.view(x.shape) if a == last else col, scale_inv, a))

@@ -79,6 +79,22 @@ def test_per_tensor_current_scaling(fmt, pow2):
     same_fp8(got, quantize_float8(x, fmt, axes=(1, 0), power_of_2_scales=pow2))
 
 
+def test_per_tensor_current_scaling_with_a_reduction_group(monkeypatch):
+    """With a process group the amax is reduced first and handed to the kernel (all_reduce stubbed here)."""
+    seen = []
+    monkeypatch.setattr(float8_cast, "all_reduce_amax", lambda amax, group: seen.append(group) or amax * 4)
+    group = object()
+    x = torch.randn(50, 70) * 3
+    got = float8_cast.triton_quantize_float8(x.to(DEVICE), "fp8_e4m3", axes=(1, 0), amax_reduction_group=group)
+    want = quantize_float8(x * 4, "fp8_e4m3", axes=(1, 0))  # the scale of a 4x larger amax ...
+    assert seen == [group] and got.amax.item() == want.amax.item()
+    same_tensor(got.scale_inv.float(), want.scale_inv, "scale_inv")
+    scale = torch.reciprocal(want.scale_inv)  # ... applied to x itself
+    same_fp8(got, quantize_float8(x, "fp8_e4m3", axes=(1, 0), scale=scale).__class__(
+        tuple(p for p in quantize_float8(x, "fp8_e4m3", axes=(1, 0), scale=scale).planes), "fp8_e4m3",
+        tuple(x.shape), x.dtype, want.amax), "reduced amax")
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
 def test_per_tensor_nd_rowwise_and_nan_amax(fmt):
     x = torch.randn(3, 5, 40)
