@@ -52,16 +52,30 @@ def _round_mantissa_bits(b: torch.Tensor, drop: int, rounding: str, inplace: boo
     return r.bitwise_and_(-(1 << drop))
 
 
+# floor(t + 0.5) double-rounds t = 0.5 - 2**-25 up to 1; adding the largest fp32 below 0.5 instead is
+# exact ties-away rounding for every non-negative fp32 t (at 2**-25 under a tie the sum stays below the
+# integer; at a tie it rounds up onto it; larger binades are coarser than 2**-25)
+_HALF_DOWN = 0.5 - 2.0**-25
+
+
+def _round_nonneg(t: torch.Tensor, rounding: str) -> torch.Tensor:
+    """Round non-negative fp32 ``t`` to integers (new tensor), exactly."""
+    if rounding == "even":
+        return torch.round(t)
+    if rounding == "floor":
+        return torch.floor(t)
+    return t.add(_HALF_DOWN).floor_()
+
+
 def _round_small(a: torch.Tensor, up: float, rounding: str) -> torch.Tensor:
     """Round non-negative ``a`` to the grid of step ``1/up`` (a power of two), exactly."""
     t = a * up
     if rounding == "even":
-        q = torch.round(t)
+        q = t.round_()
     elif rounding == "floor":
-        q = torch.floor(t)
+        q = t.floor_()
     else:
-        fl = torch.floor(t)
-        q = fl.add_((t - fl).ge_(0.5).to(t.dtype))
+        q = t.add_(_HALF_DOWN).floor_()
     return q.mul_(1.0 / up)
 
 
@@ -75,10 +89,10 @@ def _select_mode(t: torch.Tensor) -> bool:
 
 
 def _fix_small_select(y: torch.Tensor, v: torch.Tensor, mbits: int, emin: int, rounding: str) -> torch.Tensor:
-    """``y`` with the nonzero elements of ``v`` below ``2**emin`` replaced by their exact grid value (no sync)."""
-    key = (v.view(torch.int32) & _ABS).sub_(1).bitwise_and_(_ABS)
-    small = key < ((emin + 127) << _MANT_BITS) - 1
-    fixed = torch.copysign(_round_small(v.abs(), 2.0 ** (mbits - emin), rounding), v)
+    """``y`` with the elements of ``v`` below ``2**emin`` replaced by their exact grid value (no sync)."""
+    a = v.abs()
+    small = a < 2.0**emin
+    fixed = torch.copysign(_round_small(a, 2.0 ** (mbits - emin), rounding), v)
     return torch.where(small, fixed, y)
 
 
@@ -120,21 +134,30 @@ def round_elemwise(x: torch.Tensor, fmt: "str | ElemFormat", rounding: str = "ev
         # torch's casts round to nearest even, keep subnormals and overflow to Inf: one pass each way
         return x.to(torch.bfloat16 if fmt.name == "bfloat16" else torch.float16).float()
     xc = x.contiguous()
-    fp_n = fmt.emin > -126
-    select = _select_mode(xc)
-    small = _gather_small(xc, fmt.emin) if fp_n and not select else None  # fpN subnormals
     y = _round_mantissa_bits(xc.view(torch.int32), _MANT_BITS - fmt.mbits, rounding, inplace=False)
     y = y.view(torch.float32)
-    if fp_n and select:
-        y = _fix_small_select(y, xc, fmt.mbits, fmt.emin, rounding)
-    _scatter_small_(y, small, fmt.mbits, fmt.emin, rounding)
-    if fp_n:  # above max_norm: Inf (the bit rounding only overflows at fp32's own range)
-        y = torch.where(y.abs() > fmt.max_norm, y * math.inf, y)
-    # NaN payloads may not survive the bit rounding; on the CPU one fused reduction says whether there
-    # are any (a sum is NaN if an element is NaN, or if +Inf and -Inf meet: the where is then redundant)
-    if select or torch.isnan(xc.sum()):
-        y = torch.where(torch.isnan(xc), xc, y)
-    return y.view(x.shape)
+    if fmt.emin <= -126:  # bfloatN: fp32's own subnormals and overflow are bfloatN's
+        # NaN payloads may not survive the bit rounding; on the CPU one fused reduction says whether there
+        # are any (a sum is NaN if an element is NaN, or if +Inf and -Inf meet: the where is then redundant)
+        if _select_mode(xc) or torch.isnan(xc.sum()):
+            y = torch.where(torch.isnan(xc), xc, y)
+        return y.view(x.shape)
+    # fpN: values under 2**emin are fpN subnormals; |x| >= overflow_at rounds above max_norm: Inf
+    a = xc.abs()
+    if _select_mode(xc):
+        small = a < 2.0**fmt.emin
+        y = torch.where(small, torch.copysign(_round_small(a, 2.0 ** (fmt.mbits - fmt.emin), rounding), xc), y)
+    else:
+        _scatter_small_(y, _gather_small(xc, fmt.emin), fmt.mbits, fmt.emin, rounding)
+    # one select for overflow and NaN: NaN fails a < overflow_at too, and NaN * Inf is NaN
+    return torch.where(a < _overflow_at(fmt, rounding), y, xc * math.inf).view(x.shape)
+
+
+def _overflow_at(fmt: ElemFormat, rounding: str) -> float:
+    """Smallest magnitude that rounds above ``fmt.max_norm`` (a tie at the top rounds up: max_norm is odd)."""
+    if rounding == "floor" or fmt.mbits >= _MANT_BITS:
+        return 2.0 ** (fmt.emax + 1)
+    return fmt.max_norm + 2.0 ** (fmt.emax - fmt.mbits - 1)
 
 
 def _scale_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,9 +238,7 @@ def fake_quantize_mx_floor(x: torch.Tensor, fmt: ElemFormat, block_size: int = 3
         elif rounding == "floor":
             y.trunc_()
         else:
-            a = y.abs()
-            fl = a.floor()
-            y = torch.copysign(fl.add_((a - fl).ge_(0.5).to(a.dtype)), y)
+            y = torch.copysign(_round_nonneg(y.abs(), rounding), y)
         qmax = float(2 ** (fmt.bits - 1) - 1)
         y.clamp_(-qmax, qmax)
         if fmt.mbits:

@@ -442,13 +442,15 @@ def _train_many(cfgs, epochs, data, common, jobs, workdir, log, progress, on_upd
 def run_study(configs: list[str] | None = None, epochs: int = 10, subset: int | None = None,
               out: str | os.PathLike = "runs/fashion_mnist", device: str = "cpu", seed: int = 0,
               batch_size: int = 64, search: bool | None = None, search_epochs: int | None = None,
-              target: float = 90.0, search_max_runs: int = 12, jobs: int = 1, progress: bool = True,
+              target: float = 90.0, search_max_runs: int = 12, jobs: int = 1, prior=(), progress: bool = True,
               log=print) -> dict:
     """Run the grid (default: the baseline and the lab's two tables), then the search; write the files.
 
     ``jobs > 1`` trains that many configurations at once, each in its own process
     (useful on a GPU, which one small model leaves mostly idle); the search then
     tries its candidates in waves of ``jobs``, keeping the cost order of the answer.
+    ``prior``: study folders whose runs count as already done (not retrained; their
+    failures prune the search).
     """
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -470,6 +472,10 @@ def run_study(configs: list[str] | None = None, epochs: int = 10, subset: int | 
     if jobs > 1:
         data = None  # each process loads its own copy
     results: dict[str, RunResult] = {}
+    for folder in prior:
+        for r in json.loads((Path(folder) / "runs.json").read_text())["runs"]:
+            results[r["config"].removeprefix("search:")] = RunResult(**r)
+    parsed = [c for c in parsed if len(results.get(c.name, RunResult("", None, None, None, {})).accuracy) < epochs]
     state = {"search": None}
 
     def write(res=None):
@@ -481,6 +487,9 @@ def run_study(configs: list[str] | None = None, epochs: int = 10, subset: int | 
         search_epochs = search_epochs or epochs
         info = state["search"] = {"target": target, "epochs": search_epochs, "tried": [], "best": None}
         failed: list[StudyConfig] = []
+        for name, r in results.items():  # what is already known prunes the search
+            if len(r.accuracy) >= search_epochs and r.accuracy[search_epochs - 1] < target:
+                failed.append(parse_config(name))
         runs = 0
         remaining = search_candidates()
         while remaining and info["best"] is None and runs < search_max_runs:
@@ -491,25 +500,25 @@ def run_study(configs: list[str] | None = None, epochs: int = 10, subset: int | 
                 remaining.remove(cand)
                 if _dominated(cand, failed) is None:
                     wave.append(cand)
-            todo = [c for c in wave if not (search_epochs == epochs and c.name in results)]
+            todo = [c for c in wave if len(results.get(c.name, RunResult("", None, None, None, {})).accuracy)
+                    < search_epochs]
             trained = _train_many(todo, search_epochs, data, common, jobs, out / "jobs", log, progress,
                                   lambda res: write({f"search:{k}": v for k, v in res.items()}))
             runs += len(todo)
             for k, v in trained.items():
                 results[f"search:{k}"] = v
             for cand in wave:  # in cost order: the first success is the answer
-                r = results.get(cand.name) if cand.name not in trained else trained[cand.name]
-                if r is None or not r.accuracy:
+                r = trained.get(cand.name) or results.get(cand.name)
+                if r is None or len(r.accuracy) < search_epochs:
                     continue
-                ok = r.accuracy[-1] >= target
-                info["tried"].append({"config": cand.name, "bits": cand.bits["total"],
-                                      "accuracy": round(r.accuracy[-1], 2),
+                acc = r.accuracy[search_epochs - 1]
+                ok = acc >= target
+                info["tried"].append({"config": cand.name, "bits": cand.bits["total"], "accuracy": round(acc, 2),
                                       "outcome": "reaches target" if ok else "below target"})
-                log(f"search: {cand.name} ({cand.bits['total']:g} bits): {r.accuracy[-1]:.2f}% -> "
-                    f"{'OK' if ok else 'below'}")
+                log(f"search: {cand.name} ({cand.bits['total']:g} bits): {acc:.2f}% -> {'OK' if ok else 'below'}")
                 if ok:
                     info["best"] = {"config": cand.name, "bits": cand.bits["total"], "detail": cand.bits,
-                                    "accuracy": r.accuracy[-1]}
+                                    "accuracy": acc}
                     break
                 failed.append(cand)
             write()
@@ -566,6 +575,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--jobs", type=int, default=1, help="configurations trained at once, one process each (default 1)")
     p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
                    help="only combine the runs.json of these study folders into --out (tables and plot)")
+    p.add_argument("--prior", nargs="+", default=(), metavar="DIR",
+                   help="study folders whose runs count as done (not retrained; their failures prune the search)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -595,7 +606,7 @@ def run_from_args(args) -> int:
         return 2
     res = run_study(configs, epochs=args.epochs, subset=args.subset, out=args.out, device=args.device, seed=args.seed,
                     batch_size=args.batch_size, search=args.search, search_epochs=args.search_epochs,
-                    target=args.target, search_max_runs=args.search_max_runs, jobs=args.jobs,
+                    target=args.target, search_max_runs=args.search_max_runs, jobs=args.jobs, prior=args.prior,
                     progress=not args.quiet)
     print(Path(res["out"], "tables.md").read_text())
     print(f"wrote {res['out']}/runs.csv, runs.json, tables.md, study.png")
