@@ -6,7 +6,9 @@ Bit-identical to the reference :func:`mxtrain.quantization.float8.quantize_float
 * Per-tensor: one read of the source writes the rowwise FP8 data and, when the
   GEMMs need it, its transpose (Hopper's FP8 GEMM is TN-only), and the
   scale-inverse. Delayed scaling casts with the given scale and gets the
-  tensor's amax from the same pass (atomic max); current scaling runs one
+  tensor's amax from the same pass (per-tile maxima, then one tiny reduction;
+  a single atomic max from every tile serialized: 2.33 ms for the casts of one
+  H200 LayerNormMLP step against 1.70 ms without amax); current scaling runs one
   reduction first (``torch.aminmax``) and the cast kernel turns it into the amax,
   the scale (IEEE division, as the reference) and the scale-inverse: two
   launches per cast.
@@ -16,8 +18,8 @@ Bit-identical to the reference :func:`mxtrain.quantization.float8.quantize_float
   Block scales are computed in the kernel with an IEEE division (``div_rn``).
 
 The FP8 bytes are computed with integer operations on the fp32 bits (round to
-nearest, ties to even, FP8 subnormals kept, NaN and -0.0 keeping their sign as
-torch's casts do) and stored through a uint8 view: the same bytes on the GPU and
+nearest, ties to even, FP8 subnormals kept, -0.0 kept; NaN becomes the NaN code,
+its sign is not preserved on the GPU) and stored through a uint8 view: the same bytes on the GPU and
 under ``TRITON_INTERPRET=1`` (whose own float8 conversion rounds differently and
 turns NaN into a finite value).
 """
@@ -75,8 +77,8 @@ def _tensor_cast_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, lo_ptr, hi
                         FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
                         POW2: tl.constexpr, MODE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr):
-    """One BM x BN tile of a per-tensor cast. MODE 0: ``scale`` given (delayed scaling), the tensor's amax
-    gathered by atomic max; 1: scale from the fp32 ``amax`` given (all-reduced); 2: scale from torch.aminmax's
+    """One BM x BN tile of a per-tensor cast. MODE 0: ``scale`` given (delayed scaling), each program's
+    amax written to ``amax[program]``; 1: scale from the fp32 ``amax`` given (all-reduced); 2: scale from torch.aminmax's
     ``lo``/``hi`` (and the amax written). The first program writes ``scale_inv`` (and the amax)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -87,9 +89,10 @@ def _tensor_cast_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, lo_ptr, hi
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
     zero = tl.zeros([BN], tl.float32)  # scalars are broadcast to [BN] vectors: vector math only
-    if MODE == 0:
+    if MODE == 0:  # one partial amax per program (no atomics on one address: they serialize), reduced after
         a = tl.where(x == x, tl.abs(x), float("inf"))
-        tl.atomic_max(amax_ptr, tl.max(tl.max(a, axis=1), axis=0))
+        tile_max = zero + tl.max(tl.max(a, axis=1), axis=0)
+        tl.store(amax_ptr + (pid_m * tl.num_programs(1) + pid_n) + lanes * 0, tile_max, mask=lanes == 0)
         s = zero + tl.load(scale_ptr)
     else:
         if MODE == 1:
@@ -205,20 +208,22 @@ def triton_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axes=-1, scale: t
         f32 = {"dtype": torch.float32, "device": x.device}
         scale_inv = torch.empty((), **f32)
         lo = hi = x2d  # stand-ins for unused pointers
+        BM, BN = 64, 64
+        grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
         if scale is not None:  # delayed: the given scale; the amax comes from the same pass
-            mode, amax = 0, torch.zeros((), **f32)
+            mode, amax = 0, torch.empty(grid[0] * grid[1], **f32)  # per-tile maxima, reduced below
             scale = scale.to(**f32).reshape(())
         elif amax_reduction_group is not None:  # current, all ranks' amax: reduce it first
             mode, amax, scale = 1, all_reduce_amax(tensor_amax(x2d), amax_reduction_group), x2d
         else:  # current: one reduction pass, then the kernel turns it into amax, scale and scale_inv
             mode, amax, scale = 2, torch.empty((), **f32), x2d
             lo, hi = torch.aminmax(x2d)
-        BM, BN = 64, 64
-        grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
         _tensor_cast_kernel[grid](x2d, _bytes(row, x2d), _bytes(col, x2d), scale, amax, lo, hi, scale_inv, M, N,
                                   x2d.stride(0), FMAX=fmax, MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
                                   POW2=bool(power_of_2_scales), MODE=mode, ROW=want_row, COL=want_col,
                                   BM=BM, BN=BN, num_warps=4)
+        if mode == 0:
+            amax = amax.amax()
         planes = []
         for a in norm:
             planes.append(Float8Plane(row.view(x.shape) if a == last else col, scale_inv, a))
