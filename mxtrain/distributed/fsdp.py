@@ -50,6 +50,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from mxtrain.recipes import RoleSpec
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import quantize
 from mxtrain.quantization import MXTensor
@@ -261,9 +262,11 @@ class MXAllGatherWeight(torch.Tensor):
         uses = None
         if recipe is not None:
             uses = [(recipe.role(role), axis) for role, axis in roles]
-            if any(spec.fmt is None or spec.rounding == "stochastic" for spec, _ in uses):
-                # the module needs the high-precision weight (unquantized role) or quantizes it itself
-                # (stochastic rounding: the generator draws of the full weight cannot be split by shard)
+            if any(not isinstance(spec, RoleSpec) or spec.fmt is None or spec.rounding == "stochastic"
+                   for spec, _ in uses):
+                # the module needs the high-precision weight (unquantized role, or a non-MX recipe
+                # such as the FP8 ones, which quantize the gathered weight themselves) or quantizes
+                # it itself (stochastic rounding: the draws for the full weight cannot be split by shard)
                 uses = None
 
         if uses is None:

@@ -320,6 +320,8 @@ def scenario_core(rank, world, device, out):
         "mxfp8_grad_accum_no_sync": parity(rank, world, device, fp8, micro=3, steps=2, no_sync=True),
         "mxfp8_act_ckpt": parity(rank, world, device, fp8, ac=True, steps=3),
         "mxfp8_mixed": parity(rank, world, device, fp8, mixed=True, steps=3),
+        # FP8 (non-MX) recipes gather the weight in high precision and cast it after the gather
+        "fp8_current": parity(rank, world, device, mxtrain.recipes.recipe_from_string("fp8_current"), steps=2),
     }
     res["mp_bf16_trains"] = mp_bf16_run(rank, world, device, fp8)
     res["seconds"] = time.time() - t0

@@ -88,11 +88,15 @@ def test_all_gather_bytes_per_element(core):
 
 
 @pytest.mark.parametrize("case", ["mxfp8", "high_precision", "mxfp8_no_reshard", "mxfp8_grad_accum",
-                                  "mxfp8_grad_accum_no_sync", "mxfp8_act_ckpt", "mxfp8_mixed"])
+                                  "mxfp8_grad_accum_no_sync", "mxfp8_act_ckpt", "mxfp8_mixed", "fp8_current"])
 def test_training_matches_one_process(core, case):
     r = core["parity"][case]
     assert len(r["dist"]) == len(r["ref"]) >= 2
-    assert r["rel"] <= PARITY_RTOL, f"FSDP2 {r['dist']} vs one process {r['ref']}"
+    # per-tensor FP8 scaling takes each activation's amax from the rank's own half of the batch
+    # (one process sees the whole batch), so the scales, and the losses, differ slightly; MX
+    # blocks never span samples, so the MX cases match to reduction order
+    rtol = 5e-3 if case.startswith("fp8_") else PARITY_RTOL
+    assert r["rel"] <= rtol, f"FSDP2 {r['dist']} vs one process {r['ref']}"
     assert r["misses"] == {}
 
 
