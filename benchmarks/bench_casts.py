@@ -43,6 +43,9 @@ def main(argv=None):
     ap.add_argument("--variants", action="store_true", help="time every tile variant")
     ap.add_argument("--out", default=None, help="write the markdown section here")
     ap.add_argument("--once", action="store_true", help="run each kernel once and exit (for ncu)")
+    ap.add_argument("--strip", action="store_true",
+                    help="time the strip kernel configs and the module's cast+dequantize operations (tile vs strip, "
+                         "cast writing the dequantized operand vs cast then dequantize), round-robin")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_casts needs a CUDA GPU", file=sys.stderr)
@@ -131,6 +134,8 @@ def main(argv=None):
 
     # ---- norm + cast, activation + cast (if implemented)
     rows += fused_rows(x, n, extra if args.variants else None)
+    if args.strip:
+        rows += strip_and_values_rows(x, n)
 
     dev_name = torch.cuda.get_device_name()
     lines = [f"### Triton MX kernels: {dev_name}, {datetime.date.today()}, torch {torch.__version__}, "
@@ -139,7 +144,7 @@ def main(argv=None):
     for name, nbytes, ms, base in rows + extra:
         ratio = "" if base is None else f"{gbps(nbytes, ms) / copy_bw:.2f} of copy"
         if base is not None and base != "copy":
-            ratio = f"{base / ms:.2f}x vs unfused"
+            ratio = f"{base / ms:.2f}x vs the baseline in the name"
         lines.append(f"| {name} | {ms:.4f} | {gbps(nbytes, ms):.0f} | {ratio} |")
     text = "\n".join(lines) + "\n"
     print(text)
@@ -147,6 +152,116 @@ def main(argv=None):
         with open(args.out, "w") as f:
             f.write(text)
     return 0
+
+
+def rr_bench(fns: dict, rounds: int = 3) -> dict:
+    """Median over ``rounds`` of do_bench medians, the candidates timed in turn (drift hits all alike)."""
+    res = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            res[k].append(bench(f, warmup=10, rep=100))
+    return {k: sorted(v)[len(v) // 2] for k, v in res.items()}
+
+
+# (label, cast.STRIP_CONFIG, cast.TILE_CONFIGS value or None = default). Measured and dropped since:
+# 2 or 4 tiles per program with the next tile's loads issued first (H200: 0.159-0.165 ms against
+# 0.136 for the default; 180-246 registers), see benchmarks/NOTES_kernels.md
+VARIANTS = (
+    ("tile (32, 256, 4)", None, None),
+    ("tile (32, 128, 4)", None, (32, 128, 4)),
+    ("strip (4, 32, 64, 4)", (4, 32, 64, 4), None),
+    ("strip (8, 16, 64, 4)", (8, 16, 64, 4), None),
+)
+
+
+def strip_and_values_rows(x, n):
+    """Both-plane MXFP8 cast: kernel variants (tile configs, strip kernel), round-robin;
+    the LayerNormMLP's cast(+dequantize) operations: cast writing the dequantized bf16 operand (values)
+    vs cast then the separate dequantize pass."""
+    from mxtrain.kernels import cast, dequantize as dq
+    from mxtrain.quantization import quantize_mx
+
+    defaults = (cast.STRIP_CONFIG, dict(cast.TILE_CONFIGS))
+    rows = []
+    nb = n // 32
+    q = cast.triton_quantize
+    ref = quantize_mx(x, "fp8_e4m3", axis=(-1, 0))
+    ref_row = ref.dequantize(torch.bfloat16, 1).view(torch.int16)
+    ref_col = ref.dequantize(torch.bfloat16, 0).view(torch.int16)
+
+    def setv(v):
+        cast.STRIP_CONFIG = defaults[0] if v is None else v[1]
+        cast.TILE_CONFIGS.update(defaults[1])
+        if v is not None and v[2] is not None:
+            cast.TILE_CONFIGS.update({key: v[2] for key in cast.TILE_CONFIGS})
+
+    def with_cfg(v, fn):
+        def run():
+            setv(v)
+            return fn()
+        return run
+
+    def same(a, b):
+        return a is not None and b is not None and torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)
+
+    # 1. the goal row: both planes' codes, per variant
+    fns, ok = {}, {}
+    for v in VARIANTS:
+        setv(v)
+        out = q(x, "fp8_e4m3", axis=(-1, 0))
+        ok[v] = all(same(a, b) for a, b in zip(out.planes, ref.planes))
+        fns[v] = with_cfg(v, lambda: q(x, "fp8_e4m3", axis=(-1, 0)))
+    ms = rr_bench(fns)
+    both_bytes = x.numel() * 2 + 2 * (n * n + n * nb)
+    for v in VARIANTS:
+        rows.append((f"cast bf16->MXFP8 row+col [{v[0]}], round-robin" + ("" if ok[v] else " MISMATCH"),
+                     both_bytes, ms[v], "copy"))
+    setv(None)
+
+    # 2. the module's operations: old path (codes, then dequantize) vs values from the cast, tile and strip
+    best = min((v for v in VARIANTS[1:] if ok[v]), key=lambda v: ms[v], default=None)
+    cands = [VARIANTS[0]] + ([best] if best is not None else [])
+
+    def check_values(cfg, plane, kw):
+        setv(cfg)
+        out = q(x, "fp8_e4m3", **kw)
+        want = ref_row if plane == 1 else ref_col
+        return torch.equal(out.dequantized_values(plane).view(torch.int16), want)
+
+    ops = {
+        # (label, quantize kwargs, old path, bytes of the new path)
+        "row+col: row as bf16 values, col codes (norm out, dY, dh)": (
+            dict(axis=(-1, 0), dequantized=(1,), keep_codes=(0,)), 1,
+            lambda: dq.triton_dequantize(q(x, "fp8_e4m3", axis=(-1, 0)), torch.bfloat16, 1),
+            x.numel() * 4 + n * n + n * nb),
+        "rowwise bf16 values only (act(h), weights fwd)": (
+            dict(axis=-1, dequantized=(1,), keep_codes=()), 1,
+            lambda: dq.triton_dequantize(q(x, "fp8_e4m3", axis=-1), torch.bfloat16, 1),
+            x.numel() * 4),
+        "columnwise bf16 values only (weights bwd)": (
+            dict(axis=0, dequantized=(0,), keep_codes=()), 0,
+            lambda: dq.triton_dequantize(q(x, "fp8_e4m3", axis=0), torch.bfloat16, 0),
+            x.numel() * 4),
+    }
+    for label, (kw, plane, old, nbytes) in ops.items():
+        fns = {"old": with_cfg(None, old)}
+        oks = {}
+        for cfg in cands:
+            oks[cfg] = check_values(cfg, plane, kw)
+            fns[cfg] = with_cfg(cfg, lambda kw=kw: q(x, "fp8_e4m3", **kw))
+        t = rr_bench(fns)
+        for cfg in oks:
+            name = (f"{label} [{cfg[0]}] (cast+dequantize {t['old']:.4f} ms)"
+                    + ("" if oks[cfg] else " MISMATCH"))
+            rows.append((name, nbytes, t[cfg], t["old"]))
+    # columnwise codes only (act(h) recomputed in backward for wgrad)
+    fns = {cfg: with_cfg(cfg, lambda: q(x, "fp8_e4m3", axis=0)) for cfg in cands}
+    t = rr_bench(fns)
+    for cfg in cands:
+        rows.append((f"cast bf16->MXFP8 columnwise only [{cfg[0]}]",
+                     x.numel() * 2 + n * n + n * nb, t[cfg], "copy"))
+    setv(None)
+    return rows
 
 
 def fused_rows(x, n, variants_out=None):

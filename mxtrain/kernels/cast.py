@@ -484,9 +484,14 @@ def _philox_seed(seed, device: torch.device) -> torch.Tensor:
     return s.to(device=device, dtype=torch.int32)
 
 
-# the strip kernel for both planes (see _mx_cast_strip_kernel): (REP, J, BLOCK_K, num_warps), or None
-# to use the [BLOCK_M, BLOCK_K] tile kernel for both planes too; the benchmark overrides it
+# the strip kernel for casts with a columnwise plane (see _mx_cast_strip_kernel): (REP, J, BLOCK_K,
+# num_warps), or None for the [BLOCK_M, BLOCK_K] tile kernel. Off: on an H200 every strip config
+# measured slower than the tile kernel (0.16-0.33 ms against 0.136 for both MXFP8 planes of
+# 8192^2 bf16; benchmarks/NOTES_kernels.md); kept bit-exact and tested, the benchmark times it
 STRIP_CONFIG: tuple[int, int, int, int] | None = None
+if os.environ.get("MXTRAIN_CAST_STRIP"):  # "0": tile kernel only; "REP,J,BK,WARPS": that strip config
+    _env = os.environ["MXTRAIN_CAST_STRIP"]
+    STRIP_CONFIG = None if _env == "0" else tuple(int(v) for v in _env.split(","))
 
 
 def _strip_config(rows: bool, cols: bool, bs: int, act: int) -> tuple[int, int, int, int] | None:

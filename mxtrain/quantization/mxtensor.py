@@ -171,7 +171,8 @@ class MXTensor:
         """
         carried = self.values_only(axis)
         if carried is not None:
-            return carried[1].to(dtype or self.dtype).movedim(carried[0], -1)
+            # contiguous, as the codes path returns it (a GEMM on it then runs the same way)
+            return carried[1].to(dtype or self.dtype).movedim(carried[0], -1).contiguous()
         p = self.plane(axis)
         moved = list(self.shape)
         length = moved.pop(p.axis)

@@ -57,8 +57,18 @@ def check_cast(x, fmt, **kw):
     assert not problems, f"{fmt} {kw} {list(x.shape)} {x.dtype}: " + "; ".join(problems)
 
 
+STRIP = (8, 16, 64, 4)
+
+
+@pytest.fixture(params=[None, STRIP], ids=["tile", "strip"])
+def kernel_layout(request, monkeypatch):
+    """Both casts of a columnwise plane: the [BM, BK] tile kernel and the strip kernel (cast.STRIP_CONFIG)."""
+    monkeypatch.setattr(cast, "STRIP_CONFIG", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("fmt", MX_FORMAT_NAMES)
-def test_cast_8192_bf16_both_planes(fmt):
+def test_cast_8192_bf16_both_planes(fmt, kernel_layout):
     x = wide_random(8192, 8192, torch.bfloat16, seed=1)
     check_cast(x, fmt, block_size=32, axis=(-1, 0), scale_mode="floor", rounding="even")
     check_cast(x, fmt, block_size=32, axis=(-1, 0), scale_mode="rceil", rounding="nearest")
@@ -66,7 +76,7 @@ def test_cast_8192_bf16_both_planes(fmt):
 
 @pytest.mark.parametrize("hw", (True, False), ids=("hw_cvt", "bit_exact_path"))
 @pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp8_e5m2"))
-def test_cast_fp8_hw_conversion(monkeypatch, fmt, hw):
+def test_cast_fp8_hw_conversion(monkeypatch, fmt, hw, kernel_layout):
     """The hardware fp32->fp8 path and the integer path both equal the reference (adversarial fp32 too)."""
     monkeypatch.setattr(cast, "USE_HW_FP8_CVT", hw)
     x = wide_random(8192, 8192, torch.bfloat16, seed=2)
@@ -78,7 +88,7 @@ def test_cast_fp8_hw_conversion(monkeypatch, fmt, hw):
 
 
 @pytest.mark.parametrize("fmt", MX_FORMAT_NAMES)
-def test_cast_ragged_adversarial_all_modes(fmt):
+def test_cast_ragged_adversarial_all_modes(fmt, kernel_layout):
     """Ragged 1000x1480 adversarial fp32 (subnormals, ties, specials), every scale mode and deterministic rounding."""
     x = helpers.adversarial_matrix(1000, 1480, seed=4).to(DEV)
     for mode in ("floor", "rceil", "even"):
@@ -89,7 +99,7 @@ def test_cast_ragged_adversarial_all_modes(fmt):
 
 
 @pytest.mark.parametrize("bs", (2, 8, 16, 64, 128, 256))
-def test_cast_block_sizes(bs):
+def test_cast_block_sizes(bs, kernel_layout):
     x = helpers.adversarial_matrix(520, 1032, seed=bs, block=min(bs, 32)).to(DEV)
     for fmt in ("fp8_e4m3", "fp6_e3m2", "fp4_e2m1", "int8", "int2"):
         if fmt.startswith("fp6") and bs < 4:
@@ -106,6 +116,39 @@ def test_cast_single_planes_nd_pack_false():
     check_cast(x3, "int4", axis=-1)
     check_cast(x3, "fp8_e5m2", axis=(2, 0))
     check_cast(x.t(), "fp8_e4m3", axis=(-1, 0))  # strided input
+
+
+@pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "int8"))
+def test_cast_values_8192(fmt, kernel_layout):
+    """The cast writing the dequantized operand: values bit-exact vs reference dequantize, codes kept or skipped."""
+    x = wide_random(8192, 8192, torch.bfloat16, seed=12)
+    want = quantize_mx(x, fmt, block_size=32, axis=(-1, 0))
+    deq = {a: want.dequantize(torch.bfloat16, a) for a in (1, 0)}
+    full = cast.triton_quantize(x, fmt, axis=(-1, 0), dequantized=(1, 0))
+    assert not helpers.planes_equal(dispatch.attach_values(full, (), torch.bfloat16, (1, 0)), want)
+    for a in (1, 0):
+        assert helpers.values_equal(full.dequantized_values(a), deq[a]), (fmt, a)
+    del full
+    fwd = cast.triton_quantize(x, fmt, axis=(-1, 0), dequantized=(1,), keep_codes=(0,))  # norm out / dY / dh
+    assert fwd.rowwise is None and helpers.values_equal(fwd.dequantized_values(1), deq[1])
+    assert torch.equal(fwd.columnwise.data, want.columnwise.data)
+    assert torch.equal(fwd.columnwise.scale, want.columnwise.scale)
+    del fwd
+    col = cast.triton_quantize(x, fmt, axis=0, dequantized=(0,), keep_codes=())  # a weight in backward
+    assert col.planes == () and helpers.values_equal(col.dequantized_values(0), deq[0])
+    row = cast.triton_quantize(x, fmt, axis=-1, dequantized=(1,), keep_codes=())  # act(h) / a weight in forward
+    assert row.planes == () and helpers.values_equal(row.dequantized_values(1), deq[1])
+
+
+def test_cast_values_ragged_fp32_every_dtype(kernel_layout):
+    x = helpers.adversarial_matrix(1000, 1480, seed=13).to(DEV)
+    for fmt in MX_FORMAT_NAMES:
+        want = quantize_mx(x, fmt, block_size=32, axis=(-1, 0), scale_mode="rceil")
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            got = cast.triton_quantize(x, fmt, axis=(-1, 0), scale_mode="rceil", dequantized=(1, 0),
+                                       dequantized_dtype=dtype)
+            for a in (1, 0):
+                assert helpers.values_equal(got.dequantized_values(a), want.dequantize(dtype, a)), (fmt, dtype, a)
 
 
 def test_stochastic_gpu():
@@ -183,6 +226,55 @@ def test_layernorm_mlp_triton_vs_reference_backend(monkeypatch, recipe, activati
     assert torch.equal(dx_t, dx_r)
     for n in g_r:
         assert torch.equal(g_t[n], g_r[n]), n
+
+
+@pytest.mark.parametrize("activation", ("gelu", "swiglu"))
+def test_layernorm_mlp_bf16_values_bit_identical(monkeypatch, activation):
+    """bf16 LayerNormMLP on the cuBLAS path: operands cast straight to bf16 values (quantize_operand on CUDA)
+    give the same output and grads, bit for bit, as casting codes and dequantizing them; with the
+    reference GEMM, the same as the reference casts."""
+    from mxtrain.modules import _common
+
+    torch.manual_seed(1)
+    m = mxtrain.LayerNormMLP(512, 1024, activation=activation, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(4, 96, 512, device=DEV, dtype=torch.bfloat16) * 2
+    dy = torch.randn(4, 96, 512, device=DEV, dtype=torch.bfloat16)
+    rec = mxtrain.MXFP8Recipe()
+
+    def run():
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with mxtrain.mx_autocast(recipe=rec):
+            y = m(xi)
+        y.backward(dy)
+        return [y.detach(), xi.grad] + [p.grad.clone() for _, p in m.named_parameters()]
+
+    monkeypatch.setattr(_common, "CARRY_VALUES", True)
+    with_values = run()
+    seen = []
+    orig = dispatch.quantize
+
+    def spy(*a, **kw):
+        out = orig(*a, **kw)
+        seen.append(bool(out.values))
+        return out
+    monkeypatch.setattr(_common, "quantize", spy)
+    run()
+    assert any(seen) and not all(seen)  # rowwise/weight planes as values; wgrad planes as codes
+    monkeypatch.setattr(_common, "quantize", orig)
+    monkeypatch.setattr(_common, "CARRY_VALUES", False)
+    without = run()
+    for a, b in zip(with_values, without):
+        assert torch.equal(a, b)
+    # the reference GEMM both ways (cast kernels + values vs reference casts)
+    dispatch._load_kernels()
+    monkeypatch.setattr(dispatch, "_GEMM_IMPLS", {})
+    monkeypatch.setattr(_common, "CARRY_VALUES", True)
+    kern = run()
+    monkeypatch.setenv("MXTRAIN_BACKEND", "reference")
+    refr = run()
+    for a, b in zip(kern, refr):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------- fused norm + cast, activation + cast
