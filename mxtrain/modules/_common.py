@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -53,13 +54,36 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator) -> list["MXTensor
             for i, axis in uses:
                 out[i] = fp8.only(axis)
             continue
+        now = _used_at_once(t2d, axes)
+        extra = {} if not now else dict(dequantized=now, keep_codes=tuple(a for a in axes if a not in now))
         mx = quantize(t2d, spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
-                      rounding=spec.rounding, seed=generator)
+                      rounding=spec.rounding, seed=generator, **extra)
         for i, axis in uses:
             # Each use gets only its own plane: what a module keeps for backward (the
             # columnwise wgrad/dgrad operand) must not pin the rowwise plane as well.
-            out[i] = mx if len(mx.planes) == 1 else dataclasses.replace(mx, planes=(mx.plane(axis),))
+            if axis in now:
+                out[i] = dataclasses.replace(mx, planes=(), values=((axis % 2, mx.dequantized_values(axis)),))
+            else:
+                out[i] = (mx if len(mx.planes) == 1 and not mx.values
+                          else dataclasses.replace(mx, planes=(mx.plane(axis),), values=()))
     return out
+
+
+# On CUDA, planes that a GEMM consumes right away are written by the cast as their dequantized
+# bf16 values, without codes (the GEMM then runs no dequantize pass): every rowwise (axis 1)
+# operand (fprop input and weight, dgrad grad-output: never kept for backward by any module)
+# and a weight's columnwise plane (dgrad weight: quantized in backward, used at once). Other
+# columnwise planes (wgrad operands, which a forward keeps for backward) keep their codes.
+# Only for bf16 tensors, whose MX values are all exact in bf16 (so the values serve a GEMM in
+# any dtype); elsewhere, and always on the CPU, nothing changes. MXTRAIN_CARRY_VALUES=0 turns it off.
+CARRY_VALUES = os.environ.get("MXTRAIN_CARRY_VALUES", "1") != "0"
+
+
+def _used_at_once(t2d: torch.Tensor, axes) -> tuple[int, ...]:
+    """The axes among ``axes`` whose planes are cast straight to dequantized values (see CARRY_VALUES)."""
+    if not CARRY_VALUES or t2d.device.type != "cuda" or t2d.dtype != torch.bfloat16 or t2d.ndim != 2:
+        return ()
+    return tuple(a for a in axes if a % 2 == 1 or isinstance(t2d, torch.nn.Parameter))
 
 
 def _gathered_operand(weight, specs_axes, generator) -> list:
