@@ -54,3 +54,18 @@ def test_study_command_writes_its_files(tmp_path):
     # fixed seeds: a rerun gives the same numbers
     assert fm.main(args[2:] + ["--out", str(tmp_path / "b")]) == 0
     assert list(csv.DictReader(open(tmp_path / "b" / "runs.csv")))[1]["test_accuracy"] == rows[1]["test_accuracy"]
+
+
+def test_merge_and_prior(tmp_path):
+    from mxtrain.data import load_fashion_mnist
+    try:
+        load_fashion_mnist("test")
+    except FileNotFoundError:
+        pytest.skip("Fashion-MNIST is not installed (bash scripts/install_data.sh)")
+    a = fm.run_study(["fp32+fp32"], epochs=1, subset=64, out=tmp_path / "a", progress=False, log=lambda *_: None)
+    fm.run_study(["int8+fp10"], epochs=1, subset=64, out=tmp_path / "b", progress=False, log=lambda *_: None)
+    fm.merge_studies([tmp_path / "a", tmp_path / "b"], tmp_path / "m")
+    assert [r["config"] for r in csv.DictReader(open(tmp_path / "m" / "runs.csv"))] == ["fp32+fp32", "int8+fp10"]
+    again = fm.run_study(["fp32+fp32"], epochs=1, subset=64, out=tmp_path / "c", prior=[tmp_path / "a"],
+                         progress=False, log=lambda *_: None)
+    assert again["results"]["fp32+fp32"].seconds == a["results"]["fp32+fp32"].seconds  # reused, not retrained

@@ -293,6 +293,10 @@ def _tables_markdown(results: dict, epochs: int, search: dict | None, meta: dict
         for e in checkpoints:
             lines.append(f"| Accuracy after {e} epochs (%) | " + " | ".join(
                 _fmt_acc(results[n].accuracy, e - 1) for n in present) + " |")
+        if any(len(results[n].accuracy) < checkpoints[-1] for n in present):  # a run stopped early
+            lines.append("| Last epoch reached: accuracy (%) | " + " | ".join(
+                f"{len(results[n].accuracy)}: {_fmt_acc(results[n].accuracy, len(results[n].accuracy) - 1)}"
+                for n in present) + " |")
         lines.append("")
 
     table("1. Matmul formats, bfloat16 elementwise ops", TABLE1, "Matmul format")
