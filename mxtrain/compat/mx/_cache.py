@@ -30,7 +30,7 @@ def cached(src: torch.Tensor, key: tuple, fn, version: int | None = None):
     key_id = id(src)
     entry = _CACHE.get(key_id)
     if entry is None or entry[0]() is not src or entry[1] != ver:
-        entry = (weakref.ref(src, lambda _, k=key_id: _CACHE.pop(k, None)), ver, {})
+        entry = (weakref.ref(src, lambda _, k=key_id, cache=_CACHE: cache.pop(k, None)), ver, {})
         _CACHE[key_id] = entry
     store = entry[2]
     if key not in store:
