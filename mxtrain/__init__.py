@@ -11,14 +11,14 @@ y.sum().backward()
 from mxtrain import formats, recipes
 from mxtrain.autocast import get_recipe, is_autocast_enabled, mx_autocast
 from mxtrain.formats import ElemFormat, parse_elemwise_format, parse_format
-from mxtrain.modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, mx_linear
+from mxtrain.modules import Conv1d, Conv2d, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, mx_linear
 from mxtrain.quantization import MXTensor, fake_quantize_mx, quantize_elemwise, quantize_mx
 from mxtrain.quantization.float8 import Float8Tensor, fake_quantize_float8, quantize_float8
 from mxtrain.recipes import (
     ROLE_NAMES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8Recipe, MXFP4Recipe, MXFP6Recipe,
     MXFP8Recipe, MXINT8Recipe, MXRecipe, Recipe, RoleSpec, recipe_from_dict, recipe_from_string,
 )
-from mxtrain.convert import convert, unconvert  # noqa: E402  (imports the modules above)
+from mxtrain.convert import Conversion, convert, unconvert
 
 __version__ = "0.1.0"
 
@@ -27,8 +27,8 @@ __all__ = [
     "Recipe", "RoleSpec", "MXRecipe", "MXFP8Recipe", "MXFP6Recipe", "MXFP4Recipe", "MXINT8Recipe",
     "recipe_from_dict", "recipe_from_string", "ROLE_NAMES",
     "Float8Recipe", "Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling",
-    "Float8Tensor", "quantize_float8", "fake_quantize_float8", "convert", "unconvert",
-    "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "mx_linear",
+    "Float8Tensor", "quantize_float8", "fake_quantize_float8", "convert", "unconvert", "Conversion",
+    "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "Conv1d", "Conv2d", "mx_linear",
     "MXTensor", "quantize_mx", "fake_quantize_mx", "quantize_elemwise",
     "ElemFormat", "parse_format", "parse_elemwise_format", "formats", "recipes",
     # subpackages imported on demand: mxtrain.distributed (FSDP2), mxtrain.compat.mx (microxcaling API),

@@ -558,10 +558,11 @@ class MXRecipe(Recipe):
         fprop_weight: W in ``Y = X Wᵀ``. mx_specs ``w_elem_format``.
         dgrad_weight: W in ``dX = dY W``. mx_specs ``w_elem_format_bp``.
         dgrad_grad_output: dY in ``dX = dY W``. mx_specs ``a_elem_format_bp_os``.
-        wgrad_input: X in ``dW = dYᵀ X``. mx_specs ``a_elem_format_bp_ex``.
-        wgrad_grad_output: dY in ``dW = dYᵀ X``. mx_specs ``a_elem_format_bp_os``
-            as well: microxcaling has one key for both uses of dY, this recipe lets
-            them differ. Converting from mx_specs sets both from that key.
+        wgrad_input: X in ``dW = dYᵀ X``. mx_specs ``a_elem_format_bp``.
+        wgrad_grad_output: dY in ``dW = dYᵀ X``. mx_specs ``a_elem_format_bp_ex``
+            (microxcaling's ``linear`` backward quantizes the input with
+            ``a_elem_format_bp`` and the gradient with ``a_elem_format_bp_ex`` for the
+            weight gradient, and the gradient with ``a_elem_format_bp_os`` for dgrad).
 
     The shared options (block_size, scale_mode, rounding, grad_rounding,
     elemwise_format, elemwise_subnormals, quantize_backward, seed) are described on
