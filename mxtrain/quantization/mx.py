@@ -43,19 +43,21 @@ def _scale_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 _SCALE_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def _tables_for(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    tables = _SCALE_TABLES.get(device)
+    if tables is None:
+        tables = _SCALE_TABLES[device] = _scale_tables(device)
+    return tables
+
+
 def scale_values(scale_bytes: torch.Tensor) -> torch.Tensor:
     """fp32 ``2**(byte - 127)`` of E8M0 scale bytes (0xFF -> NaN)."""
-    tables = _SCALE_TABLES.get(scale_bytes.device)
-    if tables is None:
-        tables = _SCALE_TABLES[scale_bytes.device] = _scale_tables(scale_bytes.device)
-    return tables[0][scale_bytes.long()]
+    return _tables_for(scale_bytes.device)[0][scale_bytes.long()]
 
 
 def _inverse_scale_values(scale_bytes: torch.Tensor) -> torch.Tensor:
-    tables = _SCALE_TABLES.get(scale_bytes.device)
-    if tables is None:
-        tables = _SCALE_TABLES[scale_bytes.device] = _scale_tables(scale_bytes.device)
-    return tables[1][scale_bytes.long()]
+    """fp32 ``2**(127 - byte)``: multiplying by it divides by the scale, exactly."""
+    return _tables_for(scale_bytes.device)[1][scale_bytes.long()]
 
 
 def shared_exponent_bytes(amax_bits: torch.Tensor, fmt: ElemFormat, scale_mode: str) -> torch.Tensor:

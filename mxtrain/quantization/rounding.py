@@ -23,11 +23,6 @@ def pow2_from_int(k: torch.Tensor) -> torch.Tensor:
     return ((k + FP32_BIAS) << FP32_MANT_BITS).view(torch.float32)
 
 
-def unbiased_exponent(mag_bits: torch.Tensor) -> torch.Tensor:
-    """floor(log2|x|) for normal fp32 magnitudes; -127 for zero and fp32 subnormals."""
-    return (mag_bits >> FP32_MANT_BITS) - FP32_BIAS
-
-
 def round_nonneg(t: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
     """Round a non-negative fp32 tensor to integers (as fp32) in the given mode, exactly."""
     if rounding == "even":
