@@ -9,10 +9,22 @@ What is replaced (exact types; subclasses are left alone):
 | torch module | becomes |
 |---|---|
 | ``nn.Linear`` | :class:`mxtrain.Linear` |
-| ``nn.Conv1d``, ``nn.Conv2d`` | :class:`mxtrain.modules.conv.Conv1d` / ``Conv2d`` (MX GEMM operands per the recipe's roles) |
-| ``nn.LayerNorm`` (last dim) | :class:`mxtrain.LayerNorm` |
-| ``nn.RMSNorm`` (last dim) | :class:`mxtrain.RMSNorm` |
+| ``nn.Conv1d``, ``Conv2d``, ``Conv3d`` | :class:`mxtrain.modules.conv.Conv1d` / ``Conv2d`` / ``Conv3d`` (MX GEMM operands per the recipe's roles) |
+| ``nn.ConvTranspose1d``, ``ConvTranspose2d``, ``ConvTranspose3d`` | :class:`mxtrain.modules.conv.ConvTranspose1d` / ``2d`` / ``3d`` (same) |
+| ``nn.LayerNorm`` (last dim) | :class:`mxtrain.LayerNorm` (output rounded to ``elemwise_format``) |
+| ``nn.RMSNorm`` (last dim) | :class:`mxtrain.RMSNorm` (same) |
+| ``nn.GroupNorm`` | :class:`mxtrain.modules.groupnorm.GroupNorm` (every step rounded to ``elemwise_format``, as microxcaling) |
+| ``nn.BatchNorm1d``, ``BatchNorm2d``, ``BatchNorm3d`` | :class:`mxtrain.modules.batchnorm.BatchNorm1d` / ``2d`` / ``3d`` (same; running statistics updated exactly as torch) |
 | ``nn.ReLU``, ``ReLU6``, ``LeakyReLU``, ``GELU``, ``SiLU``, ``Sigmoid``, ``Tanh``, ``Softmax`` | their elementwise-precision versions in :mod:`mxtrain.elementwise.modules` |
+
+Every configuration of these torch modules is supported (groups, dilation, strides,
+``output_padding``/``output_size``, string padding and every ``padding_mode`` of the
+convs; ``affine=False``, ``track_running_stats=False``, ``momentum=None`` and
+train/eval of the batch norms). Not supported, and skipped (listed in
+``Conversion.skipped``) rather than converted: LayerNorm/RMSNorm over several
+dimensions, and convolutions when the pinned recipe is an FP8 recipe
+(``Float8Recipe``; a converted conv under an ambient FP8 recipe raises
+``NotImplementedError``).
 
 A replacement holds the very same ``Parameter`` and buffer objects as the module
 it replaces (and its hooks, training flag and attributes), so the state dict,
@@ -40,10 +52,13 @@ from torch import nn
 from mxtrain.autocast import mx_autocast
 from mxtrain.elementwise.modules import ELEMENTWISE_MODULES
 from mxtrain.modules import LayerNorm, Linear, RMSNorm
-from mxtrain.modules.conv import Conv1d, Conv2d
+from mxtrain.modules.batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
+from mxtrain.modules.conv import (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d,
+                                  unsupported_recipe)
+from mxtrain.modules.groupnorm import GroupNorm
 from mxtrain.recipes import Recipe
 
-__all__ = ["convert", "unconvert", "Conversion", "CONVERSIONS"]
+__all__ = ["convert", "unconvert", "Conversion", "CONVERSIONS", "RECIPE_CHECKS"]
 
 
 def _layernorm_ok(m):
@@ -73,8 +88,19 @@ CONVERSIONS: dict = {
     nn.Linear: (Linear, None, None),
     nn.Conv1d: (Conv1d, None, None),
     nn.Conv2d: (Conv2d, None, None),
+    nn.Conv3d: (Conv3d, None, None),
+    nn.ConvTranspose1d: (ConvTranspose1d, None, None),
+    nn.ConvTranspose2d: (ConvTranspose2d, None, None),
+    nn.ConvTranspose3d: (ConvTranspose3d, None, None),
     nn.LayerNorm: (LayerNorm, _layernorm_ok, _prepare_norm),
+    nn.GroupNorm: (GroupNorm, None, None),
+    nn.BatchNorm1d: (BatchNorm1d, None, None),
+    nn.BatchNorm2d: (BatchNorm2d, None, None),
+    nn.BatchNorm3d: (BatchNorm3d, None, None),
 }
+# replacement type -> check(recipe) returning a reason not to convert under that pinned recipe, or None
+RECIPE_CHECKS: dict = {cls: unsupported_recipe for cls in (Conv1d, Conv2d, Conv3d, ConvTranspose1d,
+                                                            ConvTranspose2d, ConvTranspose3d)}
 if hasattr(nn, "RMSNorm"):
     CONVERSIONS[nn.RMSNorm] = (RMSNorm, _rmsnorm_ok, _prepare_norm)
 for _torch_type, _elementwise_type in ELEMENTWISE_MODULES.items():
@@ -212,6 +238,8 @@ def convert(model: nn.Module, recipe: Recipe | None = None, *, include=None, exc
             if new is None:
                 new_cls, check, fixup = entry
                 reason = check(child) if check else None
+                if not reason and recipe is not None and new_cls in RECIPE_CHECKS:
+                    reason = RECIPE_CHECKS[new_cls](recipe)
                 if reason:
                     handle.skipped.append((name, reason))
                     continue

@@ -1,0 +1,50 @@
+"""GroupNorm: a drop-in ``nn.GroupNorm`` that honours the recipe's elementwise precision.
+
+With a recipe whose ``elemwise_format`` is set (the innermost ``mx_autocast``'s, or
+the one :func:`mxtrain.convert` pinned), every basic operation of the norm (mean,
+shift, variance, ``1/sqrt``, scale, shift; and the backward pass's, unless
+``quantize_backward=False``) is rounded to that precision with the recipe's
+``rounding`` and ``elemwise_subnormals``: microxcaling's ``GroupNorm``
+(:mod:`mxtrain.compat.mx.groupnorm`), computed in fp32 and returned in the
+input's dtype. This is finer-grained than :class:`mxtrain.LayerNorm`, which
+rounds only the norm's output (and input gradient). Without such a recipe it is
+exactly ``nn.GroupNorm``; parameters and state-dict keys are its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mxtrain.autocast import get_recipe
+
+__all__ = ["GroupNorm", "affine_params", "norm_specs"]
+
+
+def norm_specs():
+    """microxcaling-style specs rounding every elementwise op per the active recipe (None: plain torch)."""
+    from mxtrain.elementwise.modules import elementwise_specs
+    return elementwise_specs(get_recipe())
+
+
+def affine_params(module, channels: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's weight and bias in fp32, or ones and zeros when it has none (``affine=False``)."""
+    w, b = module.weight, module.bias
+    w = torch.ones(channels, device=device) if w is None else w.float()
+    b = torch.zeros(channels, device=device) if b is None else b.float()
+    return w, b
+
+
+class GroupNorm(nn.GroupNorm):
+    """``nn.GroupNorm`` with microxcaling's elementwise rounding under a recipe (see the module docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        specs = norm_specs()
+        if specs is None:
+            return super().forward(x)
+        from mxtrain.compat.mx.groupnorm import GroupNormFunction
+        if x.ndim < 2 or x.shape[1] != self.num_channels:
+            raise ValueError(f"GroupNorm({self.num_groups}, {self.num_channels}) expects inputs of shape "
+                             f"(N, {self.num_channels}, *), got {list(x.shape)}")
+        weight, bias = affine_params(self, self.num_channels, x.device)
+        return GroupNormFunction.apply(x.float(), self.num_groups, weight, bias, self.eps, specs, None).to(x.dtype)
