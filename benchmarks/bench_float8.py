@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mxtrain
+from mxtrain.kernels import float8_gemm
 from mxtrain.kernels.dispatch import mx_gemm, quantize_float8
+from mxtrain.modules import _float8 as module_float8
 from mxtrain.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 RECIPES = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(), "block": Float8BlockScaling()}
@@ -105,9 +107,8 @@ def gemm_table(tokens, hidden, ffn, dtype, iters, warmup):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = [(tokens, ffn, hidden), (tokens, hidden, ffn)]  # fc1 (M, N, K), fc2
     rows = []
-    for kind in ("bf16", "per-tensor", "per-tensor, fast accumulation in all", "block"):  # noqa: B007
-        if kind.endswith("in all"):
-            os.environ["MXTRAIN_FP8_FAST_ACCUM"] = "all"
+    for kind in ("bf16", "per-tensor", "block (cuBLAS)", "block (Triton)"):  # noqa: B007
+        float8_gemm.BLOCK_GEMM_BACKEND = "triton" if kind == "block (Triton)" else "auto"
         total = 0.0
         for m, n, k in shapes:
             x = torch.randn(m, k, device=dev, dtype=dtype)
@@ -116,7 +117,7 @@ def gemm_table(tokens, hidden, ffn, dtype, iters, warmup):
             if kind == "bf16":
                 fns = [lambda: x @ w.t(), lambda: dy @ w, lambda: dy.t() @ x]
             else:
-                blk = kind == "block"  # per-tensor rows: fast accumulation in fprop only, unless "in all"
+                blk = kind.startswith("block")  # per-tensor: fast accumulation in fprop only
                 q = lambda t, b, f="fp8_e4m3": quantize_float8(t, f, axes=(1, 0), block=b if blk else None)  # noqa
                 xq, wq, dyq = q(x, (1, 128)), q(w, (128, 128)), q(dy, (1, 128), "fp8_e5m2" if not blk else "fp8_e4m3")
                 fns = [lambda: mx_gemm(xq, wq, a_axis=1, b_axis=1, out_dtype=dtype),
@@ -124,7 +125,7 @@ def gemm_table(tokens, hidden, ffn, dtype, iters, warmup):
                        lambda: mx_gemm(dyq, xq, a_axis=0, b_axis=0, out_dtype=dtype)]
             for fn in fns:
                 total += time_ms(fn, iters, warmup)
-        os.environ.pop("MXTRAIN_FP8_FAST_ACCUM", None)
+        float8_gemm.BLOCK_GEMM_BACKEND = "auto"
         flops = 6 * 2 * tokens * hidden * ffn
         rows.append((kind, total, flops / total / 1e9))
     return rows
@@ -139,6 +140,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--recipes", default="current,delayed,block")
     ap.add_argument("--profile-dir", default=None, help="write a kernel-time table of one step per recipe here")
+    ap.add_argument("--variants", action="store_true",
+                    help="also time the recipes without fused casts, and block scaling on the Triton GEMM")
+    ap.add_argument("--sweep-casts", action="store_true", help="time the per-tensor cast per tile shape (GPU)")
     args = ap.parse_args()
     dtype, dev = torch.bfloat16, ("cuda" if torch.cuda.is_available() else "cpu")  # CPU: smoke run only
     torch.manual_seed(0)
@@ -169,19 +173,20 @@ def main():
     base_fwd = time_ms(forward_fn(torch_block, x, None), args.iters, args.warmup)
     row("torch block bf16", base_fwd, base_step, float("inf"))
     runs = [(name, None) for name in args.recipes.split(",")]
-    if "current" in args.recipes.split(","):
-        runs.append(("current", "all"))  # cuBLAS fast accumulation in dgrad/wgrad too (default: fprop only)
-    for name, fast in runs:
+    if args.variants:  # the same recipes without the fused casts, and block scaling on the Triton GEMM
+        runs += [(name, "unfused casts") for name in args.recipes.split(",") if name != "block"]
+        runs += [(name, "Triton block GEMM") for name in args.recipes.split(",") if name == "block"]
+    for name, variant in runs:
         recipe = RECIPES[name]
-        if fast:
-            os.environ["MXTRAIN_FP8_FAST_ACCUM"] = fast
+        module_float8.FUSED_CASTS = variant != "unfused casts"
+        float8_gemm.BLOCK_GEMM_BACKEND = "triton" if variant == "Triton block GEMM" else "auto"
         fwd = time_ms(forward_fn(mx_block, x, recipe), args.iters, args.warmup)
         step = time_ms(step_fn(mx_block, x, dy, recipe), args.iters, args.warmup)
         y = forward_fn(mx_block, x, recipe)()
-        os.environ.pop("MXTRAIN_FP8_FAST_ACCUM", None)
-        label = f"mxtrain.LayerNormMLP {type(recipe).__name__}" + (", fast accumulation in all GEMMs" if fast else "")
+        module_float8.FUSED_CASTS, float8_gemm.BLOCK_GEMM_BACKEND = True, "auto"
+        label = f"mxtrain.LayerNormMLP {type(recipe).__name__}" + (f", {variant}" if variant else "")
         row(label, fwd, step, sqnr_db(y, y_ref))
-        if fast:
+        if variant:
             continue
         if args.profile_dir:
             try:
@@ -193,6 +198,50 @@ def main():
     print("|---|---|---|")
     for kind, ms, tflops in gemm_table(args.tokens, args.hidden, args.ffn, dtype, args.iters, args.warmup):
         print(f"| {kind} | {ms:.2f} | {tflops:.0f} |", flush=True)
+    if float8_gemm._CUBLAS_BLOCK_BROKEN:
+        print(f"\ncuBLAS block-scaled GEMM unavailable, Triton used: {float8_gemm._CUBLAS_BLOCK_BROKEN}")
+    if args.sweep_casts:
+        sweep_casts(args.tokens, args.hidden, args.ffn, dtype, args.iters, args.warmup)
+
+
+CAST_TILES = [(32, 128, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8), (128, 128, 8), (32, 256, 4), (64, 256, 8)]
+
+
+def sweep_casts(tokens, hidden, ffn, dtype, iters, warmup):
+    """Per-tensor cast kernel time (amax pass included) per tile shape, for the casts of one step."""
+    from mxtrain.kernels import float8_cast
+    dev = "cuda"
+    h = torch.randn(tokens, ffn, device=dev, dtype=dtype)
+    da = torch.randn(tokens, ffn, device=dev, dtype=dtype)
+    xl = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+    cases = {  # name: (call, bytes moved by the cast kernel itself, planes)
+        "gelu(h) row": (lambda: float8_cast.tensor_cast_float8(h, act="gelu"), h.numel() * 3, (True, False)),
+        "gelu(h) col": (lambda: float8_cast.tensor_cast_float8(h, act="gelu", rowwise=False, columnwise=True,
+                                                               amax=torch.tensor(4.0, device=dev)),
+                        h.numel() * 3, (False, True)),
+        "dgelu(h, da) row+col+dbias": (lambda: float8_cast.tensor_cast_float8(
+            h, "fp8_e5m2", columnwise=True, act="gelu", grad=da, dbias=True), h.numel() * 6, (True, True)),
+        "x row+col": (lambda: float8_cast.tensor_cast_float8(xl, columnwise=True), xl.numel() * 4, (True, True)),
+    }
+    print("\n| cast (amax pass + cast) | tile BMxBN/warps | ms | cast-kernel GB/s (amax pass excluded from bytes) |")
+    print("|---|---|---|---|")
+    saved = dict(float8_cast.TENSOR_CAST_TILES), float8_cast.AMAX_TILE
+    for name, (fn, nbytes, planes) in cases.items():
+        best = None
+        for tile in CAST_TILES:
+            float8_cast.TENSOR_CAST_TILES[planes] = tile
+            float8_cast.AMAX_TILE = tile
+            try:
+                ms = time_ms(fn, iters, warmup)
+            except Exception as err:  # a tile that does not compile (shared memory) is skipped
+                print(f"| {name} | {tile} | failed: {type(err).__name__} | |")
+                continue
+            best = min(best or (ms, tile), (ms, tile))
+            print(f"| {name} | {tile[0]}x{tile[1]}/{tile[2]} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |", flush=True)
+        print(f"| **{name} best** | {best[1]} | {best[0]:.3f} | |", flush=True)
+        float8_cast.TENSOR_CAST_TILES.clear()
+        float8_cast.TENSOR_CAST_TILES.update(saved[0])
+        float8_cast.AMAX_TILE = saved[1]
 
 
 if __name__ == "__main__":

@@ -29,14 +29,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
+from mxtrain.kernels._triton_utils import interpret_mode
+from mxtrain.kernels.cast import _round_to_dtype
 from mxtrain.kernels.dispatch import register_float8_quantize
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
-    quantize_float8 as quantize_float8_reference, tensor_amax,
+    quantize_float8 as quantize_float8_reference,
 )
 
-__all__ = ["triton_quantize_float8"]
+__all__ = ["triton_quantize_float8", "tensor_cast_float8", "FUSED_ACTIVATIONS", "FUSED_ACTIVATION_GRADS"]
 
 _FP8_BITS = {"fp8_e4m3": (3, -6), "fp8_e5m2": (2, -14)}  # mantissa bits, smallest normal exponent
 _FP32_MAX = 3.4028234663852886e38
@@ -73,13 +76,129 @@ def _saturate(v, FMAX: tl.constexpr):
 
 
 @triton.jit
-def _tensor_cast_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, lo_ptr, hi_ptr, sinv_ptr, M, N, stride_xm,
+def _fp8_bytes(v, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, GPU: tl.constexpr):
+    """FP8 bytes (uint8) of fp32 ``v``, saturated to +-FMAX, rounded to nearest even. On the GPU the
+    hardware conversion (``cvt.rn.satfinite``: one instruction per two values; the integer emulation
+    made the casts compute-bound); in the interpreter ``_fp8_code`` (its own float8 cast rounds
+    differently). Same bytes but for the sign of a NaN."""
+    if GPU:
+        if MBITS == 3:
+            return _saturate(v, FMAX).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            return _saturate(v, FMAX).to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        return _fp8_code(_saturate(v, FMAX), MBITS, EMIN).to(tl.uint8)
+
+
+@triton.jit
+def _exp(x, GPU: tl.constexpr):
+    """fp32 exp: libdevice's ``expf`` on the GPU (what torch's CUDA kernels call), numpy's in the interpreter.
+
+    ``GPU`` (compiled, not interpreted) selects what torch's CUDA kernels do where its CPU
+    kernels differ; the interpreter follows torch on the CPU (the tests compare each with it)."""
+    if GPU:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _act_fwd(x, ACT: tl.constexpr, GPU: tl.constexpr):
+    """fp32 activation in the formulas of torch's CUDA kernels: 1 gelu, 2 gelu_tanh, 3 relu, 4 squared_relu, 5 silu."""
+    if ACT == 1:
+        return (x * 0.5) * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACT == 2:
+        inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+        if GPU:
+            t = libdevice.tanh(inner)
+        else:
+            t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+        return (0.5 * x) * (1.0 + t)
+    elif ACT == 3:  # NaN stays NaN; -0.0 gives +0 on CUDA (a max with 0), -0.0 on the CPU, as torch
+        if GPU:
+            return tl.where(x <= 0.0, 0.0, x)
+        else:
+            return tl.where(x < 0.0, 0.0, x)
+    elif ACT == 4:
+        r = tl.where(x < 0.0, 0.0, x)
+        return r * r
+    else:
+        return tl.math.div_rn(x, 1.0 + _exp(-x, GPU))
+
+
+@triton.jit
+def _act_bwd(x, g, ACT: tl.constexpr, GPU: tl.constexpr):
+    """``g * act'(x)`` in fp32 as torch's CUDA backward kernels write it: 1 gelu, 3 relu, 5 silu."""
+    if ACT == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        pdf = _exp(-0.5 * x * x, GPU) * 0.3989422804014327
+        return g * (cdf + x * pdf)
+    elif ACT == 3:
+        return tl.where(x <= 0.0, 0.0, g)  # threshold_backward: x <= 0 -> 0 (NaN x passes g)
+    else:
+        s = tl.math.div_rn(1.0, 1.0 + _exp(-x, GPU))
+        return g * s * (1.0 + x * (1.0 - s))
+
+
+@triton.jit
+def _load_f32(ptr, offs, mask, BF16_BITS: tl.constexpr):
+    """fp32 of a tile; bf16 arrives as int16 bits and widens exactly (the interpreter's bf16 cast drops subnormals)."""
+    raw = tl.load(ptr + offs, mask=mask, other=0)
+    if BF16_BITS:
+        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return raw.to(tl.float32)
+
+
+@triton.jit
+def _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE: tl.constexpr, ACT: tl.constexpr,
+                 X_BF16: tl.constexpr, G_BF16: tl.constexpr, OUT_KIND: tl.constexpr, GPU: tl.constexpr):
+    """The fp32 tile that is cast. PRE 0: ``x``; 1: ``act(x)``; 2: ``g * act'(x)``; the last two rounded
+    to the source dtype (OUT_KIND 0 fp32, 1 bf16, 2 fp16) as the unfused torch ops round their outputs.
+    Out-of-range lanes are 0."""
+    x = _load_f32(x_ptr, rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask, X_BF16)
+    if PRE == 0:
+        return x
+    if PRE == 1:
+        v = _act_fwd(x, ACT, GPU)
+    else:
+        g = _load_f32(g_ptr, rm[:, None].to(tl.int64) * stride_gm + rn[None, :], mask, G_BF16)
+        v = _act_bwd(x, g, ACT, GPU)
+    v = _round_to_dtype(v, OUT_KIND)
+    return tl.where(mask, v, 0.0)
+
+
+@triton.jit
+def _tensor_amax_kernel(x_ptr, g_ptr, part_ptr, M, N, stride_xm, stride_gm,
+                        PRE: tl.constexpr, ACT: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
+                        OUT_KIND: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """max |v| of one tile of the cast source (NaN counts as +Inf) into ``part[program]``; the
+    partial maxima are reduced after (one atomic max per tile on one address serializes)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    v = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
+    a = tl.where(v == v, tl.abs(v), float("inf"))
+    lanes = tl.arange(0, BN)
+    tile_max = tl.zeros([BN], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
+    tl.store(part_ptr + (pid_m * tl.num_programs(1) + pid_n) + lanes * 0, tile_max, mask=lanes == 0)
+
+
+@triton.jit
+def _tensor_cast_kernel(x_ptr, g_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, sinv_ptr, dbias_ptr, M, N,
+                        stride_xm, stride_gm,
                         FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
                         POW2: tl.constexpr, MODE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+                        PRE: tl.constexpr, ACT: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
+                        OUT_KIND: tl.constexpr, GPU: tl.constexpr, DBIAS: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr):
-    """One BM x BN tile of a per-tensor cast. MODE 0: ``scale`` given (delayed scaling), each program's
-    amax written to ``amax[program]``; 1: scale from the fp32 ``amax`` given (all-reduced); 2: scale from torch.aminmax's
-    ``lo``/``hi`` (and the amax written). The first program writes ``scale_inv`` (and the amax)."""
+    """One BM x BN tile of a per-tensor cast of the source tile (see ``_source_tile``).
+
+    MODE 0: ``scale`` given (delayed scaling), each program's amax written to ``amax[program]``;
+    1: the scale computed from the fp32 ``amax`` given (current scaling, all-reduced when sharded).
+    The first program writes ``scale_inv``. ROW writes the FP8 bytes [M, N], COL their transpose
+    [N, M]; DBIAS writes the tile's fp32 column sums to ``dbias[pid_m, :]`` (summed after)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -87,29 +206,25 @@ def _tensor_cast_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, lo_ptr, hi
     lanes = tl.arange(0, BN)
     first = (lanes + pid_m + pid_n) == 0  # lane 0 of the first program
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    v = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND,
+                     GPU)
     zero = tl.zeros([BN], tl.float32)  # scalars are broadcast to [BN] vectors: vector math only
     if MODE == 0:  # one partial amax per program (no atomics on one address: they serialize), reduced after
-        a = tl.where(x == x, tl.abs(x), float("inf"))
+        a = tl.where(v == v, tl.abs(v), float("inf"))
         tile_max = zero + tl.max(tl.max(a, axis=1), axis=0)
         tl.store(amax_ptr + (pid_m * tl.num_programs(1) + pid_n) + lanes * 0, tile_max, mask=lanes == 0)
         s = zero + tl.load(scale_ptr)
     else:
-        if MODE == 1:
-            amax = zero + tl.load(amax_ptr)
-        else:
-            hi = zero + tl.load(hi_ptr).to(tl.float32)
-            lo = zero + tl.load(lo_ptr).to(tl.float32)
-            amax = tl.where((hi != hi) | (lo != lo), float("inf"), tl.abs(tl.maximum(hi, -lo)))
-            tl.store(amax_ptr + lanes * 0, amax, mask=first)
-        s = _block_scale(amax, FMAX, EPS, POW2)
+        s = _block_scale(zero + tl.load(amax_ptr), FMAX, EPS, POW2)
     tl.store(sinv_ptr + lanes * 0, tl.math.div_rn(zero + 1.0, s), mask=first)
-    q = _fp8_code(_saturate(x * s[None, :], FMAX), MBITS, EMIN).to(tl.uint8)
+    q = _fp8_bytes(v * s[None, :], FMAX, MBITS, EMIN, GPU)
     if ROW:
         tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
     if COL:
         mask_t = (rn[:, None] < N) & (rm[None, :] < M)
         tl.store(col_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=mask_t)
+    if DBIAS:
+        tl.store(dbias_ptr + pid_m.to(tl.int64) * N + rn, tl.sum(v, axis=0), mask=rn < N)
 
 
 @triton.jit
@@ -129,7 +244,7 @@ def _block_scale(amax, FMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr
 def _block_cast_kernel(x_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, M, N, stride_xm, NB_N, NB_M,
                        FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
                        POW2: tl.constexpr, SQUARE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
-                       B: tl.constexpr):
+                       GPU: tl.constexpr, B: tl.constexpr):
     """One B x B tile. SQUARE: one scale for the tile (row plane scales [M/B, N/B], col plane the
     transpose); else 1xB blocks: per-row scales for the row plane [M, N/B], per-column scales for
     the col plane [N, M/B] (stored transposed)."""
@@ -146,7 +261,7 @@ def _block_cast_kernel(x_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, M, N, stride_x
         lanes = tl.arange(0, B)
         amax = tl.zeros([B], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
         s = _block_scale(amax, FMAX, EPS, POW2)
-        q = _fp8_code(_saturate(x * s[:, None], FMAX), MBITS, EMIN).to(tl.uint8)
+        q = _fp8_bytes(x * s[:, None], FMAX, MBITS, EMIN, GPU)
         si = tl.math.div_rn(tl.full([B], 1.0, tl.float32), s)
         if ROW:
             tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
@@ -157,13 +272,13 @@ def _block_cast_kernel(x_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, M, N, stride_x
     else:
         if ROW:
             s = _block_scale(tl.max(a, axis=1), FMAX, EPS, POW2)  # [B]: one per row
-            q = _fp8_code(_saturate(x * s[:, None], FMAX), MBITS, EMIN).to(tl.uint8)
+            q = _fp8_bytes(x * s[:, None], FMAX, MBITS, EMIN, GPU)
             tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
             tl.store(rsi_ptr + rm * NB_N + pid_n, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s),
                      mask=rm < M)
         if COL:
             s = _block_scale(tl.max(a, axis=0), FMAX, EPS, POW2)  # [B]: one per column
-            q = _fp8_code(_saturate(x * s[None, :], FMAX), MBITS, EMIN).to(tl.uint8)
+            q = _fp8_bytes(x * s[None, :], FMAX, MBITS, EMIN, GPU)
             tl.store(col_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=mask_t)
             tl.store(csi_ptr + rn * NB_M + pid_m, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s),
                      mask=rn < N)
@@ -172,6 +287,107 @@ def _block_cast_kernel(x_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, M, N, stride_x
 def _bytes(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """The kernels write FP8 bytes (see _fp8_code) through a uint8 view; ``dummy`` stands in for an unused plane."""
     return dummy if t is None else t.view(torch.uint8)
+
+
+# Tile shapes (BM, BN, num_warps) of the per-tensor cast by (rowwise, columnwise) planes written,
+# and of the amax pass; chosen on an H200 with benchmarks/bench_float8.py --sweep-casts.
+TENSOR_CAST_TILES = {(True, False): (64, 128, 4), (False, True): (64, 128, 4), (True, True): (64, 128, 4)}
+AMAX_TILE = (64, 128, 4)
+# activations the prologue computes (forward) and differentiates (backward)
+FUSED_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
+FUSED_ACTIVATION_GRADS = {"gelu": 1, "relu": 3, "silu": 5}
+_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _bits_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def tensor_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, rowwise: bool = True, columnwise: bool = False,
+                       act: str | None = None, grad: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                       amax: torch.Tensor | None = None, power_of_2_scales: bool = False, amax_epsilon: float = 0.0,
+                       amax_reduction_group=None, dbias: bool = False) -> tuple[Float8Tensor, torch.Tensor | None]:
+    """Per-tensor FP8 cast of a 2-D ``source``, with an optional elementwise prologue and bias gradient.
+
+    ``source`` is ``x`` itself; with ``act``, ``act(x)`` rounded to ``x``'s dtype; with ``act``
+    and ``grad``, ``grad * act'(x)`` rounded to that dtype: what torch's unfused activation
+    (or its backward) would write, computed here without writing it. Rowwise (``[M, N]``)
+    and columnwise (the transpose, ``[N, M]``) FP8 planes come from one read.
+
+    Scaling: ``scale`` given = delayed scaling (the amax of the source comes back from the
+    same pass); else current scaling from ``amax`` if given (it must be the source's, e.g.
+    kept from a forward cast of the same values), or from an amax pass over the source
+    (all-reduced over ``amax_reduction_group``). ``dbias=True`` also returns the fp32 column
+    sums of the source (a bias gradient), from the same pass.
+
+    Returns ``(Float8Tensor, dbias or None)``. With no prologue the bytes equal
+    :func:`~mxtrain.quantization.float8.quantize_float8`'s; with one they equal the reference
+    cast of the kernel's own source (see :mod:`mxtrain.kernels.activation_cast` on how that
+    source can differ from torch's by an ulp of the dtype).
+    """
+    fmt = fp8_format_name(fmt)
+    if x.ndim != 2 or x.dtype not in _OUT_KINDS:
+        raise ValueError(f"tensor_cast_float8 takes a 2-D fp32/bf16/fp16 tensor, got {x.dtype} {list(x.shape)}")
+    if not (rowwise or columnwise):
+        raise ValueError("tensor_cast_float8: ask for the rowwise and/or the columnwise plane")
+    if grad is not None and act is None:
+        raise ValueError("tensor_cast_float8: grad= needs act= (the source is grad * act'(x))")
+    if act is not None:
+        table = FUSED_ACTIVATIONS if grad is None else FUSED_ACTIVATION_GRADS
+        if act not in table:
+            raise ValueError(f"tensor_cast_float8: activation {act!r} is not fused "
+                             f"{'backward' if grad is not None else 'forward'}; fused: {', '.join(table)}")
+    if grad is not None and (grad.shape != x.shape or grad.dtype != x.dtype or grad.device != x.device):
+        raise ValueError(f"tensor_cast_float8: grad must match x (shape, dtype, device), got {grad.dtype} "
+                         f"{list(grad.shape)} for {x.dtype} {list(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if grad is not None and grad.stride(1) != 1:
+        grad = grad.contiguous()
+    M, N = x.shape
+    dev = x.device
+    f32 = {"dtype": torch.float32, "device": dev}
+    mbits, emin = _FP8_BITS[fmt]
+    pre = 0 if act is None else (1 if grad is None else 2)
+    g = grad if grad is not None else x
+    src = dict(PRE=pre, ACT=0 if act is None else (FUSED_ACTIVATIONS if pre == 1 else FUSED_ACTIVATION_GRADS)[act],
+               X_BF16=x.dtype == torch.bfloat16, G_BF16=g.dtype == torch.bfloat16, OUT_KIND=_OUT_KINDS[x.dtype],
+               GPU=not interpret_mode())
+    xb, gb = _bits_view(x), _bits_view(g)
+    if scale is None and amax is None:  # current scaling: the amax pass first
+        BM, BN, warps = AMAX_TILE
+        agrid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+        part = torch.empty(agrid[0] * agrid[1], **f32)
+        _tensor_amax_kernel[agrid](xb, gb, part, M, N, x.stride(0), g.stride(0), BM=BM, BN=BN, num_warps=warps,
+                                   **src)
+        amax = all_reduce_amax(part.amax(), amax_reduction_group)
+    BM, BN, warps = TENSOR_CAST_TILES[(bool(rowwise), bool(columnwise))]
+    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    if scale is not None:  # delayed: the given scale; the amax comes from the same pass
+        mode, amax = 0, torch.empty(grid[0] * grid[1], **f32)  # per-tile maxima, reduced below
+        scale = scale.to(**f32).reshape(())
+    else:
+        mode, amax, scale = 1, amax.to(**f32).reshape(()), amax
+    dtype = FP8_DTYPES[fmt]
+    row = torch.empty((M, N), dtype=dtype, device=dev) if rowwise else None
+    col = torch.empty((N, M), dtype=dtype, device=dev) if columnwise else None
+    scale_inv = torch.empty((), **f32)
+    db = torch.empty((grid[0], N), **f32) if dbias else None
+    dummy = row if row is not None else col
+    _tensor_cast_kernel[grid](xb, gb, _bytes(row, dummy), _bytes(col, dummy), scale, amax, scale_inv,
+                              db if dbias else scale_inv, M, N, x.stride(0), g.stride(0),
+                              FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
+                              POW2=bool(power_of_2_scales), MODE=mode, ROW=bool(rowwise), COL=bool(columnwise),
+                              DBIAS=bool(dbias), BM=BM, BN=BN, num_warps=warps, **src)
+    if mode == 0:
+        amax = amax.amax()
+    planes = []
+    if rowwise:
+        planes.append(Float8Plane(row, scale_inv, 1))
+    if columnwise:
+        planes.append(Float8Plane(col, scale_inv, 0))
+    return Float8Tensor(tuple(planes), fmt, (M, N), x.dtype, amax), (db.sum(0) if dbias else None)
+
 
 
 def triton_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axes=-1, scale: torch.Tensor | None = None,
@@ -202,32 +418,15 @@ def triton_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axes=-1, scale: t
     fmax = FP8_MAX[fmt]
     dtype = FP8_DTYPES[fmt]
     want_row, want_col = last in norm, (x.ndim == 2 and 0 in norm)
+    if block is None:
+        q, _ = tensor_cast_float8(x2d, fmt, rowwise=want_row, columnwise=want_col, scale=scale,
+                                  power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon,
+                                  amax_reduction_group=amax_reduction_group)
+        planes = [Float8Plane(q.rowwise.data.view(x.shape), q.scale_inv, last) if a == last else q.columnwise
+                  for a in norm]
+        return Float8Tensor(tuple(planes), fmt, tuple(x.shape), x.dtype, q.amax)
     row = torch.empty((M, N), dtype=dtype, device=x.device) if want_row else None
     col = torch.empty((N, M), dtype=dtype, device=x.device) if want_col else None
-    if block is None:
-        f32 = {"dtype": torch.float32, "device": x.device}
-        scale_inv = torch.empty((), **f32)
-        lo = hi = x2d  # stand-ins for unused pointers
-        BM, BN = 64, 64
-        grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-        if scale is not None:  # delayed: the given scale; the amax comes from the same pass
-            mode, amax = 0, torch.empty(grid[0] * grid[1], **f32)  # per-tile maxima, reduced below
-            scale = scale.to(**f32).reshape(())
-        elif amax_reduction_group is not None:  # current, all ranks' amax: reduce it first
-            mode, amax, scale = 1, all_reduce_amax(tensor_amax(x2d), amax_reduction_group), x2d
-        else:  # current: one reduction pass, then the kernel turns it into amax, scale and scale_inv
-            mode, amax, scale = 2, torch.empty((), **f32), x2d
-            lo, hi = torch.aminmax(x2d)
-        _tensor_cast_kernel[grid](x2d, _bytes(row, x2d), _bytes(col, x2d), scale, amax, lo, hi, scale_inv, M, N,
-                                  x2d.stride(0), FMAX=fmax, MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
-                                  POW2=bool(power_of_2_scales), MODE=mode, ROW=want_row, COL=want_col,
-                                  BM=BM, BN=BN, num_warps=4)
-        if mode == 0:
-            amax = amax.amax()
-        planes = []
-        for a in norm:
-            planes.append(Float8Plane(row.view(x.shape) if a == last else col, scale_inv, a))
-        return Float8Tensor(tuple(planes), fmt, tuple(x.shape), x.dtype, amax)
     B = 128
     square = tuple(block) == (128, 128)
     nb_m, nb_n = triton.cdiv(M, B), triton.cdiv(N, B)
@@ -237,7 +436,8 @@ def triton_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axes=-1, scale: t
     _block_cast_kernel[(nb_m, nb_n)](
         x2d, _bytes(row, x2d), rsi if want_row else x2d, _bytes(col, x2d),
         csi if want_col else x2d, M, N, x2d.stride(0), nb_n, nb_m, FMAX=fmax, MBITS=mbits, EMIN=emin,
-        EPS=float(amax_epsilon), POW2=bool(power_of_2_scales), SQUARE=square, ROW=want_row, COL=want_col, B=B,
+        EPS=float(amax_epsilon), POW2=bool(power_of_2_scales), SQUARE=square, ROW=want_row, COL=want_col,
+        GPU=not interpret_mode(), B=B,
         num_warps=8)
     planes = []
     for a in norm:

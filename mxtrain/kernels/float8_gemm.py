@@ -41,7 +41,7 @@ import triton.language as tl
 from mxtrain.kernels.dispatch import register_float8_gemm
 from mxtrain.quantization.float8 import Float8Tensor
 
-__all__ = ["float8_gemm", "scaled_mm_gemm", "block_fp8_gemm", "fallback_gemm"]
+__all__ = ["float8_gemm", "scaled_mm_gemm", "block_fp8_gemm", "cublas_block_gemm", "fallback_gemm"]
 
 
 def _operand_values(t, axis: int) -> torch.Tensor:
@@ -149,6 +149,62 @@ def block_fp8_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: int
     return out
 
 
+# Block-scaled GEMMs through cuBLASLt (CUDA >= 12.9 on sm_90: DeepSeek-style 1x128 / 128x128 scales,
+# promoted inside cuBLAS) when torch exposes them (torch.nn.functional.scaled_mm), else the Triton
+# kernel above. MXTRAIN_FP8_BLOCK_GEMM=triton|cublas|auto (default auto: cuBLAS where it runs).
+BLOCK_GEMM_BACKEND = os.environ.get("MXTRAIN_FP8_BLOCK_GEMM", "auto")
+_CUBLAS_BLOCK_BROKEN: dict[int, str] = {}  # device index -> why cuBLAS block scaling failed here once
+
+
+def _outer_major(scale_inv: torch.Tensor) -> torch.Tensor:
+    """``[rows, K/128]`` scales stored K-block-major (stride ``(1, rows)``), the layout cuBLAS reads for 1x128."""
+    return scale_inv.t().contiguous().t()
+
+
+def cublas_block_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: int, out_dtype: torch.dtype,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``A @ Bᵀ`` for 128-block-scaled operands through ``torch.nn.functional.scaled_mm`` (cuBLASLt).
+
+    ``A``: 1x128 blocks; ``B``: 1x128 or 128x128 blocks; ``K`` a multiple of 128. Raises
+    what torch raises where cuBLAS has no kernel (callers fall back to :func:`block_fp8_gemm`).
+    """
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    pa, pb = a.plane(a_axis), b.plane(b_axis)
+    if pa.block != (1, 128) or pb.block not in ((1, 128), (128, 128)) or pa.data.shape[1] % 128:
+        raise ValueError(f"cublas_block_gemm takes A with 1x128 blocks, B with 1x128 or 128x128 blocks and K % 128 == 0, "
+                         f"got {pa.block}, {pb.block}, K = {pa.data.shape[1]}")
+    if pb.block == (1, 128):
+        sb, recipe_b = _outer_major(pb.scale_inv), ScalingType.BlockWise1x128
+    else:  # [N/128, K/128] with K/128 padded to a multiple of 4, given as its transpose
+        kb = pb.scale_inv.shape[1]
+        sb = torch.nn.functional.pad(pb.scale_inv, (0, (-kb) % 4), value=1.0).t()
+        recipe_b = ScalingType.BlockWise128x128
+    out = scaled_mm(pa.data, pb.data.t(), _outer_major(pa.scale_inv), ScalingType.BlockWise1x128, sb, recipe_b,
+                    output_dtype=out_dtype)
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    return out
+
+
+def _block_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    pa, pb = a.plane(a_axis), b.plane(b_axis)
+    want = BLOCK_GEMM_BACKEND
+    if want not in ("auto", "triton", "cublas"):
+        raise ValueError(f"MXTRAIN_FP8_BLOCK_GEMM must be auto, triton or cublas, got {want!r}")
+    if (want != "triton" and dev not in _CUBLAS_BLOCK_BROKEN and hasattr(torch.nn.functional, "scaled_mm")
+            and torch.cuda.get_device_capability(dev) == (9, 0) and pa.block == (1, 128)
+            and pa.data.shape[1] % 128 == 0 and pb.data.shape[0] % 16 == 0 and pa.data.shape[0] % 16 == 0):
+        try:
+            return cublas_block_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+        except (RuntimeError, NotImplementedError, ValueError) as e:  # no cuBLAS kernel here: remember, use Triton
+            if want == "cublas":
+                raise
+            _CUBLAS_BLOCK_BROKEN[dev] = f"{type(e).__name__}: {e}"
+    return block_fp8_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+
+
 def float8_gemm(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dtype = torch.float32,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """``A @ Bᵀ (+ bias)`` for FP8 operands on CUDA: the path their scaling calls for (see module doc)."""
@@ -159,7 +215,7 @@ def float8_gemm(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dtyp
             if K % 16 == 0 and N % 16 == 0 and not (a.fmt == b.fmt == "fp8_e5m2") and K == pb.data.shape[1]:
                 return scaled_mm_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
         elif pa.block is not None and pb.block is not None and pa.block[0] == 1:
-            return block_fp8_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+            return _block_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
     return fallback_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
 
 

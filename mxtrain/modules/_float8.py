@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from mxtrain.kernels.dispatch import quantize_float8
 from mxtrain.quantization.float8 import Float8Tensor
+from mxtrain.recipes.float8 import Float8RoleSpec
 
-__all__ = ["quantize_float8_operand"]
+__all__ = ["quantize_float8_operand", "fused_float8_operands", "FUSED_CASTS"]
+
+# LayerNormMLP's activation / bias-gradient casts fused into the FP8 cast kernels (GPU, or the
+# Triton interpreter under MXTRAIN_BACKEND=triton); MXTRAIN_FP8_FUSED_CASTS=0 runs the unfused ops.
+FUSED_CASTS = os.environ.get("MXTRAIN_FP8_FUSED_CASTS", "1") != "0"
 
 
 def quantize_float8_operand(t2d: torch.Tensor, spec, axes: tuple[int, ...]) -> Float8Tensor:
@@ -29,3 +36,56 @@ def quantize_float8_operand(t2d: torch.Tensor, spec, axes: tuple[int, ...]) -> F
         return q
     return quantize_float8(t2d, spec.fmt, axes=axes, block=spec.block, power_of_2_scales=spec.power_of_2_scales,
                            amax_epsilon=spec.amax_epsilon, amax_reduction_group=spec.amax_reduction_group)
+
+
+def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = None, grad: torch.Tensor | None = None,
+                          amax: torch.Tensor | None = None, dbias: bool = False):
+    """FP8 operands of ``act(src)`` / ``grad * act'(src)`` / ``src`` from fused Triton casts, or None.
+
+    ``specs_axes``: ``(spec, axis)`` uses as for ``quantize_operand`` (a None spec: unused).
+    The activation (or its derivative times ``grad``) is computed inside the cast and
+    never written: the unfused path writes it, reads it for the amax and again for the
+    cast. ``amax`` (current scaling) is the source's amax if the caller kept it from an
+    earlier cast of the same values (backward recomputing the forward activation); ``dbias``
+    adds the fp32 column sums of the source (a bias gradient) from the same pass.
+
+    Returns ``(operands, amax, dbias)``, or None where the fused casts do not apply (any
+    use not a per-tensor FP8 role, no Triton backend for the device, an activation the
+    prologue lacks); the caller then runs the unfused ops.
+    """
+    from mxtrain.kernels import dispatch
+
+    uses = [(i, spec, axis) for i, (spec, axis) in enumerate(specs_axes) if spec is not None]
+    if not FUSED_CASTS or not uses or src.ndim != 2 or src.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    if any(not isinstance(spec, Float8RoleSpec) or spec.fmt is None or spec.block is not None
+           or spec.scaling not in ("current", "delayed") or (spec.scaling == "delayed" and spec.state is None)
+           for _, spec, _ in uses):
+        return None
+    try:
+        if dispatch._resolve(None, src.device, dispatch._FLOAT8_QUANTIZE_IMPLS) != "triton":
+            return None
+        from mxtrain.kernels.float8_cast import FUSED_ACTIVATION_GRADS, FUSED_ACTIVATIONS, tensor_cast_float8
+    except (ImportError, RuntimeError):
+        return None
+    if act is not None and act not in (FUSED_ACTIVATIONS if grad is None else FUSED_ACTIVATION_GRADS):
+        return None
+    groups: dict = {}
+    for i, spec, axis in uses:
+        groups.setdefault(spec, []).append((i, axis % 2))
+    out: list = [None] * len(specs_axes)
+    bias_grad = None
+    for spec, members in groups.items():
+        axes = {axis for _, axis in members}
+        kw = dict(rowwise=1 in axes, columnwise=0 in axes, act=act, grad=grad, dbias=dbias and bias_grad is None,
+                  power_of_2_scales=spec.power_of_2_scales, amax_epsilon=spec.amax_epsilon)
+        if spec.scaling == "delayed":
+            q, db = tensor_cast_float8(src, spec.fmt, scale=spec.state.scale_for(spec.slot, spec.fmt, src.device), **kw)
+            spec.state.record(spec.slot, q.amax)
+        else:
+            q, db = tensor_cast_float8(src, spec.fmt, amax=amax, amax_reduction_group=spec.amax_reduction_group, **kw)
+            amax = q.amax  # the source's amax: the next group's cast skips its amax pass
+        bias_grad = db if db is not None else bias_grad
+        for i, axis in members:
+            out[i] = q.only(axis)
+    return out, amax, bias_grad

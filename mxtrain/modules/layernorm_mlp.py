@@ -21,6 +21,7 @@ from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.modules._common import (
     check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
 )
+from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
 from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
 from mxtrain.modules.linear import init_linear_
@@ -45,14 +46,22 @@ class _LayerNormMLPFn(torch.autograd.Function):
         (w1_row,) = quantize_operand(fc1_weight, [(role1("fprop_weight"), 1)], gen)
         h = mx_gemm(ln_row, w1_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc1_bias)
         del ln_row, w1_row
-        a = round_elemwise(activation(h, act), recipe)
-        (a_row,) = quantize_operand(a, [(role2("fprop_input"), 1)], gen)
-        del a
+        # FP8 per-tensor recipes on the GPU: act(h) is computed inside its cast and never written
+        fuse = getattr(recipe, "elemwise_format", None) is None
+        fused = fused_float8_operands(h, [(role2("fprop_input"), 1)], act=act) if fuse else None
+        if fused is not None:
+            (a_row,), a_amax, _ = fused
+        else:
+            a = round_elemwise(activation(h, act), recipe)
+            (a_row,) = quantize_operand(a, [(role2("fprop_input"), 1)], gen)
+            del a
+            a_amax = None
         (w2_row,) = quantize_operand(fc2_weight, [(role2("fprop_weight"), 1)], gen)
         y = mx_gemm(a_row, w2_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc2_bias)
         del a_row, w2_row
         ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight)
         ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col = cfg, recipe, gen, ln_col
+        ctx.fuse, ctx.a_amax = fuse, a_amax  # a_amax: backward's recomputed act(h) has the same amax
         ctx.x_shape = x.shape
         ctx.dtypes = tuple(None if p is None else p.dtype for p in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
         return y.reshape(*x.shape[:-1], fc2_weight.shape[0])
@@ -69,19 +78,29 @@ class _LayerNormMLPFn(torch.autograd.Function):
         need_h = need_ln or need_w1 or need_b1
         d1, d1b, d2, d2b = ctx.dtypes
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dy_row, dy_col = quantize_operand(
-            dy2d, [(role2("dgrad_grad_output") if need_h else None, 1),
-                   (role2("wgrad_grad_output") if need_w2 else None, 0)], gen)
+        dy_specs = [(role2("dgrad_grad_output") if need_h else None, 1),
+                    (role2("wgrad_grad_output") if need_w2 else None, 0)]
+        fused = fused_float8_operands(dy2d, dy_specs, dbias=need_b2) if ctx.fuse else None
+        if fused is not None:  # the fc2 bias gradient comes from the cast's pass
+            (dy_row, dy_col), _, db2 = fused
+            db2 = db2.to(d2b) if need_b2 else None
+        else:
+            dy_row, dy_col = quantize_operand(dy2d, dy_specs, gen)
+            db2 = dy2d.float().sum(0).to(d2b) if need_b2 else None
 
         dw2 = da = None
         if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it
-            a = round_elemwise(activation(h, act), recipe)
-            (a_col,) = quantize_operand(a, [(role2("wgrad_input"), 0)], gen)
-            del a
+            fused = (fused_float8_operands(h, [(role2("wgrad_input"), 0)], act=act, amax=ctx.a_amax)
+                     if ctx.fuse else None)
+            if fused is not None:
+                (a_col,), _, _ = fused
+            else:
+                a = round_elemwise(activation(h, act), recipe)
+                (a_col,) = quantize_operand(a, [(role2("wgrad_input"), 0)], gen)
+                del a
             dw2 = mx_gemm(dy_col, a_col, a_axis=0, b_axis=0, out_dtype=d2)
             del a_col
         del dy_col
-        db2 = dy2d.float().sum(0).to(d2b) if need_b2 else None
         if need_h:
             (w2_col,) = quantize_operand(fc2_weight, [(role2("dgrad_weight"), 0)], gen)
             da = mx_gemm(dy_row, w2_col, a_axis=1, b_axis=0, out_dtype=h.dtype)
@@ -90,13 +109,19 @@ class _LayerNormMLPFn(torch.autograd.Function):
 
         dx = dlnw = dlnb = dw1 = db1 = None
         if need_h:
-            dh = round_elemwise(activation_backward(h, da, act), recipe)
+            dh_specs = [(role1("dgrad_grad_output") if need_ln else None, 1),
+                        (role1("wgrad_grad_output") if need_w1 else None, 0)]
+            # FP8 per-tensor: dh = da * act'(h) and the fc1 bias gradient inside the cast, dh never written
+            fused = fused_float8_operands(h, dh_specs, act=act, grad=da, dbias=need_b1) if ctx.fuse else None
+            if fused is not None:
+                (dh_row, dh_col), _, db1 = fused
+                db1 = db1.to(d1b) if need_b1 else None
+            else:
+                dh = round_elemwise(activation_backward(h, da, act), recipe)
+                db1 = dh.float().sum(0).to(d1b) if need_b1 else None
+                dh_row, dh_col = quantize_operand(dh, dh_specs, gen)
+                del dh
             del da
-            db1 = dh.float().sum(0).to(d1b) if need_b1 else None
-            dh_row, dh_col = quantize_operand(
-                dh, [(role1("dgrad_grad_output") if need_ln else None, 1),
-                     (role1("wgrad_grad_output") if need_w1 else None, 0)], gen)
-            del dh
             if need_w1:
                 dw1 = mx_gemm(dh_col, ctx.ln_col, a_axis=0, b_axis=0, out_dtype=d1)
             del dh_col

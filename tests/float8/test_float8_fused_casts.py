@@ -1,0 +1,160 @@
+"""Fused FP8 casts (activation / activation-gradient prologue, bias gradient) against the unfused ops.
+
+``tensor_cast_float8`` computes ``act(h)`` or ``da * act'(h)`` inside the cast. Where the
+activation is exact arithmetic (relu, squared_relu) the bytes must equal the reference cast
+of torch's unfused result; for transcendental ones (gelu, silu) the fp32 value may differ from
+torch's by an ulp, so an FP8 byte may move by one code where a value sits next to a rounding
+boundary. LayerNormMLP under the FP8 recipes takes these casts; with relu its outputs and
+gradients must be bit-identical to the unfused path.
+"""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+import mxtrain  # noqa: E402
+from mxtrain.kernels import float8_cast  # noqa: E402
+from mxtrain.kernels.float8_cast import tensor_cast_float8  # noqa: E402
+from mxtrain.modules import _float8 as module_float8  # noqa: E402
+from mxtrain.modules.activations import activation, activation_backward  # noqa: E402
+from mxtrain.quantization.float8 import quantize_float8  # noqa: E402
+from mxtrain.recipes import DelayedScaling, Float8CurrentScaling  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = torch.device("cpu") if INTERPRET else torch.device("cuda")
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+
+def _h(rows, cols, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, cols, generator=g) * 3
+    h[0, :4] = torch.tensor([0.0, -0.0, 1e-3, -1e-3])
+    return h.to(dtype).to(DEVICE)
+
+
+def _bytes(q, axis):
+    return q.plane(axis).data.view(torch.uint8).cpu()
+
+
+def _code_distance(a, b):
+    """|a - b| in FP8 code steps for same-sign codes (sign-magnitude bytes)."""
+    a, b = a.to(torch.int32), b.to(torch.int32)
+    sa, sb = a >> 7, b >> 7
+    ma, mb = a & 0x7F, b & 0x7F
+    return torch.where(sa == sb, (ma - mb).abs(), ma + mb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_plain_cast_with_given_amax_and_dbias(dtype, fmt):
+    x = _h(67, 45, dtype)
+    want = quantize_float8(x, fmt, axes=(1, 0))
+    q, db = tensor_cast_float8(x, fmt, rowwise=True, columnwise=True, amax=want.amax, dbias=True)
+    assert torch.equal(_bytes(q, 1), _bytes(want, 1)) and torch.equal(_bytes(q, 0), _bytes(want, 0))
+    assert torch.equal(q.scale_inv.cpu(), want.scale_inv.cpu())
+    torch.testing.assert_close(db.cpu(), x.float().sum(0).cpu(), rtol=1e-5, atol=1e-5)
+    q2, none = tensor_cast_float8(x, fmt, rowwise=True)  # amax pass in the kernel
+    assert none is None and torch.equal(q2.amax.cpu(), want.amax.cpu())
+    assert torch.equal(_bytes(q2, 1), _bytes(want, 1))
+
+
+@pytest.mark.parametrize("act", ["relu", "squared_relu", "gelu", "silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_prologue(act, dtype):
+    h = _h(70, 130, dtype, seed=1)
+    a = activation(h, act)
+    want = quantize_float8(a, "fp8_e4m3", axes=(1, 0))
+    q, _ = tensor_cast_float8(h, "fp8_e4m3", rowwise=True, columnwise=True, act=act)
+    if act in ("relu", "squared_relu"):
+        assert torch.equal(q.amax.cpu(), want.amax.cpu())
+        assert torch.equal(_bytes(q, 1), _bytes(want, 1)) and torch.equal(_bytes(q, 0), _bytes(want, 0))
+    else:
+        torch.testing.assert_close(q.amax.cpu(), want.amax.cpu(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=0)
+        if torch.equal(q.amax.cpu(), want.amax.cpu()):  # same scale: codes equal but for boundary cases
+            d = _code_distance(_bytes(q, 1), _bytes(want, 1))
+            assert d.max() <= 1 and (d != 0).float().mean() < 0.01, (d.max(), (d != 0).float().mean())
+        assert torch.equal(_bytes(q, 0), _bytes(q, 1).t().contiguous())  # one cast, both layouts
+    deq = q.dequantize(torch.float32)
+    torch.testing.assert_close(deq.cpu(), a.float().cpu(), rtol=0.07, atol=float(q.scale_inv) * 2)
+
+
+@pytest.mark.parametrize("act", ["relu", "gelu", "silu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_grad_prologue_and_dbias(act, dtype):
+    h = _h(66, 96, dtype, seed=2)
+    da = _h(66, 96, dtype, seed=3)
+    dh = activation_backward(h, da, act)
+    want = quantize_float8(dh, "fp8_e5m2", axes=(1, 0))
+    q, db = tensor_cast_float8(h, "fp8_e5m2", rowwise=True, columnwise=True, act=act, grad=da, dbias=True)
+    torch.testing.assert_close(db.cpu(), dh.float().sum(0).cpu(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+    if act == "relu":
+        assert torch.equal(q.amax.cpu(), want.amax.cpu())
+        assert torch.equal(_bytes(q, 1), _bytes(want, 1)) and torch.equal(_bytes(q, 0), _bytes(want, 0))
+    else:
+        torch.testing.assert_close(q.amax.cpu(), want.amax.cpu(), rtol=1e-2, atol=0)
+        torch.testing.assert_close(q.dequantize(torch.float32).cpu(), dh.float().cpu(), rtol=0.15,
+                                   atol=float(q.scale_inv) * 4)
+
+
+def test_delayed_scale_returns_source_amax():
+    h = _h(40, 64, torch.bfloat16, seed=4)
+    scale = torch.tensor(8.0, device=DEVICE)
+    q, _ = tensor_cast_float8(h, "fp8_e4m3", act="relu", scale=scale)
+    a = activation(h, "relu")
+    want = quantize_float8(a, "fp8_e4m3", scale=scale)
+    assert torch.equal(q.amax.cpu(), a.float().abs().amax().cpu())
+    assert torch.equal(_bytes(q, 1), _bytes(want, 1))
+
+
+def test_bad_arguments():
+    h = _h(8, 16, torch.float32)
+    with pytest.raises(ValueError, match="not fused backward"):
+        tensor_cast_float8(h, act="squared_relu", grad=h)
+    with pytest.raises(ValueError, match="needs act"):
+        tensor_cast_float8(h, grad=h)
+    with pytest.raises(ValueError, match="must match x"):
+        tensor_cast_float8(h, act="gelu", grad=h.double())
+    with pytest.raises(ValueError, match="2-D"):
+        tensor_cast_float8(h.reshape(2, 4, 16))
+    with pytest.raises(ValueError, match="rowwise and/or"):
+        tensor_cast_float8(h, rowwise=False)
+
+
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+def test_layernorm_mlp_fused_equals_unfused(recipe, monkeypatch):
+    """relu: exact arithmetic, so the fused path must reproduce the unfused one bit for bit."""
+    if INTERPRET:
+        monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
+    torch.manual_seed(0)
+    results = []
+    real = float8_cast.tensor_cast_float8
+    for fused in (True, False):
+        monkeypatch.setattr(module_float8, "FUSED_CASTS", fused)
+        calls = []
+        monkeypatch.setattr(float8_cast, "tensor_cast_float8", lambda *a, **k: calls.append(k) or real(*a, **k))
+        torch.manual_seed(0)
+        m = mxtrain.LayerNormMLP(64, 128, activation="relu", device=DEVICE)
+        x = torch.randn(2, 48, 64, device=DEVICE, requires_grad=True)
+        out = []
+        for _ in range(2):  # delayed scaling: the second step uses the first step's amaxes
+            with mxtrain.mx_autocast(recipe=recipe):
+                y = m(x)
+            y.backward(torch.randn_like(y))
+            out += [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+            x.grad = None
+            m.zero_grad()
+        results.append(out)
+        prologues = [k["act"] for k in calls if k.get("act")]
+        assert (("relu" in prologues) if fused else not prologues), prologues
+    for i, (a, b) in enumerate(zip(*results)):
+        # per step: y, dx, then the grads of ln weight, ln bias, fc1 weight, fc1 bias, fc2 weight, fc2 bias
+        if i % 8 in (5, 7):  # bias gradients: fp32 sums in another order
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(a, b), i
