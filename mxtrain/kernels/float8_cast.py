@@ -39,7 +39,7 @@ from mxtrain.quantization.float8 import (
     quantize_float8 as quantize_float8_reference,
 )
 
-__all__ = ["triton_quantize_float8", "tensor_cast_float8", "FUSED_ACTIVATIONS", "FUSED_ACTIVATION_GRADS"]
+__all__ = ["triton_quantize_float8", "tensor_cast_float8", "block_cast_float8", "FUSED_ACTIVATIONS", "FUSED_ACTIVATION_GRADS"]
 
 _FP8_BITS = {"fp8_e4m3": (3, -6), "fp8_e5m2": (2, -14)}  # mantissa bits, smallest normal exponent
 _FP32_MAX = 3.4028234663852886e38
@@ -168,17 +168,27 @@ def _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE: tl.const
 
 
 @triton.jit
-def _tensor_amax_kernel(x_ptr, g_ptr, part_ptr, M, N, stride_xm, stride_gm,
+def _tensor_amax_kernel(x_ptr, g_ptr, part_ptr, out_ptr, M, N, stride_xm, stride_gm,
                         PRE: tl.constexpr, ACT: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
-                        OUT_KIND: tl.constexpr, GPU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                        OUT_KIND: tl.constexpr, GPU: tl.constexpr, STORE: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr):
     """max |v| of one tile of the cast source (NaN counts as +Inf) into ``part[program]``; the
-    partial maxima are reduced after (one atomic max per tile on one address serializes)."""
+    partial maxima are reduced after (one atomic max per tile on one address serializes).
+    STORE also writes the source ([M, N], contiguous, its dtype; bf16 as int16 bits): the cast
+    pass then reads it instead of computing the prologue a second time (erf / exp make these
+    passes compute-bound)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     v = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
+    if STORE:
+        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+        if OUT_KIND == 1:
+            tl.store(out_ptr + offs, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
+        else:
+            tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
     a = tl.where(v == v, tl.abs(v), float("inf"))
     lanes = tl.arange(0, BN)
     tile_max = tl.zeros([BN], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
@@ -241,19 +251,23 @@ def _block_scale(amax, FMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr
 
 
 @triton.jit
-def _block_cast_kernel(x_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, M, N, stride_xm, NB_N, NB_M,
-                       FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
+def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_ptr, M, N, stride_xm, stride_gm,
+                       NB_N, NB_M, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
                        POW2: tl.constexpr, SQUARE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
-                       GPU: tl.constexpr, B: tl.constexpr):
-    """One B x B tile. SQUARE: one scale for the tile (row plane scales [M/B, N/B], col plane the
-    transpose); else 1xB blocks: per-row scales for the row plane [M, N/B], per-column scales for
-    the col plane [N, M/B] (stored transposed)."""
+                       PRE: tl.constexpr, ACT: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
+                       OUT_KIND: tl.constexpr, GPU: tl.constexpr, DBIAS: tl.constexpr, B: tl.constexpr):
+    """One B x B tile of the cast source (see ``_source_tile``). SQUARE: one scale for the tile (row
+    plane scales [M/B, N/B], col plane the transpose); else 1xB blocks: per-row scales for the row
+    plane [M, N/B], per-column scales for the col plane [N, M/B] (stored transposed). DBIAS: the
+    tile's fp32 column sums into ``dbias[pid_m, :]``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * B + tl.arange(0, B)
     rn = pid_n * B + tl.arange(0, B)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
+    if DBIAS:
+        tl.store(dbias_ptr + pid_m.to(tl.int64) * N + rn, tl.sum(x, axis=0), mask=rn < N)
     a = tl.where(x == x, tl.abs(x), float("inf"))
     mask_t = (rn[:, None] < N) & (rm[None, :] < M)
     if SQUARE:
@@ -290,9 +304,10 @@ def _bytes(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 
 
 # Tile shapes (BM, BN, num_warps) of the per-tensor cast by (rowwise, columnwise) planes written,
-# and of the amax pass; chosen on an H200 with benchmarks/bench_float8.py --sweep-casts.
-TENSOR_CAST_TILES = {(True, False): (64, 128, 4), (False, True): (64, 128, 4), (True, True): (64, 128, 4)}
-AMAX_TILE = (64, 128, 4)
+# and of the amax pass: the fastest of a sweep on an H100 (benchmarks/bench_float8.py --sweep-casts,
+# RESULTS.md), within 5% of each other but for the largest tiles.
+TENSOR_CAST_TILES = {(True, False): (32, 128, 4), (False, True): (64, 64, 4), (True, True): (32, 128, 4)}
+AMAX_TILE = (32, 128, 4)
 # activations the prologue computes (forward) and differentiates (backward)
 FUSED_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
 FUSED_ACTIVATION_GRADS = {"gelu": 1, "relu": 3, "silu": 5}
@@ -301,6 +316,72 @@ _OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def _bits_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _prologue(who: str, x, rowwise, columnwise, act, grad):
+    """Validate a fused cast's source arguments; returns ``(x, g, x bits, g bits, kernel constexprs)``."""
+    if x.ndim != 2 or x.dtype not in _OUT_KINDS:
+        raise ValueError(f"{who} takes a 2-D fp32/bf16/fp16 tensor, got {x.dtype} {list(x.shape)}")
+    if not (rowwise or columnwise):
+        raise ValueError(f"{who}: ask for the rowwise and/or the columnwise plane")
+    if grad is not None and act is None:
+        raise ValueError(f"{who}: grad= needs act= (the source is grad * act'(x))")
+    if act is not None:
+        table = FUSED_ACTIVATIONS if grad is None else FUSED_ACTIVATION_GRADS
+        if act not in table:
+            raise ValueError(f"{who}: activation {act!r} is not fused "
+                             f"{'backward' if grad is not None else 'forward'}; fused: {', '.join(table)}")
+    if grad is not None and (grad.shape != x.shape or grad.dtype != x.dtype or grad.device != x.device):
+        raise ValueError(f"{who}: grad must match x (shape, dtype, device), got {grad.dtype} "
+                         f"{list(grad.shape)} for {x.dtype} {list(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if grad is not None and grad.stride(1) != 1:
+        grad = grad.contiguous()
+    pre = 0 if act is None else (1 if grad is None else 2)
+    g = grad if grad is not None else x
+    src = dict(PRE=pre, ACT=0 if act is None else (FUSED_ACTIVATIONS if pre == 1 else FUSED_ACTIVATION_GRADS)[act],
+               X_BF16=x.dtype == torch.bfloat16, G_BF16=g.dtype == torch.bfloat16, OUT_KIND=_OUT_KINDS[x.dtype],
+               GPU=not interpret_mode())
+    return x, g, _bits_view(x), _bits_view(g), src
+
+
+def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwise: bool = True,
+                      columnwise: bool = False, act: str | None = None, grad: torch.Tensor | None = None,
+                      power_of_2_scales: bool = False, amax_epsilon: float = 0.0,
+                      dbias: bool = False) -> tuple[Float8Tensor, torch.Tensor | None]:
+    """128-block FP8 cast of a 2-D source (``x``, ``act(x)`` or ``grad * act'(x)``, as
+    :func:`tensor_cast_float8`), one read of each 128x128 tile for both planes, with the optional
+    fp32 column sums of the source (``dbias``). ``block``: ``(1, 128)`` (each plane blocked along
+    its own reduction axis) or ``(128, 128)``. Returns ``(Float8Tensor, dbias or None)``."""
+    fmt = fp8_format_name(fmt)
+    if tuple(block) not in ((1, 128), (128, 128)):
+        raise ValueError(f"block_cast_float8: block must be (1, 128) or (128, 128), got {block!r}")
+    x, g, xb, gb, src = _prologue("block_cast_float8", x, rowwise, columnwise, act, grad)
+    M, N = x.shape
+    f32 = {"dtype": torch.float32, "device": x.device}
+    mbits, emin = _FP8_BITS[fmt]
+    dtype = FP8_DTYPES[fmt]
+    B = 128
+    square = tuple(block) == (128, 128)
+    nb_m, nb_n = triton.cdiv(M, B), triton.cdiv(N, B)
+    row = torch.empty((M, N), dtype=dtype, device=x.device) if rowwise else None
+    col = torch.empty((N, M), dtype=dtype, device=x.device) if columnwise else None
+    rsi = (torch.empty((nb_m, nb_n), **f32) if square else torch.empty((M, nb_n), **f32)) if rowwise else None
+    csi = (torch.empty((nb_n, nb_m), **f32) if square else torch.empty((N, nb_m), **f32)) if columnwise else None
+    db = torch.empty((nb_m, N), **f32) if dbias else None
+    dummy = rsi if rsi is not None else csi
+    _block_cast_kernel[(nb_m, nb_n)](
+        xb, gb, _bytes(row, dummy), rsi if rowwise else dummy, _bytes(col, dummy), csi if columnwise else dummy,
+        db if dbias else dummy, M, N, x.stride(0), g.stride(0), nb_n, nb_m, FMAX=FP8_MAX[fmt], MBITS=mbits,
+        EMIN=emin, EPS=float(amax_epsilon), POW2=bool(power_of_2_scales), SQUARE=square, ROW=bool(rowwise),
+        COL=bool(columnwise), DBIAS=bool(dbias), B=B, num_warps=8, **src)
+    planes = []
+    if rowwise:
+        planes.append(Float8Plane(row, rsi, 1, tuple(block)))
+    if columnwise:
+        planes.append(Float8Plane(col, csi, 0, tuple(block)))
+    return Float8Tensor(tuple(planes), fmt, (M, N), x.dtype, None), (db.sum(0) if dbias else None)
 
 
 def tensor_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, rowwise: bool = True, columnwise: bool = False,
@@ -326,41 +407,23 @@ def tensor_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, rowwise: bool = True,
     source can differ from torch's by an ulp of the dtype).
     """
     fmt = fp8_format_name(fmt)
-    if x.ndim != 2 or x.dtype not in _OUT_KINDS:
-        raise ValueError(f"tensor_cast_float8 takes a 2-D fp32/bf16/fp16 tensor, got {x.dtype} {list(x.shape)}")
-    if not (rowwise or columnwise):
-        raise ValueError("tensor_cast_float8: ask for the rowwise and/or the columnwise plane")
-    if grad is not None and act is None:
-        raise ValueError("tensor_cast_float8: grad= needs act= (the source is grad * act'(x))")
-    if act is not None:
-        table = FUSED_ACTIVATIONS if grad is None else FUSED_ACTIVATION_GRADS
-        if act not in table:
-            raise ValueError(f"tensor_cast_float8: activation {act!r} is not fused "
-                             f"{'backward' if grad is not None else 'forward'}; fused: {', '.join(table)}")
-    if grad is not None and (grad.shape != x.shape or grad.dtype != x.dtype or grad.device != x.device):
-        raise ValueError(f"tensor_cast_float8: grad must match x (shape, dtype, device), got {grad.dtype} "
-                         f"{list(grad.shape)} for {x.dtype} {list(x.shape)}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if grad is not None and grad.stride(1) != 1:
-        grad = grad.contiguous()
+    x, g, xb, gb, src = _prologue("tensor_cast_float8", x, rowwise, columnwise, act, grad)
     M, N = x.shape
     dev = x.device
     f32 = {"dtype": torch.float32, "device": dev}
     mbits, emin = _FP8_BITS[fmt]
-    pre = 0 if act is None else (1 if grad is None else 2)
-    g = grad if grad is not None else x
-    src = dict(PRE=pre, ACT=0 if act is None else (FUSED_ACTIVATIONS if pre == 1 else FUSED_ACTIVATION_GRADS)[act],
-               X_BF16=x.dtype == torch.bfloat16, G_BF16=g.dtype == torch.bfloat16, OUT_KIND=_OUT_KINDS[x.dtype],
-               GPU=not interpret_mode())
-    xb, gb = _bits_view(x), _bits_view(g)
+    pre = src["PRE"]
     if scale is None and amax is None:  # current scaling: the amax pass first
         BM, BN, warps = AMAX_TILE
         agrid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
         part = torch.empty(agrid[0] * agrid[1], **f32)
-        _tensor_amax_kernel[agrid](xb, gb, part, M, N, x.stride(0), g.stride(0), BM=BM, BN=BN, num_warps=warps,
-                                   **src)
+        out = torch.empty((M, N), dtype=x.dtype, device=dev) if pre else None  # the source, for the cast pass
+        _tensor_amax_kernel[agrid](xb, gb, part, part if out is None else _bits_view(out), M, N, x.stride(0),
+                                   g.stride(0), STORE=out is not None, BM=BM, BN=BN, num_warps=warps, **src)
         amax = all_reduce_amax(part.amax(), amax_reduction_group)
+        if out is not None:  # the cast pass reads the written source: no prologue
+            x, xb, g, gb = out, _bits_view(out), out, _bits_view(out)
+            src = dict(src, PRE=0, ACT=0, X_BF16=out.dtype == torch.bfloat16, G_BF16=out.dtype == torch.bfloat16)
     BM, BN, warps = TENSOR_CAST_TILES[(bool(rowwise), bool(columnwise))]
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     if scale is not None:  # delayed: the given scale; the amax comes from the same pass
@@ -413,10 +476,6 @@ def triton_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axes=-1, scale: t
     x2d = x.reshape(-1, x.shape[-1])
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    M, N = x2d.shape
-    mbits, emin = _FP8_BITS[fmt]
-    fmax = FP8_MAX[fmt]
-    dtype = FP8_DTYPES[fmt]
     want_row, want_col = last in norm, (x.ndim == 2 and 0 in norm)
     if block is None:
         q, _ = tensor_cast_float8(x2d, fmt, rowwise=want_row, columnwise=want_col, scale=scale,
@@ -425,24 +484,9 @@ def triton_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axes=-1, scale: t
         planes = [Float8Plane(q.rowwise.data.view(x.shape), q.scale_inv, last) if a == last else q.columnwise
                   for a in norm]
         return Float8Tensor(tuple(planes), fmt, tuple(x.shape), x.dtype, q.amax)
-    row = torch.empty((M, N), dtype=dtype, device=x.device) if want_row else None
-    col = torch.empty((N, M), dtype=dtype, device=x.device) if want_col else None
-    B = 128
-    square = tuple(block) == (128, 128)
-    nb_m, nb_n = triton.cdiv(M, B), triton.cdiv(N, B)
-    f32 = {"dtype": torch.float32, "device": x.device}
-    rsi = (torch.empty((nb_m, nb_n), **f32) if square else torch.empty((M, nb_n), **f32)) if want_row else None
-    csi = (torch.empty((nb_n, nb_m), **f32) if square else torch.empty((N, nb_m), **f32)) if want_col else None
-    _block_cast_kernel[(nb_m, nb_n)](
-        x2d, _bytes(row, x2d), rsi if want_row else x2d, _bytes(col, x2d),
-        csi if want_col else x2d, M, N, x2d.stride(0), nb_n, nb_m, FMAX=fmax, MBITS=mbits, EMIN=emin,
-        EPS=float(amax_epsilon), POW2=bool(power_of_2_scales), SQUARE=square, ROW=want_row, COL=want_col,
-        GPU=not interpret_mode(), B=B,
-        num_warps=8)
-    planes = []
-    for a in norm:
-        planes.append(Float8Plane(row, rsi, 1, tuple(block)) if a == 1 else Float8Plane(col, csi, 0, tuple(block)))
-    return Float8Tensor(tuple(planes), fmt, tuple(x.shape), x.dtype, None)
+    q, _ = block_cast_float8(x2d, fmt, block, rowwise=want_row, columnwise=want_col,
+                             power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon)
+    return Float8Tensor(tuple(q.plane(a % 2) for a in norm), fmt, tuple(x.shape), x.dtype, None)
 
 
 register_float8_quantize("triton", triton_quantize_float8)

@@ -50,22 +50,24 @@ def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = No
     adds the fp32 column sums of the source (a bias gradient) from the same pass.
 
     Returns ``(operands, amax, dbias)``, or None where the fused casts do not apply (any
-    use not a per-tensor FP8 role, no Triton backend for the device, an activation the
-    prologue lacks); the caller then runs the unfused ops.
+    use not an FP8 role with per-tensor or 128-block scales, no Triton backend for the
+    device, an activation the prologue lacks); the caller then runs the unfused ops.
     """
     from mxtrain.kernels import dispatch
 
     uses = [(i, spec, axis) for i, (spec, axis) in enumerate(specs_axes) if spec is not None]
     if not FUSED_CASTS or not uses or src.ndim != 2 or src.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    if any(not isinstance(spec, Float8RoleSpec) or spec.fmt is None or spec.block is not None
-           or spec.scaling not in ("current", "delayed") or (spec.scaling == "delayed" and spec.state is None)
-           for _, spec, _ in uses):
+    if any(not isinstance(spec, Float8RoleSpec) or spec.fmt is None
+           or (spec.block is not None and spec.block not in ((1, 128), (128, 128)))
+           or (spec.scaling == "delayed" and spec.state is None) for _, spec, _ in uses):
         return None
     try:
         if dispatch._resolve(None, src.device, dispatch._FLOAT8_QUANTIZE_IMPLS) != "triton":
             return None
-        from mxtrain.kernels.float8_cast import FUSED_ACTIVATION_GRADS, FUSED_ACTIVATIONS, tensor_cast_float8
+        from mxtrain.kernels.float8_cast import (
+            FUSED_ACTIVATION_GRADS, FUSED_ACTIVATIONS, block_cast_float8, tensor_cast_float8,
+        )
     except (ImportError, RuntimeError):
         return None
     if act is not None and act not in (FUSED_ACTIVATIONS if grad is None else FUSED_ACTIVATION_GRADS):
@@ -79,7 +81,9 @@ def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = No
         axes = {axis for _, axis in members}
         kw = dict(rowwise=1 in axes, columnwise=0 in axes, act=act, grad=grad, dbias=dbias and bias_grad is None,
                   power_of_2_scales=spec.power_of_2_scales, amax_epsilon=spec.amax_epsilon)
-        if spec.scaling == "delayed":
+        if spec.block is not None:  # 128-block scales: one pass, the prologue computed once
+            q, db = block_cast_float8(src, spec.fmt, spec.block, **kw)
+        elif spec.scaling == "delayed":
             q, db = tensor_cast_float8(src, spec.fmt, scale=spec.state.scale_for(spec.slot, spec.fmt, src.device), **kw)
             spec.state.record(spec.slot, q.amax)
         else:

@@ -8,6 +8,11 @@ columnwise in backward, from the parameters, so no weight plane is held between
 the passes (under FSDP2 each phase gathers only the plane it needs).
 The activation output is *not* kept: backward recomputes ``act(h)`` and its
 columnwise MX plane, which is bit-identical to quantizing the forward value.
+Under the FP8 recipes on the GPU the activation is computed inside its FP8 cast
+(``mxtrain.kernels.float8_cast``), which writes fc2's wgrad plane in the same pass:
+that plane (1 byte per ffn element) is kept instead, and backward recomputes
+nothing; the activation gradient and both bias gradients come out of the gradient
+casts the same way.
 """
 
 from __future__ import annotations
@@ -22,10 +27,20 @@ from mxtrain.modules._common import (
     check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
 )
 from mxtrain.modules._float8 import fused_float8_operands
+from mxtrain.recipes.float8 import Float8RoleSpec
 from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
 from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
 from mxtrain.modules.linear import init_linear_
 from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
+
+
+def _weight_planes(weight, role, need_dgrad: bool, gen):
+    """The fprop plane of a weight, and its dgrad plane from the same cast when an FP8 recipe gives
+    both uses one spec (current / block scaling) and backward will need it; else ``(row, None)``."""
+    fprop, dgrad = role("fprop_weight"), role("dgrad_weight")
+    if need_dgrad and isinstance(fprop, Float8RoleSpec) and fprop.fmt is not None and dgrad == fprop:
+        return tuple(quantize_operand(weight, [(fprop, 1), (dgrad, 0)], gen))
+    return quantize_operand(weight, [(fprop, 1)], gen)[0], None
 
 
 class _LayerNormMLPFn(torch.autograd.Function):
@@ -43,25 +58,31 @@ class _LayerNormMLPFn(torch.autograd.Function):
         ln_row, ln_col = quantize_operand(
             ln_out, [(role1("fprop_input"), 1), (role1("wgrad_input") if ctx.needs_input_grad[3] else None, 0)], gen)
         del ln_out
-        (w1_row,) = quantize_operand(fc1_weight, [(role1("fprop_weight"), 1)], gen)
+        # FP8 recipes: one cast writes the weight's fprop plane and its transpose for dgrad (same spec),
+        # kept for backward (1 byte per weight element) instead of a second amax pass and cast there
+        need_dgrad = any(ctx.needs_input_grad[:3]) or ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        w1_row, w1_col = _weight_planes(fc1_weight, role1, need_dgrad, gen)
         h = mx_gemm(ln_row, w1_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc1_bias)
         del ln_row, w1_row
-        # FP8 per-tensor recipes on the GPU: act(h) is computed inside its cast and never written
+        # FP8 recipes on the GPU: act(h) is computed inside its cast (per-tensor scales: with its amax,
+        # then cast), which also writes fc2's wgrad plane now; backward then recomputes nothing
         fuse = getattr(recipe, "elemwise_format", None) is None
-        fused = fused_float8_operands(h, [(role2("fprop_input"), 1)], act=act) if fuse else None
+        fused = (fused_float8_operands(h, [(role2("fprop_input"), 1),
+                                           (role2("wgrad_input") if ctx.needs_input_grad[5] else None, 0)], act=act)
+                 if fuse else None)
         if fused is not None:
-            (a_row,), a_amax, _ = fused
+            (a_row, a_col), _, _ = fused
         else:
             a = round_elemwise(activation(h, act), recipe)
             (a_row,) = quantize_operand(a, [(role2("fprop_input"), 1)], gen)
             del a
-            a_amax = None
-        (w2_row,) = quantize_operand(fc2_weight, [(role2("fprop_weight"), 1)], gen)
+            a_col = None
+        w2_row, w2_col = _weight_planes(fc2_weight, role2, need_dgrad or ctx.needs_input_grad[5], gen)
         y = mx_gemm(a_row, w2_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc2_bias)
         del a_row, w2_row
         ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight)
         ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col = cfg, recipe, gen, ln_col
-        ctx.fuse, ctx.a_amax = fuse, a_amax  # a_amax: backward's recomputed act(h) has the same amax
+        ctx.fuse, ctx.a_col, ctx.w1_col, ctx.w2_col = fuse, a_col, w1_col, w2_col
         ctx.x_shape = x.shape
         ctx.dtypes = tuple(None if p is None else p.dtype for p in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
         return y.reshape(*x.shape[:-1], fc2_weight.shape[0])
@@ -89,12 +110,10 @@ class _LayerNormMLPFn(torch.autograd.Function):
             db2 = dy2d.float().sum(0).to(d2b) if need_b2 else None
 
         dw2 = da = None
-        if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it
-            fused = (fused_float8_operands(h, [(role2("wgrad_input"), 0)], act=act, amax=ctx.a_amax)
-                     if ctx.fuse else None)
-            if fused is not None:
-                (a_col,), _, _ = fused
-            else:
+        if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it (unless fused)
+            a_col = ctx.a_col
+            release_mx_operands(ctx, "a_col")
+            if a_col is None:
                 a = round_elemwise(activation(h, act), recipe)
                 (a_col,) = quantize_operand(a, [(role2("wgrad_input"), 0)], gen)
                 del a
@@ -102,7 +121,9 @@ class _LayerNormMLPFn(torch.autograd.Function):
             del a_col
         del dy_col
         if need_h:
-            (w2_col,) = quantize_operand(fc2_weight, [(role2("dgrad_weight"), 0)], gen)
+            w2_col = ctx.w2_col
+            if w2_col is None:
+                (w2_col,) = quantize_operand(fc2_weight, [(role2("dgrad_weight"), 0)], gen)
             da = mx_gemm(dy_row, w2_col, a_axis=1, b_axis=0, out_dtype=h.dtype)
             del w2_col
         del dy_row
@@ -127,14 +148,16 @@ class _LayerNormMLPFn(torch.autograd.Function):
             del dh_col
             release_mx_operands(ctx, "ln_col")
             if need_ln:
-                (w1_col,) = quantize_operand(fc1_weight, [(role1("dgrad_weight"), 0)], gen)
+                w1_col = ctx.w1_col
+                if w1_col is None:
+                    (w1_col,) = quantize_operand(fc1_weight, [(role1("dgrad_weight"), 0)], gen)
                 dln = mx_gemm(dh_row, w1_col, a_axis=1, b_axis=0, out_dtype=x2d.dtype)
                 del dh_row, w1_col
                 dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln, normalization, eps, zc,
                                                (need_x, need_lnw, need_lnb))
                 if dx is not None:
                     dx = round_elemwise(dx, recipe).reshape(ctx.x_shape)
-        release_mx_operands(ctx, "ln_col")
+        release_mx_operands(ctx, "ln_col", "a_col", "w1_col", "w2_col")
         return dx, dlnw, dlnb, dw1, db1, dw2, db2, None, None
 
 

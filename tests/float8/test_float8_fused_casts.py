@@ -17,11 +17,11 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 import mxtrain  # noqa: E402
 from mxtrain.kernels import float8_cast  # noqa: E402
-from mxtrain.kernels.float8_cast import tensor_cast_float8  # noqa: E402
+from mxtrain.kernels.float8_cast import block_cast_float8, tensor_cast_float8  # noqa: E402
 from mxtrain.modules import _float8 as module_float8  # noqa: E402
 from mxtrain.modules.activations import activation, activation_backward  # noqa: E402
 from mxtrain.quantization.float8 import quantize_float8  # noqa: E402
-from mxtrain.recipes import DelayedScaling, Float8CurrentScaling  # noqa: E402
+from mxtrain.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = torch.device("cpu") if INTERPRET else torch.device("cuda")
@@ -102,6 +102,26 @@ def test_activation_grad_prologue_and_dbias(act, dtype):
                                    atol=float(q.scale_inv) * 4)
 
 
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+@pytest.mark.parametrize("act", [None, "relu", "gelu"])
+def test_block_cast_prologue_and_dbias(block, act):
+    h = _h(130, 200, torch.bfloat16, seed=5)
+    da = _h(130, 200, torch.bfloat16, seed=6)
+    for grad in ((None, da) if act else (None,)):
+        src = h if act is None else (activation(h, act) if grad is None else activation_backward(h, grad, act))
+        want = quantize_float8(src, "fp8_e4m3", axes=(1, 0), block=block)
+        q, db = block_cast_float8(h, "fp8_e4m3", block, rowwise=True, columnwise=True, act=act, grad=grad,
+                                  dbias=True)
+        torch.testing.assert_close(db.cpu(), src.float().sum(0).cpu(), rtol=1e-2, atol=1e-2)
+        for axis in (1, 0):
+            if act in (None, "relu"):  # exact arithmetic: the reference's bytes and scales
+                assert torch.equal(_bytes(q, axis), _bytes(want, axis)), (axis, grad is None)
+                assert torch.equal(q.plane(axis).scale_inv.cpu(), want.plane(axis).scale_inv.cpu())
+            else:
+                torch.testing.assert_close(q.dequantize(torch.float32, axis).cpu(), src.float().cpu(), rtol=0.15,
+                                           atol=float(want.plane(axis).scale_inv.max()) * 4)
+
+
 def test_delayed_scale_returns_source_amax():
     h = _h(40, 64, torch.bfloat16, seed=4)
     scale = torch.tensor(8.0, device=DEVICE)
@@ -126,18 +146,20 @@ def test_bad_arguments():
         tensor_cast_float8(h, rowwise=False)
 
 
-@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling()], ids=["current", "delayed"])
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(), Float8BlockScaling()],
+                         ids=["current", "delayed", "block"])
 def test_layernorm_mlp_fused_equals_unfused(recipe, monkeypatch):
     """relu: exact arithmetic, so the fused path must reproduce the unfused one bit for bit."""
     if INTERPRET:
         monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
     torch.manual_seed(0)
     results = []
-    real = float8_cast.tensor_cast_float8
+    real = {name: getattr(float8_cast, name) for name in ("tensor_cast_float8", "block_cast_float8")}
     for fused in (True, False):
         monkeypatch.setattr(module_float8, "FUSED_CASTS", fused)
         calls = []
-        monkeypatch.setattr(float8_cast, "tensor_cast_float8", lambda *a, **k: calls.append(k) or real(*a, **k))
+        for name, fn in real.items():
+            monkeypatch.setattr(float8_cast, name, lambda *a, _fn=fn, **k: calls.append(k) or _fn(*a, **k))
         torch.manual_seed(0)
         m = mxtrain.LayerNormMLP(64, 128, activation="relu", device=DEVICE)
         x = torch.randn(2, 48, 64, device=DEVICE, requires_grad=True)
