@@ -308,6 +308,7 @@ def _bytes(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 # RESULTS.md), within 5% of each other but for the largest tiles.
 TENSOR_CAST_TILES = {(True, False): (32, 128, 4), (False, True): (64, 64, 4), (True, True): (32, 128, 4)}
 AMAX_TILE = (32, 128, 4)
+BLOCK_CAST_WARPS = 8  # warps of a 128x128-tile block cast
 # activations the prologue computes (forward) and differentiates (backward)
 FUSED_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
 FUSED_ACTIVATION_GRADS = {"gelu": 1, "relu": 3, "silu": 5}
@@ -375,7 +376,7 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
         xb, gb, _bytes(row, dummy), rsi if rowwise else dummy, _bytes(col, dummy), csi if columnwise else dummy,
         db if dbias else dummy, M, N, x.stride(0), g.stride(0), nb_n, nb_m, FMAX=FP8_MAX[fmt], MBITS=mbits,
         EMIN=emin, EPS=float(amax_epsilon), POW2=bool(power_of_2_scales), SQUARE=square, ROW=bool(rowwise),
-        COL=bool(columnwise), DBIAS=bool(dbias), B=B, num_warps=8, **src)
+        COL=bool(columnwise), DBIAS=bool(dbias), B=B, num_warps=BLOCK_CAST_WARPS, **src)
     planes = []
     if rowwise:
         planes.append(Float8Plane(row, rsi, 1, tuple(block)))

@@ -156,6 +156,9 @@ BLOCK_GEMM_BACKEND = os.environ.get("MXTRAIN_FP8_BLOCK_GEMM", "auto")
 _CUBLAS_BLOCK_BROKEN: dict[int, str] = {}  # device index -> why cuBLAS block scaling failed here once
 
 
+_BIAS_IN_EPILOGUE: dict[torch.dtype, bool] = {}  # output dtype -> whether scaled_mm took a blockwise bias
+
+
 def _outer_major(scale_inv: torch.Tensor) -> torch.Tensor:
     """``[rows, K/128]`` scales stored K-block-major (stride ``(1, rows)``), the layout cuBLAS reads for 1x128."""
     return scale_inv.t().contiguous().t()
@@ -180,10 +183,15 @@ def cublas_block_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: 
         kb = pb.scale_inv.shape[1]
         sb = torch.nn.functional.pad(pb.scale_inv, (0, (-kb) % 4), value=1.0).t()
         recipe_b = ScalingType.BlockWise128x128
-    out = scaled_mm(pa.data, pb.data.t(), _outer_major(pa.scale_inv), ScalingType.BlockWise1x128, sb, recipe_b,
-                    output_dtype=out_dtype)
+    args = (pa.data, pb.data.t(), _outer_major(pa.scale_inv), ScalingType.BlockWise1x128, sb, recipe_b)
+    if bias is not None and _BIAS_IN_EPILOGUE.get(out_dtype, True):
+        try:  # the bias in cuBLAS's epilogue: an add over the output afterwards costs a full read and write
+            return scaled_mm(*args, bias=bias.to(out_dtype), output_dtype=out_dtype)
+        except (RuntimeError, NotImplementedError, ValueError):
+            _BIAS_IN_EPILOGUE[out_dtype] = False
+    out = scaled_mm(*args, output_dtype=out_dtype)
     if bias is not None:
-        out = out + bias.to(out_dtype)
+        out.add_(bias.to(out_dtype))
     return out
 
 

@@ -439,6 +439,7 @@ class DelayedScalingState:
         self.pending_amax = torch.zeros(0)
         self.recorded: set[str] = set()
         self.updates = 0
+        self._index_cache: dict = {}  # see _update_indices
 
     # -- slots
 
@@ -495,19 +496,28 @@ class DelayedScalingState:
             return
         idx_list = sorted(self.slots[s] for s in self.recorded)
         device = self.scale.device
-        idx = torch.tensor(idx_list, device=device)
+        idx, fp8_max = self._update_indices(tuple(idx_list), device)
         amax = self.pending_amax[idx]
         all_reduce_amax(amax, getattr(recipe, "amax_reduction_group", None))
         hist = self.amax_history[:, idx]
         hist = torch.cat([amax[None], hist[:-1]], 0)
         self.amax_history[:, idx] = hist
-        fp8_max = torch.tensor([FP8_MAX[self.formats[i]] for i in idx_list], device=device)
         self.scale[idx] = compute_delayed_scale(amax_from_history(hist, recipe.amax_compute_algo),
                                                 self.scale[idx], fp8_max, margin=recipe.margin,
                                                 power_of_2=recipe.power_of_2_scales)
         self.pending_amax[idx] = 0.0
         self.recorded.clear()
         self.updates += 1
+
+    def _update_indices(self, idx_list: tuple[int, ...], device: torch.device):
+        """Device tensors of the slot indices and their formats' maxima, made once per set of slots:
+        building them each step is a pageable host-to-device copy, which waits for the GPU queue."""
+        key = (idx_list, tuple(self.formats[i] for i in idx_list), device)
+        cache = self._index_cache
+        if key not in cache:
+            cache[key] = (torch.tensor(idx_list, device=device),
+                          torch.tensor([FP8_MAX[self.formats[i]] for i in idx_list], device=device))
+        return cache[key]
 
     # -- checkpoints
 
