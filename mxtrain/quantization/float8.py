@@ -93,7 +93,7 @@ def block_amax(x2d: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
 
 def round_scale_down_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     """The largest power of two <= each (positive, normal, finite) fp32 scale: its mantissa bits cleared."""
-    bits = scale.float().view(torch.int32) & torch.tensor(-(1 << 23), dtype=torch.int32, device=scale.device)
+    bits = scale.float().view(torch.int32) & -(1 << 23)  # a Python int: no host-to-device copy
     return bits.view(torch.float32)
 
 
@@ -410,6 +410,15 @@ def fake_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axis: int = -1, **k
 # --- delayed scaling state ------------------------------------------------------------------
 
 
+# device type -> fused update(history, pending, scale, idx, fp8_max, recipe), in place and bit-identical
+# to DelayedScalingState.update's torch ops (mxtrain.kernels.float8_state registers the CUDA one)
+_FUSED_DELAYED_UPDATES: dict = {}
+
+
+def register_fused_delayed_update(device_type: str, fn) -> None:
+    _FUSED_DELAYED_UPDATES[device_type] = fn
+
+
 class DelayedScalingState:
     """One module's delayed-scaling state: per tensor slot, an amax history and the current scale.
 
@@ -497,6 +506,13 @@ class DelayedScalingState:
         idx_list = sorted(self.slots[s] for s in self.recorded)
         device = self.scale.device
         idx, fp8_max = self._update_indices(tuple(idx_list), device)
+        fused = _FUSED_DELAYED_UPDATES.get(device.type)
+        if fused is not None and getattr(recipe, "amax_reduction_group", None) is None:
+            # one kernel instead of ~25 small ops (GPU): they would stall an idle GPU at a step's start
+            fused(self.amax_history, self.pending_amax, self.scale, idx, fp8_max, recipe)
+            self.recorded.clear()
+            self.updates += 1
+            return
         amax = self.pending_amax[idx]
         all_reduce_amax(amax, getattr(recipe, "amax_reduction_group", None))
         hist = self.amax_history[:, idx]
