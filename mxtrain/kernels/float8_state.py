@@ -22,7 +22,6 @@ from mxtrain.quantization.float8 import register_fused_delayed_update
 
 __all__ = ["fused_delayed_update"]
 
-_FP32_MAX = 3.4028234663852886e38
 
 
 @triton.jit
@@ -46,7 +45,7 @@ def _delayed_update_kernel(hist_ptr, pend_ptr, scale_ptr, idx_ptr, fmax_ptr, R, 
     fmax = tl.load(fmax_ptr + r, mask=rmask, other=1.0)
     previous = tl.load(scale_ptr + col, mask=rmask, other=1.0)
     s = tl.math.div_rn(tl.math.div_rn(fmax, a), tl.zeros([BR], tl.float32) + MDIV)
-    s = tl.where(s == float("inf"), _FP32_MAX, s)
+    s = tl.where(s == float("inf"), 3.4028234663852886e38, s)  # FP32 max
     if POW2:
         s = (s.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
     keep = (a == 0.0) | (a == float("inf")) | (a != a)
