@@ -27,7 +27,10 @@ counts as equal), and how many elements each side gets wrong against an
 independent exact float64 reference (``exact_reference``), then a markdown
 table.  ``--stress`` repeats the correctness check (untimed) on an adversarial
 input built to hit microxcaling's float ``log2`` and ``floor(t + 0.5)``;
-``--count-ops`` counts the aten ops (memory passes) of one call.  ``--record``
+``--count-ops`` counts the aten ops (memory passes) of one call.
+``--no-huge-pages`` turns off mxtrain's transparent-huge-page advice for its large
+CPU outputs (a fresh 64 MiB output otherwise costs a page fault per 4 KiB, which on
+a virtual machine can take longer than the quantization).  ``--record``
 appends the table with the machine, date and torch version to
 ``benchmarks/RESULTS.md`` (append only).
 
@@ -375,6 +378,24 @@ def describe_diffs(x, ref, out, limit=5):
     return lines
 
 
+def huge_page_note(disable=False):
+    """Whether mxtrain's large CPU outputs are advised to use transparent huge pages (and the kernel's THP mode)."""
+    try:
+        memory = importlib.import_module("mxtrain.quantization._memory")
+    except Exception:
+        return ""
+    if disable:
+        memory.ENABLED = False
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read().strip()
+    except OSError:
+        mode = "n/a"
+    used = memory.ENABLED and bool(memory._resolve())
+    return (f"mxtrain outputs of >= {memory.MIN_BYTES >> 20} MiB advised to use huge pages: "
+            f"{'yes' if used else 'no'} (THP mode: {mode}; microxcaling allocates plainly)")
+
+
 def cpu_model():
     try:
         with open("/proc/cpuinfo") as f:
@@ -479,6 +500,9 @@ def main(argv=None):
                    help="also count the aten ops (memory passes) of one call of each implementation")
     p.add_argument("--record", action="store_true",
                    help="append the table to benchmarks/RESULTS.md")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="allocate mxtrain's large CPU outputs without the transparent-huge-page advice "
+                        "(mxtrain.quantization._memory), to see what page faults cost")
     args = p.parse_args(argv)
 
     load_start = loadavg()
@@ -500,6 +524,9 @@ def main(argv=None):
     qdq_fn, fake_fn, mxt_note = load_mxtrain()
     if mxt_note:
         notes.append(mxt_note)
+    huge = huge_page_note(disable=args.no_huge_pages)
+    if huge:
+        notes.append(huge)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU: {cpu_model()} "
           f"({os.cpu_count()} cores), load average {loadavg()}")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from mxtrain.formats import E8M0, ElemFormat, parse_format
+from mxtrain.quantization import _memory
 from mxtrain.quantization._validate import (
     ROUNDINGS, SCALE_MODES, check_block_size, check_choice, check_float_tensor, make_generator,
     normalize_axis,
@@ -92,6 +93,19 @@ def shared_exponent_bytes(amax_bits: torch.Tensor, fmt: ElemFormat, scale_mode: 
 
 CHUNK_ELEMENTS = 1 << 18  # ~1 MiB of fp32 per chunk: every pass stays in cache
 
+# On the CPU, quantize_mx, fake_quantize_mx and dequantize run on lookup tables built
+# from the reference functions (see :mod:`mxtrain.quantization.lut`): the same bits in
+# far fewer passes. The reference chunk functions here stay the specification (and run
+# on other devices and for stochastic rounding); tests set this False to compare the two.
+USE_LOOKUP_TABLES = True
+LUT_CHUNK_ELEMENTS = 1 << 18  # elements per chunk of the table path (its buffers reuse one allocation)
+
+
+def _use_tables(device: torch.device, rounding: str | None = None) -> bool:
+    from mxtrain.quantization import lut
+
+    return USE_LOOKUP_TABLES and device.type == "cpu" and (rounding is None or rounding in lut.ROUNDINGS)
+
 
 def _rows(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """``x`` with ``axis`` moved last and the other dims flattened: ``[rows, length]`` and the leading shape."""
@@ -105,8 +119,8 @@ def _geometry(length: int, block_size: int) -> tuple[int, int]:
     return bs, -(-length // bs)
 
 
-def _row_chunks(rows: int, length: int):
-    step = max(1, CHUNK_ELEMENTS // max(length, 1))
+def _row_chunks(rows: int, length: int, elements: int = CHUNK_ELEMENTS):
+    step = max(1, elements // max(length, 1))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
@@ -177,6 +191,7 @@ def quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, 
     if len(set(axes)) != len(axes):
         raise ValueError(f"axis tuple {axis} names an axis twice")
     generator = make_generator(seed, x.device) if rounding == "stochastic" else None
+    tables = _use_tables(x.device, rounding)
     planes = []
     for ax in axes:
         rows, lead = _rows(x, ax)
@@ -184,14 +199,21 @@ def quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, 
         padded = nblocks * bs
         if pack:
             packed_length(padded, fmt)  # fail before any work
-        codes = torch.empty(rows.shape[0], packed_length(padded, fmt) if pack else padded, dtype=torch.uint8,
-                            device=x.device)
+        codes = _memory.empty((rows.shape[0], packed_length(padded, fmt) if pack else padded), torch.uint8,
+                              x.device)
         scale = torch.empty(rows.shape[0], nblocks, dtype=torch.uint8, device=x.device)
-        for lo, hi in _row_chunks(*rows.shape):
-            c, s = _quantize_blocks(_blocks_of(rows[lo:hi], bs, nblocks), fmt, scale_mode, rounding, generator)
-            c = c.reshape(hi - lo, padded)
-            codes[lo:hi] = pack_codes(c, fmt) if pack else c
-            scale[lo:hi] = s
+        if tables:
+            from mxtrain.quantization import lut
+
+            # codes and scales are integers: no graph to record
+            lut.quantize_rows(rows.detach(), bs, nblocks, fmt, scale_mode, rounding, pack, codes, scale,
+                              LUT_CHUNK_ELEMENTS)
+        else:
+            for lo, hi in _row_chunks(*rows.shape):
+                c, s = _quantize_blocks(_blocks_of(rows[lo:hi], bs, nblocks), fmt, scale_mode, rounding, generator)
+                c = c.reshape(hi - lo, padded)
+                codes[lo:hi] = pack_codes(c, fmt) if pack else c
+                scale[lo:hi] = s
         planes.append(MXPlane(data=codes.reshape(*lead, -1), scale=scale.reshape(*lead, nblocks), axis=ax,
                               packed=pack))
     return MXTensor(planes=tuple(planes), fmt=fmt.name, block_size=block_size or bs,
@@ -214,7 +236,14 @@ def fake_quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int =
     rows, lead = _rows(x, ax)
     length = rows.shape[1]
     bs, nblocks = _geometry(length, block_size)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = _memory.empty(rows.shape, x.dtype, x.device)
+    # the tables write through out= buffers, which autograd refuses: a tensor that records a graph
+    # takes the reference (whose result records one too, as before)
+    if _use_tables(x.device, rounding) and not (x.requires_grad and torch.is_grad_enabled()):
+        from mxtrain.quantization import lut
+
+        lut.fake_quantize_rows(rows, bs, nblocks, fmt, scale_mode, rounding, out, LUT_CHUNK_ELEMENTS)
+        return out.reshape(*lead, length).movedim(-1, ax)
     for lo, hi in _row_chunks(*rows.shape):
         scale, y = _scaled_blocks(_blocks_of(rows[lo:hi], bs, nblocks), fmt, scale_mode)
         q, step_inv = round_to_grid(y, fmt, rounding, generator)
@@ -233,12 +262,33 @@ def dequantize_plane_values(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemF
 
     Cropped to ``length`` along the last axis (default: no crop), cast to ``dtype``.
     """
+    return dequantize_plane(codes, scale, fmt, False, length, dtype)
+
+
+def _unpacked_length(nbytes: int, fmt: ElemFormat, packed: bool) -> int:
+    return nbytes if not packed or fmt.bits == 8 else nbytes * 8 // fmt.bits
+
+
+@_no_dynamo
+def dequantize_plane(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, packed: bool,
+                     length: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values ``code * 2**X`` of a plane's codes ``[..., bytes]`` (packed or not) with scales ``[..., nblocks]``.
+
+    Cropped to ``length`` along the last axis (default: the padded length), cast to ``dtype``.
+    """
+    from mxtrain.quantization import lut
+    from mxtrain.quantization.packing import unpack_codes
+
     nblocks = scale.shape[-1]
-    padded = codes.shape[-1]
+    padded = _unpacked_length(data.shape[-1], fmt, packed)
     length = padded if length is None else length
-    lead = codes.shape[:-1]
-    codes2, scale2 = codes.reshape(-1, padded), scale.reshape(-1, nblocks)
-    out = torch.empty(codes2.shape[0], length, dtype=dtype, device=codes.device)
+    lead = data.shape[:-1]
+    data2, scale2 = data.reshape(-1, data.shape[-1]), scale.reshape(-1, nblocks)
+    out = _memory.empty((data2.shape[0], length), dtype, data.device)
+    if _use_tables(data.device):
+        lut.dequantize_rows(data2, scale2, fmt, packed, padded, out, LUT_CHUNK_ELEMENTS)
+        return out.reshape(*lead, length)
+    codes2 = unpack_codes(data2, fmt) if packed else data2
     for lo, hi in _row_chunks(codes2.shape[0], padded):
         values = decode_codes_fast(codes2[lo:hi], fmt).reshape(hi - lo, nblocks, -1)
         values.mul_(scale_values(scale2[lo:hi]).unsqueeze(-1))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mxtrain.formats import ElemFormat, parse_format
-from mxtrain.quantization.mx import dequantize_plane_values
+from mxtrain.quantization.mx import dequantize_plane
 from mxtrain.quantization.packing import unpack_codes
 
 __all__ = ["MXPlane", "MXTensor"]
@@ -176,7 +176,7 @@ class MXTensor:
         p = self.plane(axis)
         moved = list(self.shape)
         length = moved.pop(p.axis)
-        values = dequantize_plane_values(self.codes(axis), p.scale, self.format, length, dtype or self.dtype)
+        values = dequantize_plane(p.data, p.scale, self.format, p.packed, length, dtype or self.dtype)
         return values.reshape(*moved, length)
 
     def to(self, *args, **kwargs) -> "MXTensor":

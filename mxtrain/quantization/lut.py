@@ -1,0 +1,344 @@
+"""Lookup-table MX quantize / dequantize on the CPU: the reference's exact bits in a few passes over memory.
+
+Encoding. Once a block is divided by its scale (``y = x * 2**-X``, exact), the
+code of an element depends on the fp32 bits of ``y`` only through
+
+* ``y_bits >> k`` with ``k = 22 - mbits``: the sign, the 8 exponent bits, the
+  top ``mbits`` mantissa bits and the next (round) bit; and,
+* for ties-to-even only, whether any of the ``k`` bits below are set (sticky).
+
+Why: in the element-normal range the grid keeps ``mbits`` mantissa bits, so
+floor needs none below them, ties-away needs the round bit, ties-to-even the
+round bit and the sticky bit. In the element-subnormal range the grid is
+coarser (it keeps fewer mantissa bits, its round bit lies inside the index and
+its sticky bits straddle it), below half the smallest subnormal everything
+rounds to zero, and from ``2**(emax + 1)`` up everything saturates. Integer
+formats are the same with ``mbits`` fractional bits (``|y| < 2``, or saturated).
+So the code is one table lookup on a ``10 + mbits`` (+1 for even) bit index,
+and the table is *built by running the reference* (:func:`element_codes`) on
+one representative ``y`` per index: it encodes the specification instead of
+re-deriving it. ``tests/quantization/test_lut.py`` checks the claim for every
+index with the low bits varied, for every format and rounding, and the whole
+path against the reference on adversarial tensors.
+
+Decoding: a table from a byte, or from a pair of bytes read as one uint16, to
+the values of its codes (one 4-, 8- or 16-byte word per entry, copied as bits),
+then one multiply by the scale per block.
+
+Per cache-sized chunk the encoder makes: ``|x|`` bits, the block amax (scale
+bytes and ``2**-X`` from a 256-entry table on its exponent for ``"floor"``),
+``y`` (over the ``|x|`` buffer), the index (two integer passes, three more for
+ties-to-even) and the gather; 4-bit codes are then packed two to a byte from an
+int16 view. Chunk buffers are reused (a fresh page costs a fault on first
+write). Stochastic rounding and non-CPU tensors stay on the reference path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from mxtrain.formats import E8M0, ElemFormat
+from mxtrain.quantization.rounding import (
+    FP32_ABS_MASK, FP32_EXP_MASK, FP32_MANT_BITS, code_table, element_codes, grid_value, round_to_grid,
+)
+
+ROUNDINGS = ("even", "nearest", "floor")
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def index_shift(fmt: ElemFormat) -> int:
+    """``k``: the bits of ``y`` below the round bit (the table index is ``y_bits >> k``)."""
+    return 22 - fmt.mbits
+
+
+def _representatives(fmt: ElemFormat, rounding: str) -> torch.Tensor:
+    """fp32 ``y`` for every table index: ``i << k`` (and ``(i << k) | 1`` at index ``2i + 1`` for even)."""
+    k = index_shift(fmt)
+    i = torch.arange(1 << (32 - k), dtype=torch.int64) << k
+    if rounding == "even":
+        i = torch.stack((i, i | 1), dim=-1).reshape(-1)
+    # int64 -> int32 keeps the low 32 bits: the sign bit lands in bit 31
+    return i.to(torch.int32).view(torch.float32)
+
+
+_ENCODE: dict[tuple, torch.Tensor] = {}
+_FAKE: dict[tuple, torch.Tensor] = {}
+_PAIRS: dict[tuple, torch.Tensor] = {}
+
+
+def _nonfinite(y: torch.Tensor) -> torch.Tensor:
+    return (y.view(torch.int32) & FP32_EXP_MASK) == FP32_EXP_MASK
+
+
+def encode_table(fmt: ElemFormat, rounding: str, device: torch.device) -> torch.Tensor:
+    """uint8 code of every table index: :func:`element_codes` of its representative.
+
+    Indices of a NaN or Inf ``y`` get code 0. Only a NaN block has them (``y`` of a
+    finite block stays below ``2**(emax + 1)``), and there every ``y`` is NaN
+    (``x * NaN``), so its codes come out 0 as the reference masks them.
+    """
+    key = (fmt.name, rounding, device)
+    table = _ENCODE.get(key)
+    if table is None:
+        y = _representatives(fmt, rounding)
+        codes = element_codes(y, fmt, rounding, None).to(torch.uint8)
+        table = _ENCODE[key] = codes.masked_fill_(_nonfinite(y), 0).to(device)
+    return table
+
+
+def fake_table(fmt: ElemFormat, rounding: str, device: torch.device) -> torch.Tensor:
+    """fp32 grid value of every table index, as ``fake_quantize_mx`` computes it before the scale.
+
+    NaN/Inf indices (NaN blocks only, see :func:`encode_table`) get 0: times the NaN scale, NaN.
+    """
+    key = (fmt.name, rounding, device)
+    table = _FAKE.get(key)
+    if table is None:
+        y = _representatives(fmt, rounding)
+        q, step_inv = round_to_grid(y, fmt, rounding, None)
+        vals = torch.copysign(grid_value(q, step_inv, fmt).clamp_(max=fmt.max_norm), y)
+        if fmt.is_int:
+            vals.add_(0.0)
+        table = _FAKE[key] = vals.masked_fill_(_nonfinite(y), 0.0).to(device)
+    return table
+
+
+_SCALES: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
+
+
+def scale_table(fmt: ElemFormat, scale_mode: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(scale byte, fp32 2**-X)`` for every biased exponent ``amax_bits >> 23``, or None.
+
+    Only ``"floor"`` scales are a function of the amax exponent alone (``"even"`` and
+    ``"rceil"`` look at its mantissa), apart from a zero amax against an fp32-subnormal
+    one, which share a byte when ``emax >= 1`` (both clamp to 2**-127) but not for the
+    integer formats: None there, and the caller runs :func:`shared_exponent_bytes`.
+    """
+    from mxtrain.quantization.mx import _inverse_scale_values, shared_exponent_bytes
+
+    key = (fmt.name, scale_mode, device)
+    if key not in _SCALES:
+        tables = None
+        if scale_mode == "floor":
+            e = torch.arange(256, dtype=torch.int32) << FP32_MANT_BITS
+            ref = shared_exponent_bytes(e, fmt, scale_mode)
+            same = all(torch.equal(ref, shared_exponent_bytes(e | m, fmt, scale_mode)) for m in (1, 0x7FFFFF))
+            if same:
+                tables = (ref.to(device), _inverse_scale_values(ref).to(device))
+        _SCALES[key] = tables
+    return _SCALES[key]
+
+
+def _byte_values(fmt: ElemFormat, packed: bool) -> torch.Tensor:
+    """fp32 ``[256, m]``: the values of the codes in one byte (m = 1, or 8 / bits when packed)."""
+    values = code_table(fmt)
+    b = torch.arange(256)
+    if not packed or fmt.bits == 8:
+        full = torch.full((256,), float("nan"))  # bytes above the largest code never occur
+        full[: values.numel()] = values
+        return full[:, None]
+    per = 8 // fmt.bits
+    mask = (1 << fmt.bits) - 1
+    return torch.stack([values[(b >> (fmt.bits * j)) & mask] for j in range(per)], dim=-1)
+
+
+_WORD = {4: torch.float32, 8: torch.int64, 16: torch.complex128}  # copied as bits, never computed on
+
+
+def decode_group(fmt: ElemFormat, packed: bool, nbytes: int) -> int | None:
+    """Bytes decoded per table entry: 2 when two bytes' values fit one 16-byte word, else 1.
+
+    None when the codes need unpacking first (packed fp6).
+    """
+    if packed and fmt.bits == 6:
+        return None
+    per = 1 if not packed or fmt.bits == 8 else 8 // fmt.bits
+    return 2 if 8 * per <= 16 and nbytes % 2 == 0 else 1
+
+
+_DECODE: dict[tuple, torch.Tensor] = {}
+
+
+def decode_table(fmt: ElemFormat, packed: bool, group: int, device: torch.device) -> torch.Tensor:
+    """The values of every byte (``group`` 1) or byte pair (2, read as a native uint16), one word per entry."""
+    key = (fmt.name, packed, group, device)
+    table = _DECODE.get(key)
+    if table is None:
+        per_byte = _byte_values(fmt, packed)
+        if group == 2:
+            v = torch.arange(1 << 16)
+            first, second = (v & 0xFF, v >> 8) if _LITTLE_ENDIAN else (v >> 8, v & 0xFF)
+            per_byte = torch.cat((per_byte[first], per_byte[second]), dim=-1)
+        words = per_byte.contiguous().view(_WORD[per_byte.shape[-1] * 4])
+        table = _DECODE[key] = words.reshape(-1).to(device)
+    return table
+
+
+class Scratch:
+    """Chunk buffers reused by every chunk of one call: fresh memory costs a page fault per 4 KiB,
+    which on some machines takes longer than the pass that first writes it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = self._bufs[name] = torch.empty(n, dtype=dtype, device=self.device)
+        return buf[:n]
+
+
+def table_index(y: torch.Tensor, fmt: ElemFormat, rounding: str, scratch: Scratch | None = None) -> torch.Tensor:
+    """int32 table index of every element of contiguous fp32 ``y`` (flat)."""
+    scratch = scratch or Scratch(y.device)
+    n = y.numel()
+    k = index_shift(fmt)
+    bits = y.view(-1).view(torch.int32)
+    # an arithmetic shift, then the mask: the logical shift of the bits (int32 has no unsigned shift)
+    idx = torch.bitwise_right_shift(bits, k, out=scratch.get("idx", n, torch.int32))
+    idx.bitwise_and_((1 << (32 - k)) - 1)
+    if rounding == "even":
+        sticky = torch.bitwise_and(bits, (1 << k) - 1, out=scratch.get("sticky", n, torch.int32)).clamp_max_(1)
+        idx = sticky.add_(idx, alpha=2)
+    return idx
+
+
+def _chunk_blocks(chunk: torch.Tensor, bs: int, nblocks: int, scratch: Scratch) -> torch.Tensor:
+    """Contiguous fp32 ``[r, nblocks, bs]`` of a ``[r, length]`` chunk (a view when it already is one)."""
+    r, length = chunk.shape
+    padded = nblocks * bs
+    if chunk.dtype == torch.float32 and length == padded and chunk.is_contiguous():
+        return chunk.view(r, nblocks, bs)
+    buf = scratch.get("x", r * padded, torch.float32).view(r, padded)
+    buf[:, :length].copy_(chunk)
+    if padded > length:
+        buf[:, length:].zero_()
+    return buf.view(r, nblocks, bs)
+
+
+def _scaled(blocks: torch.Tensor, fmt: ElemFormat, scale_mode: str, scale_out: torch.Tensor,
+            scratch: Scratch) -> torch.Tensor:
+    """``y = blocks / scale`` (exact), as the reference's ``_scaled_blocks``; the scale bytes go to ``scale_out``."""
+    from mxtrain.quantization.mx import _inverse_scale_values, shared_exponent_bytes
+
+    mag = torch.bitwise_and(blocks.view(torch.int32), FP32_ABS_MASK,
+                            out=scratch.get("y", blocks.numel(), torch.int32).view(blocks.shape))
+    amax = mag.amax(dim=-1)
+    tables = scale_table(fmt, scale_mode, blocks.device)
+    if tables is not None:
+        e = torch.bitwise_right_shift(amax, FP32_MANT_BITS).view(-1).long()
+        torch.index_select(tables[0], 0, e, out=scale_out.view(-1))
+        inv = tables[1].index_select(0, e).view(amax.shape)
+    else:
+        scale = shared_exponent_bytes(amax, fmt, scale_mode)
+        scale_out.copy_(scale)
+        inv = _inverse_scale_values(scale)
+    return torch.mul(blocks, inv.unsqueeze(-1), out=mag.view(torch.float32))
+
+
+def _chunks(rows: int, padded: int, elements: int):
+    step = max(1, elements // max(padded, 1))
+    for lo in range(0, rows, step):
+        yield lo, min(rows, lo + step)
+
+
+def quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemFormat, scale_mode: str, rounding: str,
+                  pack: bool, codes: torch.Tensor, scale: torch.Tensor, chunk_elements: int) -> None:
+    """Codes (packed if ``pack``) and scale bytes of ``rows`` ``[R, length]`` into ``codes`` and contiguous ``scale``."""
+    from mxtrain.quantization.packing import pack_codes
+
+    scratch = Scratch(rows.device)
+    table = encode_table(fmt, rounding, rows.device)
+    padded = nblocks * bs
+    direct = not pack or fmt.bits == 8
+    for lo, hi in _chunks(rows.shape[0], padded, chunk_elements):
+        r = hi - lo
+        y = _scaled(_chunk_blocks(rows[lo:hi], bs, nblocks, scratch), fmt, scale_mode, scale[lo:hi], scratch)
+        idx = table_index(y, fmt, rounding, scratch)
+        c = codes[lo:hi].view(-1) if direct else scratch.get("codes", r * padded, torch.uint8)
+        torch.index_select(table, 0, idx, out=c)
+        if not direct:
+            if can_pack(fmt):
+                pack_into(c.view(r, padded), fmt, codes[lo:hi], scratch)
+            else:
+                codes[lo:hi] = pack_codes(c.view(r, padded), fmt)
+
+
+def fake_quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemFormat, scale_mode: str,
+                       rounding: str, out: torch.Tensor, chunk_elements: int) -> None:
+    """``fake_quantize_mx`` of ``rows`` ``[R, length]`` into ``out`` (same shape, any float dtype)."""
+    from mxtrain.quantization.mx import scale_values
+
+    scratch = Scratch(rows.device)
+    table = fake_table(fmt, rounding, rows.device)
+    padded = nblocks * bs
+    length = rows.shape[1]
+    direct = out.dtype == torch.float32 and padded == length and out.is_contiguous()
+    scale = torch.empty(rows.shape[0], nblocks, dtype=torch.uint8, device=rows.device)
+    for lo, hi in _chunks(rows.shape[0], padded, chunk_elements):
+        r = hi - lo
+        y = _scaled(_chunk_blocks(rows[lo:hi], bs, nblocks, scratch), fmt, scale_mode, scale[lo:hi], scratch)
+        idx = scratch.get("idx64", y.numel(), torch.int64).copy_(table_index(y, fmt, rounding, scratch))
+        vals = out[lo:hi] if direct else y  # y is dead once indexed
+        torch.index_select(table, 0, idx, out=vals.view(-1))
+        vals.view(r, nblocks, bs).mul_(scale_values(scale[lo:hi]).unsqueeze(-1))
+        if not direct:
+            out[lo:hi] = vals.view(r, padded)[:, :length]
+
+
+def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, packed: bool, padded: int,
+                    out: torch.Tensor, chunk_elements: int) -> None:
+    """Values of the codes ``data`` ``[R, bytes]`` with scales ``[R, nblocks]`` into ``out`` ``[R, length]``."""
+    from mxtrain.quantization.mx import scale_values
+    from mxtrain.quantization.packing import unpack_codes
+
+    scratch = Scratch(data.device)
+    nblocks = scale.shape[-1]
+    length = out.shape[1]
+    direct = out.dtype == torch.float32 and padded == length and out.is_contiguous()
+    group = decode_group(fmt, packed, data.shape[1])
+    unpack = group is None  # packed fp6: unpack each chunk, then decode codes
+    if unpack:
+        packed, group = False, decode_group(fmt, False, padded)
+    elif group == 2 and data.is_contiguous() and data.storage_offset() % 2:
+        group = 1  # a uint16 view needs an even byte offset
+    table = decode_table(fmt, packed, group, data.device)
+    factors = scale_values(scale).unsqueeze(-1)
+    for lo, hi in _chunks(data.shape[0], padded, chunk_elements):
+        r = hi - lo
+        chunk = data[lo:hi]
+        if unpack:
+            chunk = unpack_codes(chunk, fmt)
+        if group == 2:
+            chunk = chunk.contiguous().view(torch.uint16)
+        idx = scratch.get("idx64", chunk.numel(), torch.int64).view(chunk.shape).copy_(chunk).view(-1)
+        vals = out[lo:hi] if direct else scratch.get("vals", r * padded, torch.float32).view(r, padded)
+        torch.index_select(table, 0, idx, out=vals.view(table.dtype).view(-1))
+        vals.view(r, nblocks, -1).mul_(factors[lo:hi])
+        if not direct:
+            out[lo:hi] = vals[:, :length]
+
+
+def can_pack(fmt: ElemFormat) -> bool:
+    """Whether :func:`pack_into` packs this format (else use :func:`~mxtrain.quantization.packing.pack_codes`)."""
+    return _LITTLE_ENDIAN and fmt.bits in (4, 2)
+
+
+def pack_into(codes: torch.Tensor, fmt: ElemFormat, out: torch.Tensor, scratch: Scratch | None = None) -> None:
+    """Pack contiguous uint8 codes ``[r, n]`` (4- or 2-bit) into ``out`` ``[r, n * bits / 8]``, as ``pack_codes``.
+
+    On a little-endian machine the two codes of a byte pair are the low and high
+    byte of one int16 (four codes: of one int32), so the packed byte is the low
+    byte of a few shifts and ORs of that word.
+    """
+    scratch = scratch or Scratch(codes.device)
+    wide = torch.int16 if fmt.bits == 4 else torch.int32
+    w = codes.view(wide)
+    packed = torch.bitwise_right_shift(w, 4 if fmt.bits == 4 else 6, out=scratch.get("pack", w.numel(), wide).view(w.shape))
+    packed.bitwise_or_(w)  # 4-bit: low byte c0 | c1 << 4 (codes < 16)
+    if fmt.bits == 2:
+        packed.bitwise_or_(torch.bitwise_right_shift(w, 12)).bitwise_or_(torch.bitwise_right_shift(w, 18))
+    out.copy_(packed)  # integer narrowing keeps the low byte
