@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mxtrain
-from mxtrain.kernels import float8_gemm
+from mxtrain.kernels import float8_cast, float8_gemm
 from mxtrain.kernels.dispatch import mx_gemm, quantize_float8
 from mxtrain.modules import _float8 as module_float8
 from mxtrain.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
@@ -176,14 +176,16 @@ def main():
     if args.variants:  # the same recipes without the fused casts, and block scaling on the Triton GEMM
         runs += [(name, "unfused casts") for name in args.recipes.split(",") if name != "block"]
         runs += [(name, "Triton block GEMM") for name in args.recipes.split(",") if name == "block"]
+        runs += [(name, "block casts in one 128x128 pass") for name in args.recipes.split(",") if name == "block"]
     for name, variant in runs:
         recipe = RECIPES[name]
         module_float8.FUSED_CASTS = variant != "unfused casts"
         float8_gemm.BLOCK_GEMM_BACKEND = "triton" if variant == "Triton block GEMM" else "auto"
+        float8_cast.BLOCK_CAST_SPLIT = variant != "block casts in one 128x128 pass"
         fwd = time_ms(forward_fn(mx_block, x, recipe), args.iters, args.warmup)
         step = time_ms(step_fn(mx_block, x, dy, recipe), args.iters, args.warmup)
         y = forward_fn(mx_block, x, recipe)()
-        module_float8.FUSED_CASTS, float8_gemm.BLOCK_GEMM_BACKEND = True, "auto"
+        module_float8.FUSED_CASTS, float8_gemm.BLOCK_GEMM_BACKEND, float8_cast.BLOCK_CAST_SPLIT = True, "auto", True
         label = f"mxtrain.LayerNormMLP {type(recipe).__name__}" + (f", {variant}" if variant else "")
         row(label, fwd, step, sqnr_db(y, y_ref))
         if variant:
@@ -209,7 +211,6 @@ CAST_TILES = [(32, 128, 4), (64, 64, 4), (32, 256, 4)]
 
 def sweep_casts(tokens, hidden, ffn, dtype, iters, warmup):
     """Per-tensor cast kernel time (amax pass included) per tile shape, for the casts of one step."""
-    from mxtrain.kernels import float8_cast
     dev = "cuda"
     h = torch.randn(tokens, ffn, device=dev, dtype=dtype)
     da = torch.randn(tokens, ffn, device=dev, dtype=dtype)
@@ -252,13 +253,24 @@ def sweep_casts(tokens, hidden, ffn, dtype, iters, warmup):
         "block W 128x128 row+col": (lambda: float8_cast.block_cast_float8(w, block=(128, 128), columnwise=True),
                                     w.numel() * 4),
     }
-    saved_warps = float8_cast.BLOCK_CAST_WARPS
+    saved = float8_cast.BLOCK_CAST_WARPS, float8_cast.BLOCK_CAST_SPLIT, float8_cast.BLOCK_ROW_TILE, \
+        float8_cast.BLOCK_COL_TILE
     for name, (fn, nbytes) in blocks.items():
-        for warps in (4, 8, 16):
+        float8_cast.BLOCK_CAST_SPLIT = False
+        for warps in (8, 16):
             float8_cast.BLOCK_CAST_WARPS = warps
             ms = time_ms(fn, iters, warmup)
-            print(f"| {name} | 128x128/{warps} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |", flush=True)
-    float8_cast.BLOCK_CAST_WARPS = saved_warps
+            print(f"| {name} | one pass 128x128/{warps} | {ms:.3f} | {nbytes / ms / 1e6:.0f} |", flush=True)
+        if "128x128" in name:
+            continue
+        float8_cast.BLOCK_CAST_SPLIT = True
+        for rt, ct in (((32, 4), (64, 4)), ((64, 4), (32, 4)), ((16, 4), (64, 8)), ((64, 8), (128, 8))):
+            float8_cast.BLOCK_ROW_TILE, float8_cast.BLOCK_COL_TILE = rt, ct
+            ms = time_ms(fn, iters, warmup)
+            print(f"| {name} | per plane: [{rt[0]},128]/{rt[1]} + [128,{ct[0]}]/{ct[1]} | {ms:.3f} | "
+                  f"{nbytes / ms / 1e6:.0f} |", flush=True)
+    (float8_cast.BLOCK_CAST_WARPS, float8_cast.BLOCK_CAST_SPLIT, float8_cast.BLOCK_ROW_TILE,
+     float8_cast.BLOCK_COL_TILE) = saved
 
 
 if __name__ == "__main__":

@@ -255,15 +255,17 @@ def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_p
                        NB_N, NB_M, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
                        POW2: tl.constexpr, SQUARE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                        PRE: tl.constexpr, ACT: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
-                       OUT_KIND: tl.constexpr, GPU: tl.constexpr, DBIAS: tl.constexpr, B: tl.constexpr):
-    """One B x B tile of the cast source (see ``_source_tile``). SQUARE: one scale for the tile (row
-    plane scales [M/B, N/B], col plane the transpose); else 1xB blocks: per-row scales for the row
-    plane [M, N/B], per-column scales for the col plane [N, M/B] (stored transposed). DBIAS: the
+                       OUT_KIND: tl.constexpr, GPU: tl.constexpr, DBIAS: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr):
+    """One BM x BN tile of the cast source (see ``_source_tile``); blocks are 128 long. SQUARE
+    (BM = BN = 128): one scale for the tile (row plane scales [M/128, N/128], col plane the
+    transpose); else 1x128 blocks: per-row scales for the row plane [M, N/128] (BN = 128),
+    per-column scales for the col plane [N, M/128] (stored transposed; BM = 128). DBIAS: the
     tile's fp32 column sums into ``dbias[pid_m, :]``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * B + tl.arange(0, B)
-    rn = pid_n * B + tl.arange(0, B)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
     if DBIAS:
@@ -272,11 +274,11 @@ def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_p
     mask_t = (rn[:, None] < N) & (rm[None, :] < M)
     if SQUARE:
         # the tile's amax, broadcast to a [B] vector (every lane equal): vector math only, no 0-d tensors
-        lanes = tl.arange(0, B)
-        amax = tl.zeros([B], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
+        lanes = tl.arange(0, BM)
+        amax = tl.zeros([BM], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
         s = _block_scale(amax, FMAX, EPS, POW2)
         q = _fp8_bytes(x * s[:, None], FMAX, MBITS, EMIN, GPU)
-        si = tl.math.div_rn(tl.full([B], 1.0, tl.float32), s)
+        si = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), s)
         if ROW:
             tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
             tl.store(rsi_ptr + pid_m * NB_N + pid_n + lanes * 0, si, mask=lanes == 0)
@@ -309,6 +311,11 @@ def _bytes(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 TENSOR_CAST_TILES = {(True, False): (32, 128, 4), (False, True): (64, 64, 4), (True, True): (32, 128, 4)}
 AMAX_TILE = (32, 128, 4)
 BLOCK_CAST_WARPS = 8  # warps of a 128x128-tile block cast
+# 1x128 blocks, both planes: one 128x128-tile pass (False) or a pass per plane with narrow tiles (True);
+# (rows, warps) of the rowwise pass's [rows, 128] tiles, (cols, warps) of the columnwise pass's [128, cols]
+BLOCK_CAST_SPLIT = True
+BLOCK_ROW_TILE = (32, 4)
+BLOCK_COL_TILE = (64, 4)
 # activations the prologue computes (forward) and differentiates (backward)
 FUSED_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
 FUSED_ACTIVATION_GRADS = {"gelu": 1, "relu": 3, "silu": 5}
@@ -352,8 +359,10 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
                       power_of_2_scales: bool = False, amax_epsilon: float = 0.0,
                       dbias: bool = False) -> tuple[Float8Tensor, torch.Tensor | None]:
     """128-block FP8 cast of a 2-D source (``x``, ``act(x)`` or ``grad * act'(x)``, as
-    :func:`tensor_cast_float8`), one read of each 128x128 tile for both planes, with the optional
-    fp32 column sums of the source (``dbias``). ``block``: ``(1, 128)`` (each plane blocked along
+    :func:`tensor_cast_float8`), with the optional fp32 column sums of the source (``dbias``).
+    128x128 blocks: one read of each 128x128 tile writes both planes. 1x128 blocks: a pass per
+    plane with narrow tiles (``BLOCK_CAST_SPLIT``; the source computed once and written first
+    when there is a prologue and both planes), or one 128x128-tile pass. ``block``: ``(1, 128)`` (each plane blocked along
     its own reduction axis) or ``(128, 128)``. Returns ``(Float8Tensor, dbias or None)``."""
     fmt = fp8_format_name(fmt)
     if tuple(block) not in ((1, 128), (128, 128)):
@@ -370,13 +379,43 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
     col = torch.empty((N, M), dtype=dtype, device=x.device) if columnwise else None
     rsi = (torch.empty((nb_m, nb_n), **f32) if square else torch.empty((M, nb_n), **f32)) if rowwise else None
     csi = (torch.empty((nb_n, nb_m), **f32) if square else torch.empty((N, nb_m), **f32)) if columnwise else None
-    db = torch.empty((nb_m, N), **f32) if dbias else None
     dummy = rsi if rsi is not None else csi
-    _block_cast_kernel[(nb_m, nb_n)](
-        xb, gb, _bytes(row, dummy), rsi if rowwise else dummy, _bytes(col, dummy), csi if columnwise else dummy,
-        db if dbias else dummy, M, N, x.stride(0), g.stride(0), nb_n, nb_m, FMAX=FP8_MAX[fmt], MBITS=mbits,
-        EMIN=emin, EPS=float(amax_epsilon), POW2=bool(power_of_2_scales), SQUARE=square, ROW=bool(rowwise),
-        COL=bool(columnwise), DBIAS=bool(dbias), B=B, num_warps=BLOCK_CAST_WARPS, **src)
+    consts = dict(FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon), POW2=bool(power_of_2_scales),
+                  SQUARE=square)
+
+    def launch(src_x, src_g, csts, row_, col_, db_, bm, bn, warps):
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))  # dbias partial sums: one row per grid row
+        _block_cast_kernel[grid](
+            src_x, src_g, _bytes(row_, dummy), rsi if row_ is not None else dummy, _bytes(col_, dummy),
+            csi if col_ is not None else dummy, db_ if db_ is not None else dummy, M, N, src_x.stride(0),
+            src_g.stride(0), nb_n, nb_m, ROW=row_ is not None, COL=col_ is not None, DBIAS=db_ is not None,
+            BM=bm, BN=bn, num_warps=warps, **consts, **csts)
+
+    db = None
+    if square or (rowwise and columnwise and not BLOCK_CAST_SPLIT):  # one 128x128 tile writes both planes
+        db = torch.empty((nb_m, N), **f32) if dbias else None
+        launch(xb, gb, src, row, col, db, B, B, BLOCK_CAST_WARPS)
+    else:
+        # a pass per plane with narrow tiles (a 128x128 fp32 tile computing both planes' scales ran
+        # at 0.7-1.2 TB/s on an H100); with both planes a prologue is computed once, written, read twice
+        if src["PRE"] and rowwise and columnwise:
+            out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+            BMa, BNa, wa = AMAX_TILE
+            part = torch.empty(triton.cdiv(M, BMa) * triton.cdiv(N, BNa), **f32)
+            _tensor_amax_kernel[(triton.cdiv(M, BMa), triton.cdiv(N, BNa))](
+                xb, gb, part, _bits_view(out), M, N, x.stride(0), g.stride(0), STORE=True, BM=BMa, BN=BNa,
+                num_warps=wa, **src)
+            xb = gb = _bits_view(out)
+            src = dict(src, PRE=0, ACT=0, X_BF16=out.dtype == torch.bfloat16, G_BF16=out.dtype == torch.bfloat16)
+        if rowwise:
+            bm, wr = BLOCK_ROW_TILE
+            db = torch.empty((triton.cdiv(M, bm), N), **f32) if dbias else None
+            launch(xb, gb, src, row, None, db, bm, B, wr)
+        if columnwise:
+            bn, wc = BLOCK_COL_TILE
+            db_c = torch.empty((nb_m, N), **f32) if dbias and db is None else None
+            launch(xb, gb, src, None, col, db_c, B, bn, wc)
+            db = db if db is not None else db_c
     planes = []
     if rowwise:
         planes.append(Float8Plane(row, rsi, 1, tuple(block)))

@@ -102,9 +102,11 @@ def test_activation_grad_prologue_and_dbias(act, dtype):
                                    atol=float(q.scale_inv) * 4)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["pass-per-plane", "one-pass"])
 @pytest.mark.parametrize("block", [(1, 128), (128, 128)])
 @pytest.mark.parametrize("act", [None, "relu", "gelu"])
-def test_block_cast_prologue_and_dbias(block, act):
+def test_block_cast_prologue_and_dbias(block, act, split, monkeypatch):
+    monkeypatch.setattr(float8_cast, "BLOCK_CAST_SPLIT", split)
     h = _h(130, 200, torch.bfloat16, seed=5)
     da = _h(130, 200, torch.bfloat16, seed=6)
     for grad in ((None, da) if act else (None,)):
@@ -112,6 +114,11 @@ def test_block_cast_prologue_and_dbias(block, act):
         want = quantize_float8(src, "fp8_e4m3", axes=(1, 0), block=block)
         q, db = block_cast_float8(h, "fp8_e4m3", block, rowwise=True, columnwise=True, act=act, grad=grad,
                                   dbias=True)
+        for axis in (1, 0):  # one plane alone: the same bytes and scales as with both
+            alone, _ = block_cast_float8(h, "fp8_e4m3", block, rowwise=axis == 1, columnwise=axis == 0, act=act,
+                                         grad=grad)
+            assert torch.equal(_bytes(alone, axis), _bytes(q, axis))
+            assert torch.equal(alone.plane(axis).scale_inv.cpu(), q.plane(axis).scale_inv.cpu())
         torch.testing.assert_close(db.cpu(), src.float().sum(0).cpu(), rtol=1e-2, atol=1e-2)
         for axis in (1, 0):
             if act in (None, "relu"):  # exact arithmetic: the reference's bytes and scales
