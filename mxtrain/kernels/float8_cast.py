@@ -1,27 +1,29 @@
-"""Triton FP8 casts: per-tensor (rowwise + transpose in one pass, amax on the side) and 128-block casts.
+"""Triton FP8 casts: per-tensor (rowwise + transpose, amax pass) and 128-block casts, with fused sources.
 
 Bit-identical to the reference :func:`mxtrain.quantization.float8.quantize_float8`
 (tests/float8/test_float8_kernels_interpret.py, tests/gpu/test_float8_gpu.py):
 
-* Per-tensor: one read of the source writes the rowwise FP8 data and, when the
-  GEMMs need it, its transpose (Hopper's FP8 GEMM is TN-only), and the
-  scale-inverse. Delayed scaling casts with the given scale and gets the
-  tensor's amax from the same pass (per-tile maxima, then one tiny reduction;
-  a single atomic max from every tile serialized: 2.33 ms for the casts of one
-  H200 LayerNormMLP step against 1.70 ms without amax); current scaling runs one
-  reduction first (``torch.aminmax``) and the cast kernel turns it into the amax,
-  the scale (IEEE division, as the reference) and the scale-inverse: two
-  launches per cast.
-* Blocks: one read of a 128-row tile writes the 1x128-block rowwise plane, the
-  1x128-block columnwise plane (blocks along the tokens, stored transposed) or
-  the 128x128-block plane and its transpose, each with its scale-inverses.
-  Block scales are computed in the kernel with an IEEE division (``div_rn``).
+* Per-tensor (:func:`tensor_cast_float8`): one read of the source writes the
+  rowwise FP8 data and, when the GEMMs need it, its transpose (Hopper's FP8 GEMM
+  is TN-only), and the scale-inverse. Delayed scaling casts with the given scale
+  and gets the tensor's amax from the same pass (per-tile maxima, then one tiny
+  reduction; an atomic max from every tile on one address serializes). Current
+  scaling runs an amax pass first (per-tile maxima), and the cast kernel turns
+  the amax into the scale (IEEE division, as the reference) and scale-inverse.
+* Blocks (:func:`block_cast_float8`): 128x128 blocks from one read of each
+  128x128 tile (the plane and its transpose); 1x128 blocks (each plane blocked
+  along its own reduction axis) from a pass per plane with narrow tiles, or one
+  128x128-tile pass. Block scales use an IEEE division (``div_rn``).
+* Fused sources: the cast source may be ``act(x)`` or ``grad * act'(x)``
+  computed in the kernel, and the column sums of the source (a bias gradient)
+  come from the same pass; see :func:`tensor_cast_float8` and docs/float8.md.
 
-The FP8 bytes are computed with integer operations on the fp32 bits (round to
-nearest, ties to even, FP8 subnormals kept, -0.0 kept; NaN becomes the NaN code,
-its sign is not preserved on the GPU) and stored through a uint8 view: the same bytes on the GPU and
-under ``TRITON_INTERPRET=1`` (whose own float8 conversion rounds differently and
-turns NaN into a finite value).
+The FP8 bytes: on the GPU the hardware conversion (``cvt.rn.satfinite``; round to
+nearest even after saturating to the format's max); under ``TRITON_INTERPRET=1``,
+whose own float8 conversion rounds differently and turns NaN into a finite
+value, integer operations on the fp32 bits (:func:`_fp8_code`). Both give the
+reference's bytes (FP8 subnormals and -0.0 kept); the sign of a NaN is not
+preserved on the GPU.
 """
 
 from __future__ import annotations
