@@ -41,7 +41,8 @@ from mxtrain.quantization.float8 import (
     quantize_float8 as quantize_float8_reference,
 )
 
-__all__ = ["triton_quantize_float8", "tensor_cast_float8", "block_cast_float8", "FUSED_ACTIVATIONS", "FUSED_ACTIVATION_GRADS"]
+__all__ = ["triton_quantize_float8", "tensor_cast_float8", "block_cast_float8", "FUSED_ACTIVATIONS",
+           "FUSED_ACTIVATION_GRADS"]
 
 _FP8_BITS = {"fp8_e4m3": (3, -6), "fp8_e5m2": (2, -14)}  # mantissa bits, smallest normal exponent
 _FP32_MAX = 3.4028234663852886e38
@@ -253,23 +254,30 @@ def _block_scale(amax, FMAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr
 
 
 @triton.jit
-def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_ptr, M, N, stride_xm, stride_gm,
+def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_ptr, out_ptr, M, N, stride_xm, stride_gm,
                        NB_N, NB_M, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
                        POW2: tl.constexpr, SQUARE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                        PRE: tl.constexpr, ACT: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
-                       OUT_KIND: tl.constexpr, GPU: tl.constexpr, DBIAS: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr):
+                       OUT_KIND: tl.constexpr, GPU: tl.constexpr, DBIAS: tl.constexpr, STORE: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr):
     """One BM x BN tile of the cast source (see ``_source_tile``); blocks are 128 long. SQUARE
     (BM = BN = 128): one scale for the tile (row plane scales [M/128, N/128], col plane the
     transpose); else 1x128 blocks: per-row scales for the row plane [M, N/128] (BN = 128),
     per-column scales for the col plane [N, M/128] (stored transposed; BM = 128). DBIAS: the
-    tile's fp32 column sums into ``dbias[pid_m, :]``."""
+    tile's fp32 column sums into ``dbias[pid_m, :]``. STORE: the source tile is also written to
+    ``out`` ([M, N] contiguous, its dtype; bf16 as int16 bits) for a second pass to read."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
+    if STORE:
+        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+        if OUT_KIND == 1:
+            tl.store(out_ptr + offs, (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
+        else:
+            tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
     if DBIAS:
         tl.store(dbias_ptr + pid_m.to(tl.int64) * N + rn, tl.sum(x, axis=0), mask=rn < N)
     a = tl.where(x == x, tl.abs(x), float("inf"))
@@ -364,8 +372,8 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
     :func:`tensor_cast_float8`), with the optional fp32 column sums of the source (``dbias``).
     128x128 blocks: one read of each 128x128 tile writes both planes. 1x128 blocks: a pass per
     plane with narrow tiles (``BLOCK_CAST_SPLIT``; the source computed once and written first
-    when there is a prologue and both planes), or one 128x128-tile pass. ``block``: ``(1, 128)`` (each plane blocked along
-    its own reduction axis) or ``(128, 128)``. Returns ``(Float8Tensor, dbias or None)``."""
+    when there is a prologue and both planes), or one 128x128-tile pass. ``block``: ``(1, 128)`` (each plane
+    blocked along its own reduction axis) or ``(128, 128)``. Returns ``(Float8Tensor, dbias or None)``."""
     fmt = fp8_format_name(fmt)
     if tuple(block) not in ((1, 128), (128, 128)):
         raise ValueError(f"block_cast_float8: block must be (1, 128) or (128, 128), got {block!r}")
@@ -385,12 +393,13 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
     consts = dict(FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon), POW2=bool(power_of_2_scales),
                   SQUARE=square)
 
-    def launch(src_x, src_g, csts, row_, col_, db_, bm, bn, warps):
+    def launch(src_x, src_g, csts, row_, col_, db_, bm, bn, warps, out=None):
         grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))  # dbias partial sums: one row per grid row
         _block_cast_kernel[grid](
             src_x, src_g, _bytes(row_, dummy), rsi if row_ is not None else dummy, _bytes(col_, dummy),
-            csi if col_ is not None else dummy, db_ if db_ is not None else dummy, M, N, src_x.stride(0),
-            src_g.stride(0), nb_n, nb_m, ROW=row_ is not None, COL=col_ is not None, DBIAS=db_ is not None,
+            csi if col_ is not None else dummy, db_ if db_ is not None else dummy,
+            dummy if out is None else _bits_view(out), M, N, src_x.stride(0), src_g.stride(0), nb_n, nb_m,
+            ROW=row_ is not None, COL=col_ is not None, DBIAS=db_ is not None, STORE=out is not None,
             BM=bm, BN=bn, num_warps=warps, **consts, **csts)
 
     db = None
@@ -399,20 +408,17 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
         launch(xb, gb, src, row, col, db, B, B, BLOCK_CAST_WARPS)
     else:
         # a pass per plane with narrow tiles (a 128x128 fp32 tile computing both planes' scales ran
-        # at 0.7-1.2 TB/s on an H100); with both planes a prologue is computed once, written, read twice
-        if src["PRE"] and rowwise and columnwise:
-            out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-            BMa, BNa, wa = AMAX_TILE
-            part = torch.empty(triton.cdiv(M, BMa) * triton.cdiv(N, BNa), **f32)
-            _tensor_amax_kernel[(triton.cdiv(M, BMa), triton.cdiv(N, BNa))](
-                xb, gb, part, _bits_view(out), M, N, x.stride(0), g.stride(0), STORE=True, BM=BMa, BN=BNa,
-                num_warps=wa, **src)
-            xb = gb = _bits_view(out)
-            src = dict(src, PRE=0, ACT=0, X_BF16=out.dtype == torch.bfloat16, G_BF16=out.dtype == torch.bfloat16)
+        # at 0.7-1.2 TB/s on an H100); with both planes, the rowwise pass computes a prologue once and
+        # writes the source, which the columnwise pass reads
+        both = src["PRE"] and rowwise and columnwise
+        keep = torch.empty((M, N), dtype=x.dtype, device=x.device) if both else None
         if rowwise:
             bm, wr = BLOCK_ROW_TILE
             db = torch.empty((triton.cdiv(M, bm), N), **f32) if dbias else None
-            launch(xb, gb, src, row, None, db, bm, B, wr)
+            launch(xb, gb, src, row, None, db, bm, B, wr, out=keep)
+        if keep is not None:
+            xb = gb = _bits_view(keep)
+            src = dict(src, PRE=0, ACT=0, X_BF16=keep.dtype == torch.bfloat16, G_BF16=keep.dtype == torch.bfloat16)
         if columnwise:
             bn, wc = BLOCK_COL_TILE
             db_c = torch.empty((nb_m, N), **f32) if dbias and db is None else None
