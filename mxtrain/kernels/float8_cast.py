@@ -371,8 +371,8 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
     """128-block FP8 cast of a 2-D source (``x``, ``act(x)`` or ``grad * act'(x)``, as
     :func:`tensor_cast_float8`), with the optional fp32 column sums of the source (``dbias``).
     128x128 blocks: one read of each 128x128 tile writes both planes. 1x128 blocks: a pass per
-    plane with narrow tiles (``BLOCK_CAST_SPLIT``; the source computed once and written first
-    when there is a prologue and both planes), or one 128x128-tile pass. ``block``: ``(1, 128)`` (each plane
+    plane with narrow tiles (``BLOCK_CAST_SPLIT``; with a prologue and both planes the rowwise
+    pass computes it once and writes the source for the columnwise pass), or one 128x128-tile pass. ``block``: ``(1, 128)`` (each plane
     blocked along its own reduction axis) or ``(128, 128)``. Returns ``(Float8Tensor, dbias or None)``."""
     fmt = fp8_format_name(fmt)
     if tuple(block) not in ((1, 128), (128, 128)):
