@@ -95,6 +95,19 @@ def _gathered_operand(weight, specs_axes, generator) -> list:
     return out
 
 
+def weight_planes(weight: torch.Tensor, role, need_dgrad: bool, generator):
+    """A weight's fprop plane, and its dgrad plane from the same cast when an FP8 recipe gives both
+    uses one spec (current / block scaling) and backward will need it: ``(row, col)``; else
+    ``(row, None)`` and backward casts the dgrad plane itself (MX recipes: per phase, so FSDP2
+    gathers only the plane each phase needs). The kept plane costs 1 byte per weight element
+    between forward and backward, and saves backward an amax pass and a cast."""
+    fprop, dgrad = role("fprop_weight"), role("dgrad_weight")
+    if need_dgrad and isinstance(fprop, Float8RoleSpec) and fprop.fmt is not None and dgrad == fprop:
+        row, col = quantize_operand(weight, [(fprop, 1), (dgrad, 0)], generator)
+        return row, col
+    return quantize_operand(weight, [(fprop, 1)], generator)[0], None
+
+
 def release_mx_operands(ctx, *names: str) -> None:
     """Drop the MX operands a backward kept on ``ctx`` (outside save_for_backward) once it has used them.
 

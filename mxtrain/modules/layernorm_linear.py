@@ -26,9 +26,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
         ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
-        y, ln_col = mx_linear_forward(ln_out, weight, bias, recipe, gen, ctx.needs_input_grad[3])
+        y, ln_col, w_col = mx_linear_forward(ln_out, weight, bias, recipe, gen, ctx.needs_input_grad[3],
+                                             any(ctx.needs_input_grad[:3]))
         ctx.save_for_backward(x2d, ln_weight, ln_bias, weight)
-        ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col = cfg, recipe, gen, ln_col
+        ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col, ctx.w_col = cfg, recipe, gen, ln_col, w_col
         ctx.x_shape = x.shape
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         y = y.reshape(*x.shape[:-1], weight.shape[0])
@@ -44,9 +45,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
         need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
         need_ln = need_x or need_lnw or need_lnb
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dln, dw = mx_linear_backward(dy2d, ctx.ln_col, weight, ctx.recipe, ctx.gen, need_ln, need_w,
-                                     torch.float32, ctx.dtypes[0])
-        release_mx_operands(ctx, "ln_col")
+        dln, dw, db = mx_linear_backward(dy2d, ctx.ln_col, weight, ctx.recipe, ctx.gen, need_ln, need_w,
+                                         torch.float32, ctx.dtypes[0], w_col=ctx.w_col,
+                                         bias_dtype=ctx.dtypes[1] if need_b else None)
+        release_mx_operands(ctx, "ln_col", "w_col")
         dx = dlnw = dlnb = None
         if need_ln:
             if dln_extra is not None:
@@ -55,7 +57,6 @@ class _LayerNormLinearFn(torch.autograd.Function):
                                            (need_x, need_lnw, need_lnb))
             if dx is not None:
                 dx = round_elemwise(dx, ctx.recipe).reshape(ctx.x_shape)
-        db = dy2d.float().sum(0).to(ctx.dtypes[1]) if need_b else None
         return dx, dlnw, dlnb, dw, db, None, None
 
 

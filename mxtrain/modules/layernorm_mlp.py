@@ -25,22 +25,13 @@ from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.modules._common import (
     check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
+    weight_planes,
 )
 from mxtrain.modules._float8 import fused_float8_operands
-from mxtrain.recipes.float8 import Float8RoleSpec
 from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
 from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
 from mxtrain.modules.linear import init_linear_
 from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
-
-
-def _weight_planes(weight, role, need_dgrad: bool, gen):
-    """The fprop plane of a weight, and its dgrad plane from the same cast when an FP8 recipe gives
-    both uses one spec (current / block scaling) and backward will need it; else ``(row, None)``."""
-    fprop, dgrad = role("fprop_weight"), role("dgrad_weight")
-    if need_dgrad and isinstance(fprop, Float8RoleSpec) and fprop.fmt is not None and dgrad == fprop:
-        return tuple(quantize_operand(weight, [(fprop, 1), (dgrad, 0)], gen))
-    return quantize_operand(weight, [(fprop, 1)], gen)[0], None
 
 
 class _LayerNormMLPFn(torch.autograd.Function):
@@ -61,7 +52,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         # FP8 recipes: one cast writes the weight's fprop plane and its transpose for dgrad (same spec),
         # kept for backward (1 byte per weight element) instead of a second amax pass and cast there
         need_dgrad = any(ctx.needs_input_grad[:3]) or ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        w1_row, w1_col = _weight_planes(fc1_weight, role1, need_dgrad, gen)
+        w1_row, w1_col = weight_planes(fc1_weight, role1, need_dgrad, gen)
         h = mx_gemm(ln_row, w1_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc1_bias)
         del ln_row, w1_row
         # FP8 recipes on the GPU: act(h) is computed inside its cast (per-tensor scales: with its amax,
@@ -77,7 +68,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             (a_row,) = quantize_operand(a, [(role2("fprop_input"), 1)], gen)
             del a
             a_col = None
-        w2_row, w2_col = _weight_planes(fc2_weight, role2, need_dgrad or ctx.needs_input_grad[5], gen)
+        w2_row, w2_col = weight_planes(fc2_weight, role2, need_dgrad or ctx.needs_input_grad[5], gen)
         y = mx_gemm(a_row, w2_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc2_bias)
         del a_row, w2_row
         ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight)

@@ -17,39 +17,55 @@ from torch import nn
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.modules._common import (
-    check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands,
+    check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, weight_planes,
 )
+from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin
 
 
-def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool):
-    """Forward GEMM of a linear layer; returns ``(y, x_for_wgrad)``.
+def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool, needs_dgrad: bool = False):
+    """Forward GEMM of a linear layer; returns ``(y, x_for_wgrad, w_for_dgrad)``.
 
-    Only W's rowwise plane is made here; backward quantizes W columnwise from the
-    (saved, version-checked) parameter, so no weight plane is held between the
-    passes, and under FSDP2 each phase gathers just the plane it needs.
+    MX recipes: only W's rowwise plane is made here (``w_for_dgrad`` is None);
+    backward quantizes W columnwise from the (saved, version-checked) parameter,
+    so no weight plane is held between the passes, and under FSDP2 each phase
+    gathers just the plane it needs. FP8 recipes whose fprop and dgrad weight
+    specs agree cast both planes here at once and keep the dgrad one
+    (:func:`~mxtrain.modules._common.weight_planes`).
     """
     x_row, x_col = quantize_operand(
         x2d, [(recipe.role("fprop_input"), 1), (recipe.role("wgrad_input") if needs_wgrad else None, 0)],
         generator)
-    (w_row,) = quantize_operand(weight, [(recipe.role("fprop_weight"), 1)], generator)
+    w_row, w_col = weight_planes(weight, recipe.role, needs_dgrad, generator)
     y = mx_gemm(x_row, w_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=bias)
-    return y, (x_col if needs_wgrad else None)
+    return y, (x_col if needs_wgrad else None), w_col
 
 
 def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool, needs_wgrad: bool,
-                       dx_dtype: torch.dtype = torch.float32, dw_dtype: torch.dtype = torch.float32):
-    """dgrad and wgrad GEMMs of a linear layer: ``(dx | None, dw | None)`` in the given dtypes."""
-    dy_row, dy_col = quantize_operand(
-        dy2d, [(recipe.role("dgrad_grad_output") if needs_dgrad else None, 1),
-               (recipe.role("wgrad_grad_output") if needs_wgrad else None, 0)], generator)
+                       dx_dtype: torch.dtype = torch.float32, dw_dtype: torch.dtype = torch.float32, *,
+                       w_col=None, bias_dtype: torch.dtype | None = None):
+    """dgrad and wgrad GEMMs of a linear layer: ``(dx | None, dw | None, db | None)``.
+
+    ``w_col``: the dgrad weight plane if forward kept it (else cast here from ``weight``).
+    ``bias_dtype``: also return the bias gradient (sum of ``dy`` over tokens) in that dtype;
+    FP8 recipes on the GPU take it from the pass that casts ``dy``.
+    """
+    specs = [(recipe.role("dgrad_grad_output") if needs_dgrad else None, 1),
+             (recipe.role("wgrad_grad_output") if needs_wgrad else None, 0)]
+    fused = fused_float8_operands(dy2d, specs, dbias=bias_dtype is not None)
+    if fused is not None:
+        (dy_row, dy_col), _, db = fused
+    else:
+        dy_row, dy_col = quantize_operand(dy2d, specs, generator)
+        db = dy2d.float().sum(0) if bias_dtype is not None else None
     dx = dw = None
     if needs_dgrad:
-        (w_col,) = quantize_operand(weight, [(recipe.role("dgrad_weight"), 0)], generator)
+        if w_col is None:
+            (w_col,) = quantize_operand(weight, [(recipe.role("dgrad_weight"), 0)], generator)
         dx = mx_gemm(dy_row, w_col, a_axis=1, b_axis=0, out_dtype=dx_dtype)
     if needs_wgrad:
         dw = mx_gemm(dy_col, x_col, a_axis=0, b_axis=0, out_dtype=dw_dtype)
-    return dx, dw
+    return dx, dw, (db.to(bias_dtype) if db is not None else None)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -57,12 +73,13 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe):
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
-        y, x_col = mx_linear_forward(x2d, weight, bias, recipe, gen, ctx.needs_input_grad[1])
+        y, x_col, w_col = mx_linear_forward(x2d, weight, bias, recipe, gen, ctx.needs_input_grad[1],
+                                            ctx.needs_input_grad[0])
         # a high-precision wgrad operand (role fmt None) is the input itself: save it, so that
         # autograd version-checks it as it does nn.Linear's input; MX planes are snapshots
         x_hp = x if isinstance(x_col, torch.Tensor) else None
         ctx.save_for_backward(weight, x_hp)
-        ctx.recipe, ctx.gen, ctx.x_col = recipe, gen, (None if x_hp is not None else x_col)
+        ctx.recipe, ctx.gen, ctx.x_col, ctx.w_col = recipe, gen, (None if x_hp is not None else x_col), w_col
         ctx.x_shape, ctx.dtypes = x.shape, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -73,11 +90,11 @@ class _LinearFn(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])
         weight, x_hp = ctx.saved_tensors
         x_col = ctx.x_col if x_hp is None else x_hp.reshape(-1, x_hp.shape[-1])
-        dx, dw = mx_linear_backward(dy2d, x_col, weight, ctx.recipe, ctx.gen, need_x, need_w,
-                                    ctx.dtypes[0], ctx.dtypes[1])
-        release_mx_operands(ctx, "x_col")
+        dx, dw, db = mx_linear_backward(dy2d, x_col, weight, ctx.recipe, ctx.gen, need_x, need_w,
+                                        ctx.dtypes[0], ctx.dtypes[1], w_col=ctx.w_col,
+                                        bias_dtype=ctx.dtypes[2] if need_b else None)
+        release_mx_operands(ctx, "x_col", "w_col")
         dx = dx.reshape(ctx.x_shape) if dx is not None else None
-        db = dy2d.float().sum(0).to(ctx.dtypes[2]) if need_b else None
         return dx, dw, db, None
 
 

@@ -187,3 +187,41 @@ def test_layernorm_mlp_fused_equals_unfused(recipe, monkeypatch):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("module", ["Linear", "LayerNormLinear"])
+@pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(), Float8BlockScaling()],
+                         ids=["current", "delayed", "block"])
+def test_linear_modules_fused_equal_unfused(module, recipe, monkeypatch):
+    """Linear / LayerNormLinear: dy cast with the bias gradient fused, the weight's dgrad plane kept from
+    forward; outputs and gradients equal the unfused path (bias gradients up to summation order)."""
+    if INTERPRET:
+        monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
+    results = []
+    real = {name: getattr(float8_cast, name) for name in ("tensor_cast_float8", "block_cast_float8")}
+    for fused in (True, False):
+        monkeypatch.setattr(module_float8, "FUSED_CASTS", fused)
+        calls = []
+        for name, fn in real.items():
+            monkeypatch.setattr(float8_cast, name, lambda *a, _fn=fn, **k: calls.append(k) or _fn(*a, **k))
+        torch.manual_seed(0)
+        m = (mxtrain.Linear(64, 96, device=DEVICE) if module == "Linear"
+             else mxtrain.LayerNormLinear(64, 96, device=DEVICE))
+        x = torch.randn(2, 40, 64, device=DEVICE, requires_grad=True)
+        out = []
+        for _ in range(2):
+            with mxtrain.mx_autocast(recipe=recipe):
+                y = m(x)
+            y.backward(torch.randn_like(y))
+            out += [y.detach().clone(), x.grad.clone()] + [(n, p.grad.clone()) for n, p in m.named_parameters()]
+            x.grad = None
+            m.zero_grad()
+        results.append(out)
+        assert any(k.get("dbias") for k in calls) == fused  # the bias gradient came from the dy cast
+    for a, b in zip(*results):
+        if isinstance(a, tuple):
+            (name, a), (_, b) = a, b
+            if name == "bias":
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+                continue
+        assert torch.equal(a, b)
