@@ -64,6 +64,8 @@ TILE_CONFIGS = {
 }
 
 if HAVE_TRITON:
+    from triton.language.extra import libdevice
+
     from mxtrain.kernels.dequantize import _decode
 
     @triton.jit
@@ -215,20 +217,39 @@ if HAVE_TRITON:
             tl.store(ptr, v, mask=mask)
 
     @triton.jit
-    def _activation(x, ACT: tl.constexpr):
-        """fp32 activation in torch's formulas: 1 gelu, 2 gelu_tanh, 3 relu, 4 squared_relu, 5 silu."""
+    def _exp(x, TORCH_CUDA: tl.constexpr):
+        """fp32 exp: libdevice's ``expf`` (what torch's CUDA kernels call) or Triton's fast ``tl.exp``."""
+        if TORCH_CUDA:
+            return libdevice.exp(x)
+        else:
+            return tl.exp(x)
+
+    @triton.jit
+    def _activation(x, ACT: tl.constexpr, TORCH_CUDA: tl.constexpr):
+        """fp32 activation in torch's formulas: 1 gelu, 2 gelu_tanh, 3 relu, 4 squared_relu, 5 silu.
+
+        TORCH_CUDA (compiled kernels only: libdevice has no interpreter version) follows torch's
+        CUDA kernels where they differ from torch's CPU ones: libdevice ``expf`` / ``tanhf``, and
+        relu(-0.0) = +0.0; otherwise fast ``tl.exp``, tanh via a sigmoid, relu(-0.0) = -0.0."""
         if ACT == 1:
             return (x * 0.5) * (1.0 + tl.math.erf(x * 0.7071067811865476))
         elif ACT == 2:
             inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
-            return (0.5 * x) * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))  # tanh via sigmoid
-        elif ACT == 3:
-            return tl.where(x < 0.0, 0.0, x)  # NaN stays NaN, as torch
+            if TORCH_CUDA:
+                t = libdevice.tanh(inner)
+            else:
+                t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+            return (0.5 * x) * (1.0 + t)
+        elif ACT == 3:  # NaN stays NaN, as torch
+            if TORCH_CUDA:
+                return tl.where(x <= 0.0, 0.0, x)
+            else:
+                return tl.where(x < 0.0, 0.0, x)
         elif ACT == 4:
             r = tl.where(x < 0.0, 0.0, x)
             return r * r
         else:
-            return tl.div_rn(x, 1.0 + tl.exp(-x))
+            return tl.div_rn(x, 1.0 + _exp(-x, TORCH_CUDA))
 
     @triton.jit
     def _store_codes(codes, base_ptr, rows, row_stride, row_mask, c0, LP, R: tl.constexpr, C: tl.constexpr,
@@ -304,10 +325,10 @@ if HAVE_TRITON:
             if ACT >= 6:  # gated: act(gate) rounded to the dtype, times up, rounded again (as torch in bf16)
                 up = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + (rk[None, :] + GATE_OFF) * stride_xk,
                                     mask=in_mask, other=0), BF16_BITS)
-                a = _round_to_dtype(_activation(x, 5 if ACT == 6 else (1 if ACT == 7 else 3)), OUT_KIND)
+                a = _round_to_dtype(_activation(x, 5 if ACT == 6 else (1 if ACT == 7 else 3), False), OUT_KIND)
                 x = _round_to_dtype(a * up, OUT_KIND)
             else:
-                x = _round_to_dtype(_activation(x, ACT), OUT_KIND)
+                x = _round_to_dtype(_activation(x, ACT, False), OUT_KIND)
             x = tl.where(in_mask, x, 0.0)  # the zero padding of ragged blocks
             if WRITE_Y:
                 _store_out(y_ptr + rm[:, None] * stride_ym + rk[None, :], x, in_mask, OUT_KIND)

@@ -209,6 +209,11 @@ def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axi
     name = _resolve("reference" if requested == "reference" else "auto", device, impls)
     if name != "reference":
         return impls[name](a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+    return reference_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+
+
+def reference_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
+    """The reference of :func:`mx_gemm`: the fp32 GEMM of the dequantized operands, fp32 bias, one rounding."""
     av, bv = gemm_operand(a, a_axis), gemm_operand(b, b_axis)
     if av.shape[1] != bv.shape[1]:
         raise ValueError(f"GEMM reduction sizes differ: {av.shape[1]} vs {bv.shape[1]}")

@@ -31,10 +31,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from mxtrain.kernels._triton_utils import interpret_mode
-from mxtrain.kernels.cast import _round_to_dtype
+from mxtrain.kernels.cast import _activation, _exp, _round_to_dtype, _store_out, _widen
 from mxtrain.kernels.dispatch import register_float8_quantize
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
@@ -94,42 +93,6 @@ def _fp8_bytes(v, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, G
 
 
 @triton.jit
-def _exp(x, GPU: tl.constexpr):
-    """fp32 exp: libdevice's ``expf`` on the GPU (what torch's CUDA kernels call), numpy's in the interpreter.
-
-    ``GPU`` (compiled, not interpreted) selects what torch's CUDA kernels do where its CPU
-    kernels differ; the interpreter follows torch on the CPU (the tests compare each with it)."""
-    if GPU:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _act_fwd(x, ACT: tl.constexpr, GPU: tl.constexpr):
-    """fp32 activation in the formulas of torch's CUDA kernels: 1 gelu, 2 gelu_tanh, 3 relu, 4 squared_relu, 5 silu."""
-    if ACT == 1:
-        return (x * 0.5) * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    elif ACT == 2:
-        inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
-        if GPU:
-            t = libdevice.tanh(inner)
-        else:
-            t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
-        return (0.5 * x) * (1.0 + t)
-    elif ACT == 3:  # NaN stays NaN; -0.0 gives +0 on CUDA (a max with 0), -0.0 on the CPU, as torch
-        if GPU:
-            return tl.where(x <= 0.0, 0.0, x)
-        else:
-            return tl.where(x < 0.0, 0.0, x)
-    elif ACT == 4:
-        r = tl.where(x < 0.0, 0.0, x)
-        return r * r
-    else:
-        return tl.math.div_rn(x, 1.0 + _exp(-x, GPU))
-
-
-@triton.jit
 def _act_bwd(x, g, ACT: tl.constexpr, GPU: tl.constexpr):
     """``g * act'(x)`` in fp32 as torch's CUDA backward kernels write it: 1 gelu, 3 relu, 5 silu."""
     if ACT == 1:
@@ -145,11 +108,8 @@ def _act_bwd(x, g, ACT: tl.constexpr, GPU: tl.constexpr):
 
 @triton.jit
 def _load_f32(ptr, offs, mask, BF16_BITS: tl.constexpr):
-    """fp32 of a tile; bf16 arrives as int16 bits and widens exactly (the interpreter's bf16 cast drops subnormals)."""
-    raw = tl.load(ptr + offs, mask=mask, other=0)
-    if BF16_BITS:
-        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return raw.to(tl.float32)
+    """fp32 of a tile (bf16 arrives as int16 bits: see ``mxtrain.kernels.cast._widen``)."""
+    return _widen(tl.load(ptr + offs, mask=mask, other=0), BF16_BITS)
 
 
 @triton.jit
@@ -162,7 +122,7 @@ def _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE: tl.const
     if PRE == 0:
         return x
     if PRE == 1:
-        v = _act_fwd(x, ACT, GPU)
+        v = _activation(x, ACT, GPU)
     else:
         g = _load_f32(g_ptr, rm[:, None].to(tl.int64) * stride_gm + rn[None, :], mask, G_BF16)
         v = _act_bwd(x, g, ACT, GPU)
@@ -187,11 +147,7 @@ def _tensor_amax_kernel(x_ptr, g_ptr, part_ptr, out_ptr, M, N, stride_xm, stride
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     v = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
     if STORE:
-        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-        if OUT_KIND == 1:
-            tl.store(out_ptr + offs, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
-        else:
-            tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], v, mask, OUT_KIND)
     a = tl.where(v == v, tl.abs(v), float("inf"))
     lanes = tl.arange(0, BN)
     tile_max = tl.zeros([BN], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
@@ -273,11 +229,7 @@ def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_p
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
     if STORE:
-        offs = rm[:, None].to(tl.int64) * N + rn[None, :]
-        if OUT_KIND == 1:
-            tl.store(out_ptr + offs, (x.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
-        else:
-            tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], x, mask, OUT_KIND)
     if DBIAS:
         tl.store(dbias_ptr + pid_m.to(tl.int64) * N + rn, tl.sum(x, axis=0), mask=rn < N)
     a = tl.where(x == x, tl.abs(x), float("inf"))

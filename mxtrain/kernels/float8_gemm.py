@@ -38,28 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
-from mxtrain.kernels.dispatch import register_float8_gemm
+from mxtrain.kernels.dispatch import reference_gemm, register_float8_gemm
 from mxtrain.quantization.float8 import Float8Tensor
 
 __all__ = ["float8_gemm", "scaled_mm_gemm", "block_fp8_gemm", "cublas_block_gemm", "fallback_gemm"]
 
 
-def _operand_values(t, axis: int) -> torch.Tensor:
-    """fp32 ``[rows, K]`` values of an operand reducing over ``axis`` (FP8 or high precision)."""
-    if isinstance(t, Float8Tensor):
-        return t.dequantize_blocked(torch.float32, axis)
-    t = t.float()
-    return t if axis % 2 == 1 else t.t()
-
-
-def fallback_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
-    av, bv = _operand_values(a, a_axis), _operand_values(b, b_axis)
-    if av.shape[1] != bv.shape[1]:
-        raise ValueError(f"GEMM reduction sizes differ: {av.shape[1]} vs {bv.shape[1]}")
-    out = av @ bv.t()
-    if bias is not None:
-        out += bias.float()
-    return out.to(out_dtype)
+# FP8 / high-precision mixes and shapes the tensor cores do not take: the fp32 GEMM of the dequantized operands
+fallback_gemm = reference_gemm
 
 
 def _fast_accum(a_axis: int, b_axis: int) -> bool:

@@ -39,17 +39,15 @@ def quantize_float8_operand(t2d: torch.Tensor, spec, axes: tuple[int, ...]) -> F
 
 
 def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = None, grad: torch.Tensor | None = None,
-                          amax: torch.Tensor | None = None, dbias: bool = False):
+                          dbias: bool = False):
     """FP8 operands of ``act(src)`` / ``grad * act'(src)`` / ``src`` from fused Triton casts, or None.
 
     ``specs_axes``: ``(spec, axis)`` uses as for ``quantize_operand`` (a None spec: unused).
-    The activation (or its derivative times ``grad``) is computed inside the cast and
-    never written: the unfused path writes it, reads it for the amax and again for the
-    cast. ``amax`` (current scaling) is the source's amax if the caller kept it from an
-    earlier cast of the same values (backward recomputing the forward activation); ``dbias``
-    adds the fp32 column sums of the source (a bias gradient) from the same pass.
+    The activation (or its derivative times ``grad``) is computed inside the cast: the
+    unfused path writes it, reads it for the amax and again for the cast. ``dbias`` adds
+    the fp32 column sums of the source (a bias gradient) from the same pass.
 
-    Returns ``(operands, amax, dbias)``, or None where the fused casts do not apply (any
+    Returns ``(operands, dbias)``, or None where the fused casts do not apply (any
     use not an FP8 role with per-tensor or 128-block scales, no Triton backend for the
     device, an activation the prologue lacks); the caller then runs the unfused ops.
     """
@@ -76,7 +74,7 @@ def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = No
     for i, spec, axis in uses:
         groups.setdefault(spec, []).append((i, axis % 2))
     out: list = [None] * len(specs_axes)
-    bias_grad = None
+    bias_grad = amax = None
     for spec, members in groups.items():
         axes = {axis for _, axis in members}
         kw = dict(rowwise=1 in axes, columnwise=0 in axes, act=act, grad=grad, dbias=dbias and bias_grad is None,
@@ -92,4 +90,4 @@ def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = No
         bias_grad = db if db is not None else bias_grad
         for i, axis in members:
             out[i] = q.only(axis)
-    return out, amax, bias_grad
+    return out, bias_grad

@@ -51,8 +51,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
         del ln_out
         # FP8 recipes: one cast writes the weight's fprop plane and its transpose for dgrad (same spec),
         # kept for backward (1 byte per weight element) instead of a second amax pass and cast there
-        need_dgrad = any(ctx.needs_input_grad[:3]) or ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        w1_row, w1_col = weight_planes(fc1_weight, role1, need_dgrad, gen)
+        # fc1's dgrad feeds the norm's gradients; fc2's dgrad feeds those and fc1's
+        w1_row, w1_col = weight_planes(fc1_weight, role1, any(ctx.needs_input_grad[:3]), gen)
         h = mx_gemm(ln_row, w1_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc1_bias)
         del ln_row, w1_row
         # FP8 recipes on the GPU: act(h) is computed inside its cast (per-tensor scales: with its amax,
@@ -62,13 +62,13 @@ class _LayerNormMLPFn(torch.autograd.Function):
                                            (role2("wgrad_input") if ctx.needs_input_grad[5] else None, 0)], act=act)
                  if fuse else None)
         if fused is not None:
-            (a_row, a_col), _, _ = fused
+            (a_row, a_col), _ = fused
         else:
             a = round_elemwise(activation(h, act), recipe)
             (a_row,) = quantize_operand(a, [(role2("fprop_input"), 1)], gen)
             del a
             a_col = None
-        w2_row, w2_col = weight_planes(fc2_weight, role2, need_dgrad or ctx.needs_input_grad[5], gen)
+        w2_row, w2_col = weight_planes(fc2_weight, role2, any(ctx.needs_input_grad[:5]), gen)
         y = mx_gemm(a_row, w2_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc2_bias)
         del a_row, w2_row
         ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight)
@@ -94,7 +94,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
                     (role2("wgrad_grad_output") if need_w2 else None, 0)]
         fused = fused_float8_operands(dy2d, dy_specs, dbias=need_b2) if ctx.fuse else None
         if fused is not None:  # the fc2 bias gradient comes from the cast's pass
-            (dy_row, dy_col), _, db2 = fused
+            (dy_row, dy_col), db2 = fused
             db2 = db2.to(d2b) if need_b2 else None
         else:
             dy_row, dy_col = quantize_operand(dy2d, dy_specs, gen)
@@ -126,7 +126,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             # FP8 per-tensor: dh = da * act'(h) and the fc1 bias gradient inside the cast, dh never written
             fused = fused_float8_operands(h, dh_specs, act=act, grad=da, dbias=need_b1) if ctx.fuse else None
             if fused is not None:
-                (dh_row, dh_col), _, db1 = fused
+                (dh_row, dh_col), db1 = fused
                 db1 = db1.to(d1b) if need_b1 else None
             else:
                 dh = round_elemwise(activation_backward(h, da, act), recipe)

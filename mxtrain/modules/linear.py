@@ -54,7 +54,7 @@ def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool
              (recipe.role("wgrad_grad_output") if needs_wgrad else None, 0)]
     fused = fused_float8_operands(dy2d, specs, dbias=bias_dtype is not None)
     if fused is not None:
-        (dy_row, dy_col), _, db = fused
+        (dy_row, dy_col), db = fused
     else:
         dy_row, dy_col = quantize_operand(dy2d, specs, generator)
         db = dy2d.float().sum(0) if bias_dtype is not None else None

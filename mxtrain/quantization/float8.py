@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from mxtrain.quantization.mxtensor import PlaneLookup
+
 __all__ = [
     "FP8_DTYPES", "FP8_MAX", "Float8Plane", "Float8Tensor", "DelayedScalingState",
     "fp8_format_name", "tensor_amax", "block_amax", "compute_scale", "compute_delayed_scale",
@@ -184,7 +186,7 @@ class Float8Plane:
 
 
 @dataclass(frozen=True)
-class Float8Tensor:
+class Float8Tensor(PlaneLookup):
     """FP8 data with its scale-inverse, in one or two orientations, owned together.
 
     Made whole by a cast (:func:`quantize_float8` or its Triton twin) and consumed
@@ -245,17 +247,6 @@ class Float8Tensor:
                 return p
         raise ValueError(f"this Float8Tensor has no plane for axis {axis}; it has planes for "
                          f"{[p.axis for p in self.planes]}")
-
-    def _find(self, axis: int) -> Float8Plane | None:
-        return next((p for p in self.planes if p.axis == axis), None)
-
-    @property
-    def rowwise(self) -> Float8Plane | None:
-        return self._find(self.ndim - 1)
-
-    @property
-    def columnwise(self) -> Float8Plane | None:
-        return self._find(0) if self.ndim >= 2 else None
 
     @property
     def nbytes(self) -> int:

@@ -40,8 +40,26 @@ class MXPlane:
         return replace(self, data=self.data.to(*args, **kwargs), scale=self.scale.to(*args, **kwargs))
 
 
+class PlaneLookup:
+    """``rowwise`` / ``columnwise`` of a quantized tensor holding ``planes`` (each with an ``axis``) and ``ndim``:
+    shared by :class:`MXTensor` and :class:`~mxtrain.quantization.float8.Float8Tensor`."""
+
+    def _find(self, axis: int):
+        return next((p for p in self.planes if p.axis == axis), None)
+
+    @property
+    def rowwise(self):
+        """The plane blocked along the last axis, or None."""
+        return self._find(self.ndim - 1)
+
+    @property
+    def columnwise(self):
+        """The plane blocked along axis 0 of a 2-D+ tensor (the transpose the GEMMs read), or None."""
+        return self._find(0) if self.ndim >= 2 else None
+
+
 @dataclass(frozen=True)
-class MXTensor:
+class MXTensor(PlaneLookup):
     """An MX-quantized tensor: one or more planes (block orientations) of codes with their scales.
 
     ``rowwise`` is the plane blocked along the last axis, ``columnwise`` the one
@@ -117,17 +135,6 @@ class MXTensor:
         """The carried dequantized values of the plane blocked along ``axis`` (logical shape), or None."""
         ax = axis % self.ndim if self.ndim else axis
         return next((v for a, v in self.values if a == ax), None)
-
-    def _find(self, axis: int) -> MXPlane | None:
-        return next((p for p in self.planes if p.axis == axis), None)
-
-    @property
-    def rowwise(self) -> MXPlane | None:
-        return self._find(self.ndim - 1)
-
-    @property
-    def columnwise(self) -> MXPlane | None:
-        return self._find(0) if self.ndim >= 2 else None
 
     @property
     def nbytes(self) -> int:

@@ -153,6 +153,20 @@ def test_bad_arguments():
         tensor_cast_float8(h, rowwise=False)
 
 
+class _CastSpy:
+    """Records the keyword arguments of every fused-cast call (the real casts still run)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in ("tensor_cast_float8", "block_cast_float8"):
+            fn = getattr(float8_cast, name)
+            monkeypatch.setattr(float8_cast, name, lambda *a, _fn=fn, **k: self.calls.append(k) or _fn(*a, **k))
+
+    def reset(self) -> list:
+        self.calls.clear()
+        return self.calls
+
+
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(), Float8BlockScaling()],
                          ids=["current", "delayed", "block"])
 def test_layernorm_mlp_fused_equals_unfused(recipe, monkeypatch):
@@ -161,12 +175,10 @@ def test_layernorm_mlp_fused_equals_unfused(recipe, monkeypatch):
         monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
     torch.manual_seed(0)
     results = []
-    real = {name: getattr(float8_cast, name) for name in ("tensor_cast_float8", "block_cast_float8")}
+    spy = _CastSpy(monkeypatch)
     for fused in (True, False):
         monkeypatch.setattr(module_float8, "FUSED_CASTS", fused)
-        calls = []
-        for name, fn in real.items():
-            monkeypatch.setattr(float8_cast, name, lambda *a, _fn=fn, **k: calls.append(k) or _fn(*a, **k))
+        calls = spy.reset()
         torch.manual_seed(0)
         m = mxtrain.LayerNormMLP(64, 128, activation="relu", device=DEVICE)
         x = torch.randn(2, 48, 64, device=DEVICE, requires_grad=True)
@@ -198,12 +210,10 @@ def test_linear_modules_fused_equal_unfused(module, recipe, monkeypatch):
     if INTERPRET:
         monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
     results = []
-    real = {name: getattr(float8_cast, name) for name in ("tensor_cast_float8", "block_cast_float8")}
+    spy = _CastSpy(monkeypatch)
     for fused in (True, False):
         monkeypatch.setattr(module_float8, "FUSED_CASTS", fused)
-        calls = []
-        for name, fn in real.items():
-            monkeypatch.setattr(float8_cast, name, lambda *a, _fn=fn, **k: calls.append(k) or _fn(*a, **k))
+        calls = spy.reset()
         torch.manual_seed(0)
         m = (mxtrain.Linear(64, 96, device=DEVICE) if module == "Linear"
              else mxtrain.LayerNormLinear(64, 96, device=DEVICE))
