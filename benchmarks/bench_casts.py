@@ -101,6 +101,7 @@ def main(argv=None):
     for fmt, bits in (("fp6_e2m3", 6), ("fp4_e2m1", 4)):
         ms = bench(lambda: cast.triton_quantize(x, fmt, axis=(-1, 0)))
         rows.append((f"cast bf16->MX {fmt} row+col", cast_bytes(bits, 2), ms, "copy"))
+    rows += cuda_rows(x, cast_bytes)
     ms = bench(lambda: cast.triton_quantize(x, "fp8_e4m3", axis=(-1, 0), rounding="nearest"))
     rows.append(("cast bf16->MXFP8 row+col, nearest (integer path)", cast_bytes(8, 2), ms, "copy"))
     torch.cuda.synchronize()
@@ -152,6 +153,42 @@ def main(argv=None):
         with open(args.out, "w") as f:
             f.write(text)
     return 0
+
+
+def graph_bench(fn, rep=100):
+    """Median ms of ``fn`` replayed from a CUDA graph: GPU time alone, no Python launch overhead."""
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def cuda_rows(x, cast_bytes) -> list:
+    """The CUDA C++ cast (mxtrain/csrc) against the Triton cast, eager and graph-replayed (kernel time)."""
+    from mxtrain.kernels import cast, cuda_cast
+    from mxtrain.quantization import quantize_mx
+
+    if cuda_cast.library() is None:
+        print(f"CUDA C++ cast unavailable: {cuda_cast.extension_error()}", file=sys.stderr)
+        return []
+    out = []
+    cases = [("fp8_e4m3 row+col", "fp8_e4m3", dict(axis=(-1, 0)), cast_bytes(8, 2)),
+             ("fp8_e5m2 row+col rceil", "fp8_e5m2", dict(axis=(-1, 0), scale_mode="rceil"), cast_bytes(8, 2)),
+             ("fp8_e4m3 rowwise only", "fp8_e4m3", dict(axis=-1), cast_bytes(8, 1)),
+             ("fp8_e4m3 row values bf16 + col codes (module input)", "fp8_e4m3",
+              dict(axis=(1, 0), dequantized=(1,), keep_codes=(0,)), cast_bytes(8, 1) + x.numel() * 2)]
+    for label, fmt, kw, nbytes in cases:
+        ref = quantize_mx(x, fmt, **{k: v for k, v in kw.items() if k not in ("dequantized", "keep_codes")})
+        got = cuda_cast.cuda_quantize(x, fmt, **kw)
+        ok = all(torch.equal(a.data, ref.plane(a.axis).data) and torch.equal(a.scale, ref.plane(a.axis).scale)
+                 for a in got.planes)
+        for name, fn in (("CUDA C++", lambda: cuda_cast.cuda_quantize(x, fmt, **kw)),
+                         ("Triton", lambda: cast.triton_quantize(x, fmt, **kw))):
+            ms = bench(fn)
+            gms = graph_bench(fn)
+            tag = "" if ok or name == "Triton" else " MISMATCH"
+            out.append((f"{name} cast {label}{tag}", nbytes, ms, "copy"))
+            out.append((f"{name} cast {label}{tag}, CUDA graph (kernel time)", nbytes, gms, "copy"))
+    return out
 
 
 def rr_bench(fns: dict, rounds: int = 3) -> dict:

@@ -44,7 +44,7 @@ from mxtrain.quantization._validate import make_generator, normalize_axis
 from mxtrain.quantization.mx import _check_common
 from mxtrain.quantization.packing import packed_length
 
-__all__ = ["triton_quantize", "USE_HW_FP8_CVT", "MAX_BLOCK_SIZE"]
+__all__ = ["triton_quantize", "assemble_mxtensor", "USE_HW_FP8_CVT", "MAX_BLOCK_SIZE"]
 
 MAX_BLOCK_SIZE = 256
 # both planes from one tile up to this block size; above it the [bs, bs] tile outgrows shared
@@ -702,6 +702,15 @@ def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_m
         if want_col:
             _, col = _launch(x.reshape(x.shape[0], -1), fmt, block_size, False, True, scale_mode, rounding,
                              seed_t, pack, **opts)
+    return assemble_mxtensor(x, fmt, block_size, axes, scale_mode, rounding, pack, row, col)
+
+
+def assemble_mxtensor(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tuple[int, ...], scale_mode: str,
+                      rounding: str, pack: bool, row, col) -> MXTensor:
+    """The MXTensor of a cast's outputs: ``row`` / ``col`` are None or (data | None, scale | None,
+    values | None) of the 2-D launch (rows flattened for the rowwise plane, columns for the
+    columnwise one), reshaped to ``x``'s shape. Shared by the Triton and CUDA casts."""
+    last = x.ndim - 1
     planes: dict[int, MXPlane] = {}
     values: dict[int, torch.Tensor] = {}
     if row is not None:

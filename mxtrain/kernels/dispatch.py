@@ -1,9 +1,12 @@
 """The one dispatch point between kernels and the reference numerics.
 
 Backends: ``"reference"`` (pure PyTorch, any device) and, once registered by
-the GPU kernel modules, ``"triton"`` / ``"cuda"``. ``MXTRAIN_BACKEND`` or the
-``backend=`` argument forces one; by default CUDA tensors take the fastest
-registered kernel and CPU tensors the reference.
+the GPU kernel modules, ``"triton"`` (:mod:`mxtrain.kernels`) / ``"cuda"`` (the
+CUDA C++ kernels of ``mxtrain/csrc``, built on first use: today the MX cast, see
+:mod:`mxtrain.kernels.cuda_cast`). ``MXTRAIN_BACKEND`` or the ``backend=`` argument
+forces one; a forced ``"cuda"`` runs Triton's kernel for operations that have no
+CUDA C++ one. By default CUDA tensors take the fastest registered kernel (CUDA C++,
+then Triton: ``benchmarks/RESULTS.md``) and CPU tensors the reference.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def _load_kernels() -> None:
         import mxtrain.kernels.dequantize  # noqa: F401
         if torch.cuda.is_available():
             import mxtrain.kernels.gemm  # noqa: F401
+            import mxtrain.kernels.cuda_cast  # noqa: F401  (registers "cuda"; builds on first use)
     except ImportError:  # no (working) triton: the reference serves every call
         pass
     try:
@@ -87,6 +91,8 @@ def _resolve(backend: str | None, device: torch.device, impls: dict) -> str:
                 if name in impls:
                     return name
         return "reference"
+    if backend == "cuda" and impls is not _QUANTIZE_IMPLS and "triton" in impls:
+        return "triton"  # "cuda": the CUDA C++ kernels where an operation has one (the cast), Triton's elsewhere
     if backend != "reference" and backend not in impls:
         raise RuntimeError(f"backend {backend!r} is not available here (registered: {', '.join(impls) or 'none'})")
     return backend

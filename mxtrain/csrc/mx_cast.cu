@@ -1,0 +1,445 @@
+// mxtrain/csrc/mx_cast.cu: the CUDA C++ MXFP8 cast.
+//
+// One read of a row-major [M, K] bf16 / fp16 / fp32 tensor writes its rowwise MX plane (blocks of 32
+// along K: codes [M, KP], scale bytes [M, NBK]) and its columnwise plane (blocks of 32 along M,
+// stored transposed: codes [K, MP], scale bytes [K, NBM]), and, per plane on request, the plane's
+// dequantized values (code * 2^X) as bf16 in the logical [M, K] layout. The same layouts and the
+// same bits as mxtrain.quantization.quantize_mx (the specification) and the Triton cast:
+//
+//   * block amax = max of the fp32 bit patterns with the sign cleared (NaN > Inf > finite);
+//   * the E8M0 byte from those bits (scale modes floor / rceil / even), 0xFF for a NaN/Inf block,
+//     whose codes are 0;
+//   * y = x * 2^(127 - byte): one rounded fp32 multiply (no FTZ: byte 254 gives 2^-127, subnormal);
+//   * the element code from the hardware conversion cvt.rn.satfinite.{e4m3,e5m2}x2.f32: round half
+//     to even, saturating to +-max_norm (elements of a "floor" block may exceed it).
+//
+// Only fp8_e4m3 / fp8_e5m2 with round-half-even and block size 32 are built here; every other
+// cast takes the Triton kernel (mxtrain/kernels/cuda_cast.py decides, in one place).
+//
+// Work split: a CTA of 128 threads casts a 64 x 128 tile. Each thread loads eight 16-byte chunks
+// (8 elements of one row each, all loads issued before any use). Rowwise: the 4 lanes holding one
+// 32-element block reduce its amax with two shuffles and each stores its 8 codes as one 8-byte
+// store. Columnwise: the raw tile goes to shared memory; thread t owns the column pair 2*(t%64),
+// 2*(t%64)+1 over the 32 rows of block t/64, so the column amax needs no shuffles, reads are one
+// 32-bit word per row (conflict-free across a warp), and each column's 32 codes leave as two
+// 16-byte stores into the transposed plane. The grid walks M fastest, so neighbouring CTAs fill
+// neighbouring bytes of the transposed plane's rows (merged in L2).
+//
+// The entry point is a plain C function (no PyTorch headers: the extension builds in seconds),
+// called through ctypes with raw pointers and the current CUDA stream.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kTileM = 128;
+constexpr int kTileK = 128;
+constexpr int kThreads = 256;
+constexpr int kChunks = kTileM * (kTileK / 8) / kThreads;  // 8-element chunks per thread: 8
+
+enum Flags : int { kRowCodes = 1, kRowVals = 2, kColCodes = 4, kColVals = 8 };
+
+struct CastArgs {
+  const void* x;
+  long long ldx, M, K;
+  uint8_t* row_data;
+  long long row_data_ld;
+  uint8_t* row_scale;
+  long long row_scale_ld;
+  uint8_t* col_data;
+  long long col_data_ld;
+  uint8_t* col_scale;
+  long long col_scale_ld;
+  uint16_t* row_vals;  // bf16 bits, [M, K] with row stride ld_vals
+  uint16_t* col_vals;
+  long long ld_vals, KP, MP;
+  int scale_mode;  // 0 floor, 1 rceil, 2 even
+  int emax, mbits;
+  uint32_t inv_max_bits;  // fp32 bits of fp32(1 / max_norm)
+  int flags;
+};
+
+// ---- element types: raw 16-byte words <-> fp32 ------------------------------------------------
+
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<__nv_bfloat16> {
+  static constexpr int kWords = 1;  // uint4 words per 8 elements
+  __device__ static float lo(uint32_t w) { return __uint_as_float(w << 16); }
+  __device__ static float hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+};
+
+template <>
+struct Elem<__half> {
+  static constexpr int kWords = 1;
+  __device__ static float lo(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFF))); }
+  __device__ static float hi(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
+};
+
+template <>
+struct Elem<float> {
+  static constexpr int kWords = 2;
+};
+
+template <typename T>
+__device__ __forceinline__ void widen8(const uint4* raw, float v[8]) {
+  if constexpr (Elem<T>::kWords == 2) {
+    const uint32_t w[8] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w, raw[1].x, raw[1].y, raw[1].z, raw[1].w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = __uint_as_float(w[j]);
+  } else {
+    const uint32_t w[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[2 * j] = Elem<T>::lo(w[j]);
+      v[2 * j + 1] = Elem<T>::hi(w[j]);
+    }
+  }
+}
+
+// two adjacent elements of a shared-memory row, as fp32
+template <typename T>
+__device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
+  if constexpr (Elem<T>::kWords == 2) {
+    const float2 f = *reinterpret_cast<const float2*>(p);
+    a = f.x;
+    b = f.y;
+  } else {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+    a = Elem<T>::lo(w);
+    b = Elem<T>::hi(w);
+  }
+}
+
+// ---- the MX numerics (as mxtrain.quantization and kernels/cast.py) ----------------------------
+
+__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
+
+// E8M0 byte from a block's amax bit pattern
+__device__ __forceinline__ int shared_scale(uint32_t amax, const CastArgs& a) {
+  int exp;
+  if (a.scale_mode == 1) {  // rceil: ceil(log2(amax * fp32(1/max_norm)))
+    const float d = __fmul_rn(__uint_as_float(amax), __uint_as_float(a.inv_max_bits));
+    const uint32_t db = __float_as_uint(d);
+    const int biased = (int)(db >> 23);
+    const uint32_t mant = db & 0x7FFFFFu;
+    const int up = biased == 0 ? (mant > 0x400000u) : (mant != 0u);
+    exp = biased - 127 + up;
+  } else {
+    int bits = (int)amax;
+    if (a.scale_mode == 2) bits += 1 << (22 - a.mbits);  // even: round amax to mbits first
+    const int biased = bits >> 23;
+    exp = (biased == 0 ? (amax == 0u ? -126 : -127) : biased - 127) - a.emax;
+  }
+  exp = min(max(exp, -127), 127);
+  return amax >= 0x7F800000u ? 255 : exp + 127;
+}
+
+// fp32 2^(127 - byte); byte 254 gives the subnormal 2^-127 (byte 255 is masked by the caller)
+__device__ __forceinline__ float inverse_scale(int s) {
+  return __uint_as_float(s == 254 ? 0x00400000u : (uint32_t)(254 - s) << 23);
+}
+
+// fp32 2^(byte - 127) (NaN for 255), what a code is multiplied by to dequantize it
+__device__ __forceinline__ float scale_value(int s) {
+  return __uint_as_float(s == 255 ? 0x7FC00000u : (s == 0 ? 0x00400000u : (uint32_t)s << 23));
+}
+
+// two fp8 codes (low byte = a) of fp32 values already divided by the block scale
+template <int FMT>
+__device__ __forceinline__ uint32_t codes2(float a, float b) {
+  return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, FMT == 0 ? __NV_E4M3 : __NV_E5M2);
+}
+
+template <int FMT>
+__device__ __forceinline__ float decode(uint32_t code) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, FMT == 0 ? __NV_E4M3 : __NV_E5M2);
+  return __half2float(__half(h));
+}
+
+// fp32 -> bf16 bits, round to nearest even; NaN as torch's canonical 0x7FC0
+__device__ __forceinline__ uint32_t bf16_bits(float v) {
+  if (v != v) return 0x7FC0u;
+  return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+
+// ---- the kernel ----------------------------------------------------------------------------
+
+// Dynamic shared memory of a tile: the raw input [kTileM][kTileK], the columnwise codes of the tile
+// transposed [kTileK][kTileM] (16-byte chunks XOR-swizzled), its columnwise scales [kTileK][4]
+template <typename T>
+constexpr int smem_bytes() {
+  return kTileM * kTileK * (int)sizeof(T) + kTileK * kTileM + kTileK * (kTileM / 32);
+}
+
+// the 16-byte chunk c of row r of the transposed code tile lives at chunk c ^ ((r / 2) % 8): the
+// column phase's stores (rows 2p, 2p+1 of 8 lanes p at a time) then hit 8 distinct bank groups
+__device__ __forceinline__ int swz(int r, int c) { return c ^ ((r >> 1) & 7); }
+
+template <typename T, int FMT>
+__global__ void __launch_bounds__(kThreads) mx_cast_fp8_kernel(const CastArgs a) {
+  constexpr int W = Elem<T>::kWords;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T (*tile)[kTileK] = reinterpret_cast<T (*)[kTileK]>(smem);
+  uint8_t* ctile = smem + kTileM * kTileK * sizeof(T);  // [kTileK][kTileM]
+  uint8_t* cscale = ctile + kTileK * kTileM;            // [kTileK][kTileM / 32]
+
+  const int tid = threadIdx.x;
+  const long long m0 = (long long)blockIdx.x * kTileM;
+  const long long k0 = (long long)blockIdx.y * kTileK;
+  const bool row_plane = a.flags & (kRowCodes | kRowVals);
+  const bool col_plane = a.flags & (kColCodes | kColVals);
+
+  // 1. all loads in flight at once: chunk i of this thread is row i*16 + tid/16, columns (tid%16)*8 +[0, 8)
+  const int cc = (tid % 16) * 8;
+  const long long col = k0 + cc;
+  uint4 raw[kChunks][W];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const long long row = m0 + i * 16 + tid / 16;
+    if (row < a.M && col < a.K) {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + row * a.ldx + col);
+#pragma unroll
+      for (int w = 0; w < W; ++w) raw[i][w] = __ldg(src + w);
+    } else {
+#pragma unroll
+      for (int w = 0; w < W; ++w) raw[i][w] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+
+  if (col_plane) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      uint4* dst = reinterpret_cast<uint4*>(&tile[i * 16 + tid / 16][cc]);
+#pragma unroll
+      for (int w = 0; w < W; ++w) dst[w] = raw[i][w];
+    }
+  }
+
+  // 2. rowwise plane: 4 lanes per 32-element block, 16 lanes per row of the tile
+  if (row_plane) {
+    const long long nbk = a.KP / 32;
+    const bool word_scales = (nbk % 4 == 0) && (k0 / 32 + 4 <= nbk);
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const long long row = m0 + i * 16 + tid / 16;
+      float v[8];
+      widen8<T>(raw[i], v);
+      uint32_t amax = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) amax = max(amax, abs_bits(v[j]));
+      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+      const int s = shared_scale(amax, a);
+      const float inv = inverse_scale(s);
+      uint32_t c[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) c[j] = codes2<FMT>(__fmul_rn(v[2 * j], inv), __fmul_rn(v[2 * j + 1], inv));
+      const uint32_t w0 = s == 255 ? 0u : (c[0] | (c[1] << 16));
+      const uint32_t w1 = s == 255 ? 0u : (c[2] | (c[3] << 16));
+      // the row's 4 scale bytes of this tile, gathered in its first lane (lanes 0, 4, 8, 12 of 16)
+      const uint32_t s1 = __shfl_down_sync(0xFFFFFFFFu, (uint32_t)s, 4, 16);
+      const uint32_t s2 = __shfl_down_sync(0xFFFFFFFFu, (uint32_t)s, 8, 16);
+      const uint32_t s3 = __shfl_down_sync(0xFFFFFFFFu, (uint32_t)s, 12, 16);
+      if (row < a.M && (a.flags & kRowCodes)) {
+        if (col < a.KP) *reinterpret_cast<uint2*>(a.row_data + row * a.row_data_ld + col) = make_uint2(w0, w1);
+        if ((tid & 15) == 0) {
+          uint8_t* dst = a.row_scale + row * a.row_scale_ld + k0 / 32;
+          if (word_scales) {
+            *reinterpret_cast<uint32_t*>(dst) = (uint32_t)s | (s1 << 8) | (s2 << 16) | (s3 << 24);
+          } else {
+            const uint32_t sb[4] = {(uint32_t)s, s1, s2, s3};
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              if (k0 / 32 + j < nbk) dst[j] = (uint8_t)sb[j];
+          }
+        }
+      }
+      if (row < a.M && col < a.K && (a.flags & kRowVals)) {
+        const float sv = scale_value(s);
+        const uint32_t wc[2] = {w0, w1};
+        uint32_t out[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t word = wc[j / 2] >> (16 * (j % 2));
+          const float lo = __fmul_rn(decode<FMT>(word & 0xFF), sv);
+          const float hi = __fmul_rn(decode<FMT>((word >> 8) & 0xFF), sv);
+          out[j] = bf16_bits(lo) | (bf16_bits(hi) << 16);
+        }
+        *reinterpret_cast<uint4*>(a.row_vals + row * a.ld_vals + col) = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+    }
+  }
+  if (!col_plane) return;
+
+  // 3. columnwise plane: thread t owns columns 2p, 2p+1 over the 32 rows of block h of the tile
+  __syncthreads();
+  const int p = tid % 64, h = tid / 64;
+  const long long kc = k0 + 2 * p;  // K is a multiple of 8: both columns are in or out together
+  const long long mb = m0 + 32 * h;
+  if (kc < a.K && mb < a.MP) {
+    uint32_t amax_a = 0, amax_b = 0;
+#pragma unroll
+    for (int r = 0; r < 32; ++r) {
+      float va, vb;
+      load_pair<T>(&tile[32 * h + r][2 * p], va, vb);
+      amax_a = max(amax_a, abs_bits(va));
+      amax_b = max(amax_b, abs_bits(vb));
+    }
+    const int sa = shared_scale(amax_a, a), sb = shared_scale(amax_b, a);
+    const float inv_a = inverse_scale(sa), inv_b = inverse_scale(sb);
+    uint32_t ca[8], cb[8];  // 32 codes per column, 4 per word
+#pragma unroll
+    for (int r = 0; r < 32; r += 4) {
+      float a0, b0, a1, b1, a2, b2, a3, b3;
+      load_pair<T>(&tile[32 * h + r][2 * p], a0, b0);
+      load_pair<T>(&tile[32 * h + r + 1][2 * p], a1, b1);
+      load_pair<T>(&tile[32 * h + r + 2][2 * p], a2, b2);
+      load_pair<T>(&tile[32 * h + r + 3][2 * p], a3, b3);
+      ca[r / 4] = codes2<FMT>(__fmul_rn(a0, inv_a), __fmul_rn(a1, inv_a)) |
+                  (codes2<FMT>(__fmul_rn(a2, inv_a), __fmul_rn(a3, inv_a)) << 16);
+      cb[r / 4] = codes2<FMT>(__fmul_rn(b0, inv_b), __fmul_rn(b1, inv_b)) |
+                  (codes2<FMT>(__fmul_rn(b2, inv_b), __fmul_rn(b3, inv_b)) << 16);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      if (sa == 255) ca[j] = 0u;
+      if (sb == 255) cb[j] = 0u;
+    }
+    if (a.flags & kColCodes) {  // into the transposed code tile; leaves in full lines below
+      const int ra = 2 * p, rb = 2 * p + 1;
+      *reinterpret_cast<uint4*>(ctile + ra * kTileM + swz(ra, 2 * h) * 16) = make_uint4(ca[0], ca[1], ca[2], ca[3]);
+      *reinterpret_cast<uint4*>(ctile + ra * kTileM + swz(ra, 2 * h + 1) * 16) = make_uint4(ca[4], ca[5], ca[6], ca[7]);
+      *reinterpret_cast<uint4*>(ctile + rb * kTileM + swz(rb, 2 * h) * 16) = make_uint4(cb[0], cb[1], cb[2], cb[3]);
+      *reinterpret_cast<uint4*>(ctile + rb * kTileM + swz(rb, 2 * h + 1) * 16) = make_uint4(cb[4], cb[5], cb[6], cb[7]);
+      cscale[ra * (kTileM / 32) + h] = (uint8_t)sa;
+      cscale[rb * (kTileM / 32) + h] = (uint8_t)sb;
+    }
+    if (a.flags & kColVals) {
+      const float sva = scale_value(sa), svb = scale_value(sb);
+#pragma unroll
+      for (int r = 0; r < 32; ++r) {
+        const long long row = mb + r;
+        if (row < a.M) {
+          const uint32_t code_a = (ca[r / 4] >> (8 * (r % 4))) & 0xFF;
+          const uint32_t code_b = (cb[r / 4] >> (8 * (r % 4))) & 0xFF;
+          const uint32_t pair = bf16_bits(__fmul_rn(decode<FMT>(code_a), sva)) |
+                                (bf16_bits(__fmul_rn(decode<FMT>(code_b), svb)) << 16);
+          *reinterpret_cast<uint32_t*>(a.col_vals + row * a.ld_vals + kc) = pair;
+        }
+      }
+    }
+  }
+  if (!(a.flags & kColCodes)) return;
+
+  // 4. the transposed codes leave as whole 128-byte rows (8 lanes per row), the scales as words
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kTileK * (kTileM / 16) / kThreads; ++j) {
+    const int idx = j * kThreads + tid;
+    const int r = idx / 8, c = idx % 8;
+    const long long k = k0 + r, m = m0 + 16 * c;
+    if (k < a.K && m < a.MP)
+      *reinterpret_cast<uint4*>(a.col_data + k * a.col_data_ld + m) =
+          *reinterpret_cast<const uint4*>(ctile + r * kTileM + swz(r, c) * 16);
+  }
+  if (tid < kTileK && k0 + tid < a.K) {
+    const long long nbm = a.MP / 32;
+    uint8_t* dst = a.col_scale + (k0 + tid) * a.col_scale_ld + m0 / 32;
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(cscale + tid * (kTileM / 32));
+    if (nbm % 4 == 0 && m0 / 32 + 4 <= nbm) {
+      *reinterpret_cast<uint32_t*>(dst) = word;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (m0 / 32 + j < nbm) dst[j] = (uint8_t)(word >> (8 * j));
+    }
+  }
+}
+
+template <typename T, int FMT>
+cudaError_t launch_kernel(const CastArgs& a, dim3 grid, cudaStream_t stream) {
+  const bool col_plane = a.flags & (kColCodes | kColVals);
+  const int smem = col_plane ? smem_bytes<T>() : 0;
+  static bool configured = false;  // per instantiation: allow more than 48 KB of dynamic shared memory
+  if (!configured) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(mx_cast_fp8_kernel<T, FMT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<T>());
+    if (err != cudaSuccess) return err;
+    configured = true;
+  }
+  mx_cast_fp8_kernel<T, FMT><<<grid, kThreads, smem, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_typed(const CastArgs& a, int fmt, cudaStream_t stream) {
+  const long long m_extent = (a.flags & kColCodes) ? a.MP : a.M;
+  const long long k_extent = (a.flags & kRowCodes) ? a.KP : a.K;
+  const dim3 grid((unsigned)((m_extent + kTileM - 1) / kTileM), (unsigned)((k_extent + kTileK - 1) / kTileK));
+  return fmt == 0 ? launch_kernel<T, 0>(a, grid, stream) : launch_kernel<T, 1>(a, grid, stream);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Version of this entry point's argument list; the Python side checks it.
+int mxtrain_cast_abi_version() { return 1; }
+
+// Cast a row-major [M, K] tensor (dtype 0 bf16, 1 fp16, 2 fp32; row stride ldx elements, K and ldx
+// multiples of 8, x 16-byte aligned) to MXFP8 (fmt 0 e4m3, 1 e5m2), block size 32. Outputs that a
+// flag does not ask for may be null. Returns a cudaError_t (0 on success).
+int mxtrain_mx_cast_fp8(const void* x, long long M, long long K, long long ldx, int dtype, int fmt,
+                        int scale_mode, int emax, int mbits, unsigned int inv_max_bits, int flags,
+                        uint8_t* row_data, long long row_data_ld, uint8_t* row_scale, long long row_scale_ld,
+                        uint8_t* col_data, long long col_data_ld, uint8_t* col_scale, long long col_scale_ld,
+                        uint16_t* row_vals, uint16_t* col_vals, long long ld_vals, long long KP, long long MP,
+                        void* stream) {
+  CastArgs a;
+  a.x = x;
+  a.ldx = ldx;
+  a.M = M;
+  a.K = K;
+  a.row_data = row_data;
+  a.row_data_ld = row_data_ld;
+  a.row_scale = row_scale;
+  a.row_scale_ld = row_scale_ld;
+  a.col_data = col_data;
+  a.col_data_ld = col_data_ld;
+  a.col_scale = col_scale;
+  a.col_scale_ld = col_scale_ld;
+  a.row_vals = row_vals;
+  a.col_vals = col_vals;
+  a.ld_vals = ld_vals;
+  a.KP = KP;
+  a.MP = MP;
+  a.scale_mode = scale_mode;
+  a.emax = emax;
+  a.mbits = mbits;
+  a.inv_max_bits = inv_max_bits;
+  a.flags = flags;
+  if (M <= 0 || K <= 0 || (K % 8) || (ldx % 8) || fmt < 0 || fmt > 1 || scale_mode < 0 || scale_mode > 2)
+    return (int)cudaErrorInvalidValue;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case 0:
+      return (int)launch_typed<__nv_bfloat16>(a, fmt, s);
+    case 1:
+      return (int)launch_typed<__half>(a, fmt, s);
+    case 2:
+      return (int)launch_typed<float>(a, fmt, s);
+    default:
+      return (int)cudaErrorInvalidValue;
+  }
+}
+
+const char* mxtrain_cuda_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }
+
+}  // extern "C"

@@ -1,0 +1,272 @@
+"""The CUDA C++ MX cast (``mxtrain/csrc/mx_cast.cu``): built on first use, registered as backend ``"cuda"``.
+
+The kernel covers the cast that training runs most: ``fp8_e4m3`` / ``fp8_e5m2``, block size 32,
+round-half-even, any scale mode (``floor``, ``rceil``, ``even``), bf16 / fp16 / fp32 input, rowwise
+and columnwise planes from one read, each with its codes and scale bytes and/or its dequantized
+bf16 values. Every other cast (other formats, roundings or block sizes, odd shapes or strides) is
+handed to the Triton cast, in one place (:func:`unsupported_reason`), so the ``"cuda"`` backend
+takes any call and returns the same bits as the reference.
+
+Building: :func:`torch.utils.cpp_extension.load` compiles the one ``.cu`` file with ninja into
+torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) the first
+time a CUDA tensor is cast, for the current GPU's architecture; later processes reuse the cached
+library. The file includes no PyTorch header (a plain C entry point called through ctypes), so the
+build takes seconds. Without a CUDA compiler or ninja, or when the build fails, a warning says why
+once and the Triton kernels serve every call. ``MXTRAIN_CUDA_KERNELS=0`` keeps the extension out;
+``MXTRAIN_CUDA_VERBOSE=1`` shows the build.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from mxtrain.formats import ElemFormat
+from mxtrain.quantization import MXTensor
+from mxtrain.quantization._validate import normalize_axis
+from mxtrain.quantization.mx import _check_common
+
+__all__ = ["cuda_quantize", "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
+
+CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
+SOURCE = CSRC_DIR / "mx_cast.cu"
+ENABLED = os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
+_ABI_VERSION = 1
+_FLAGS = {"row_codes": 1, "row_vals": 2, "col_codes": 4, "col_vals": 8}
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_FORMATS = {"fp8_e4m3": 0, "fp8_e5m2": 1}
+_SCALE_MODES = {"floor": 0, "rceil": 1, "even": 2}
+
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_ERROR: str | None = None  # why the extension is not there (set once, warned once)
+
+
+def toolchain_problem() -> str | None:
+    """Why the extension cannot be built here (no CUDA, no compiler, no ninja), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None or not (Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc").exists():
+        if shutil.which("nvcc") is None:
+            return "no CUDA compiler (nvcc) found: install the CUDA toolkit or set CUDA_HOME"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    if not SOURCE.exists():
+        return f"the kernel source {SOURCE} is missing from this installation"
+    return None
+
+
+def extension_error() -> str | None:
+    """Why the CUDA extension is unavailable, once a build was attempted (None while it works)."""
+    return _ERROR
+
+
+def _build() -> ctypes.CDLL:
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}"
+    name = f"mxtrain_csrc_sm{arch}"
+    flags = ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+             # the numerics rely on IEEE fp32: denormals kept (2^-127 scales), no contraction
+             "--ftz=false", "--fmad=false", "--prec-div=true"]
+    verbose = os.environ.get("MXTRAIN_CUDA_VERBOSE", "0") == "1"
+    path = load(name=name, sources=[str(SOURCE)], extra_cuda_cflags=flags, is_python_module=False, verbose=verbose)
+    if not path:  # older torch returned nothing: the library sits in the build directory
+        path = os.path.join(_get_build_directory(name, verbose), f"{name}.so")
+    lib = ctypes.CDLL(path)
+    if lib.mxtrain_cast_abi_version() != _ABI_VERSION:
+        raise RuntimeError(f"{path} has entry-point version {lib.mxtrain_cast_abi_version()}, expected "
+                           f"{_ABI_VERSION}; clear the torch extension cache")
+    ll, vp, i = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int
+    lib.mxtrain_mx_cast_fp8.argtypes = [vp, ll, ll, ll, i, i, i, i, i, ctypes.c_uint, i,
+                                        vp, ll, vp, ll, vp, ll, vp, ll, vp, vp, ll, ll, ll, vp]
+    lib.mxtrain_mx_cast_fp8.restype = i
+    lib.mxtrain_cuda_error_string.argtypes = [i]
+    lib.mxtrain_cuda_error_string.restype = ctypes.c_char_p
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The built extension (building it on the first call), or None with a one-time warning saying why."""
+    global _LIB, _ERROR
+    if _LIB is not None or _ERROR is not None:
+        return _LIB
+    with _LOCK:
+        if _LIB is not None or _ERROR is not None:
+            return _LIB
+        problem = toolchain_problem()
+        if problem is None:
+            try:
+                _LIB = _build()
+            except Exception as exc:  # a compiler error, a missing header: say so, keep working
+                problem = f"building {SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
+        if problem is not None:
+            _ERROR = problem
+            warnings.warn(f"mxtrain: the CUDA C++ kernels are unavailable ({problem}); the Triton kernels "
+                          f"serve every cast", RuntimeWarning, stacklevel=3)
+    return _LIB
+
+
+def unsupported_reason(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tuple[int, ...], scale_mode: str,
+                       rounding: str, deq: tuple[int, ...], dequantized_dtype: torch.dtype) -> str | None:
+    """Why the CUDA kernel does not take this cast (then the Triton cast does), or None. The one place."""
+    if fmt.name not in _FORMATS:
+        return f"format {fmt.name} (the CUDA kernel casts {', '.join(_FORMATS)})"
+    if block_size != 32:
+        return f"block_size {block_size} (the CUDA kernel uses 32)"
+    if rounding != "even":
+        return f"rounding {rounding!r} (the CUDA kernel rounds half to even)"
+    if x.dtype not in _DTYPES:
+        return f"input dtype {x.dtype}"
+    if deq and dequantized_dtype != torch.bfloat16:
+        return f"dequantized values in {dequantized_dtype} (the CUDA kernel writes bf16)"
+    last = x.ndim - 1
+    if any(a not in (0, last) for a in axes):
+        return f"axes {axes}: the kernel blocks along the first or the last axis only"
+    if x.numel() == 0:
+        return "empty tensor"
+    if x.device.type != "cuda":
+        return f"tensor on {x.device}"
+    for view in _views(x, axes):
+        if view is None:
+            return "the input is not viewable as a row-major 2-D tensor"
+        k, ld = view.shape[1], view.stride(0)
+        if view.stride(1) != 1 or k % 8 or ld % 8 or view.data_ptr() % 16:
+            return f"a [{view.shape[0]}, {k}] view with strides {tuple(view.stride())}: the kernel needs rows of " \
+                   f"a multiple of 8 contiguous elements, 16-byte aligned"
+    return None
+
+
+def _views(x: torch.Tensor, axes) -> list[torch.Tensor | None]:
+    """The 2-D views the launches read: [M, K] for both planes of a 2-D tensor, else one per plane."""
+    last = x.ndim - 1
+    want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
+
+    def view(shape):
+        try:
+            return x.view(shape)
+        except RuntimeError:
+            return None
+    if x.ndim == 2 or not (want_row and want_col):
+        if want_col and not want_row:
+            return [view((x.shape[0], -1))]
+        return [view((-1, x.shape[-1])) if x.ndim != 2 else x]
+    return [view((-1, x.shape[-1])), view((x.shape[0], -1))]
+
+
+def _alloc(shape, device) -> torch.Tensor:
+    from mxtrain.kernels import cast
+
+    if cast.POISON_OUTPUTS:  # tests: unwritten bytes show up
+        return torch.full(shape, 0xA5, dtype=torch.uint8, device=device)
+    return torch.empty(shape, dtype=torch.uint8, device=device)
+
+
+def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str, rows: bool, cols: bool,
+            row_codes: bool, row_vals: bool, col_codes: bool, col_vals: bool):
+    """One kernel launch on a 2-D view; returns (row, col) as the Triton ``_launch`` does."""
+    M, K = x2.shape
+    dev = x2.device
+    kp, mp = -(-K // 32) * 32, -(-M // 32) * 32
+    row_codes, row_vals = rows and row_codes, rows and row_vals
+    col_codes, col_vals = cols and col_codes, cols and col_vals
+    row = col = None
+    if rows:
+        row = ((_alloc((M, kp), dev), _alloc((M, kp // 32), dev)) if row_codes else (None, None))
+        row += (torch.empty((M, K), dtype=torch.bfloat16, device=dev) if row_vals else None,)
+    if cols:
+        col = ((_alloc((K, mp), dev), _alloc((K, mp // 32), dev)) if col_codes else (None, None))
+        col += (torch.empty((M, K), dtype=torch.bfloat16, device=dev) if col_vals else None,)
+    flags = (_FLAGS["row_codes"] * row_codes | _FLAGS["row_vals"] * row_vals | _FLAGS["col_codes"] * col_codes
+             | _FLAGS["col_vals"] * col_vals)
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    def ld(t):
+        return 0 if t is None else t.stride(0)
+    rd, rs, rv = row if row is not None else (None, None, None)
+    cd, cs, cv = col if col is not None else (None, None, None)
+    err = lib.mxtrain_mx_cast_fp8(
+        x2.data_ptr(), M, K, x2.stride(0), _DTYPES[x2.dtype], _FORMATS[fmt.name], _SCALE_MODES[scale_mode],
+        fmt.emax, fmt.mbits, _inv_max_bits(fmt), flags, ptr(rd), ld(rd), ptr(rs), ld(rs), ptr(cd), ld(cd), ptr(cs),
+        ld(cs), ptr(rv), ptr(cv), K, kp, mp, torch.cuda.current_stream(dev).cuda_stream)
+    if err:
+        raise RuntimeError(f"mxtrain CUDA cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")
+    return row, col
+
+
+def _inv_max_bits(fmt: ElemFormat) -> int:
+    from mxtrain.kernels._triton_utils import format_consts
+
+    return format_consts(fmt)["INV_MAX_BITS"] & 0xFFFFFFFF
+
+
+def _fallback(x, fmt, **kw) -> MXTensor:
+    """The Triton cast (which itself runs the reference where Triton cannot)."""
+    from mxtrain.kernels.cast import triton_quantize
+
+    return triton_quantize(x, fmt, **kw)
+
+
+def cuda_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: str = "floor",
+                  rounding: str = "even", seed=None, pack: bool = True, dequantized=(),
+                  dequantized_dtype: torch.dtype = torch.bfloat16, keep_codes=None) -> MXTensor:
+    """:func:`mxtrain.quantization.quantize_mx` on the CUDA C++ cast where it applies, else the Triton cast.
+
+    Same signature, same bits (codes, scale bytes and values). ``axis=(-1, 0)`` on a 2-D tensor
+    writes both planes from one read; ``dequantized`` / ``keep_codes`` as
+    :func:`mxtrain.kernels.dispatch.quantize`.
+    """
+    from mxtrain.kernels.cast import assemble_mxtensor
+    from mxtrain.kernels.dispatch import values_request
+
+    kw = dict(block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding, seed=seed, pack=pack,
+              dequantized=dequantized, dequantized_dtype=dequantized_dtype, keep_codes=keep_codes)
+    fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    if not axes:
+        raise ValueError("axis tuple must name at least one axis")
+    axes = tuple(normalize_axis(a, x.ndim) for a in axes)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axis tuple {axis} names an axis twice")
+    deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
+    if unsupported_reason(x, fmt, block_size, axes, scale_mode, rounding, deq, dequantized_dtype) is not None:
+        return _fallback(x, fmt, **kw)
+    lib = library()
+    if lib is None:
+        return _fallback(x, fmt, **kw)
+    last = x.ndim - 1
+    want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
+    opts = dict(row_codes=last in keep, row_vals=last in deq, col_codes=0 in keep, col_vals=0 in deq)
+    if x.ndim == 2 and want_row and want_col:
+        row, col = _launch(lib, x, fmt, scale_mode, True, True, **opts)
+    else:
+        row = col = None
+        if want_row:
+            row, _ = _launch(lib, x.view(-1, x.shape[-1]), fmt, scale_mode, True, False, **opts)
+        if want_col:
+            _, col = _launch(lib, x.view(x.shape[0], -1), fmt, scale_mode, False, True, **opts)
+    return assemble_mxtensor(x, fmt, block_size, axes, scale_mode, rounding, pack, row, col)
+
+
+cuda_quantize.supports_values = True
+
+
+def _register() -> None:
+    from mxtrain.kernels.dispatch import register_quantize
+
+    if ENABLED and torch.cuda.is_available():
+        register_quantize("cuda", cuda_quantize)
+
+
+_register()

@@ -1,0 +1,187 @@
+"""GPU checks of the CUDA C++ MXFP8 cast (mxtrain/csrc/mx_cast.cu): bit-exact against the reference.
+
+Skipped without CUDA or without a CUDA compiler (the extension builds on first use). Codes, scale
+bytes and dequantized values are compared bit for bit with ``quantize_mx`` (and the values with
+``MXTensor.dequantize``) at large, ragged and adversarial inputs, every dtype, format, scale mode
+and plane selection; casts the kernel does not take must come back from the Triton cast unchanged.
+"""
+
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") == "1",
+                                 reason="TRITON_INTERPRET=1 would interpret the kernels")]
+
+if torch.cuda.is_available():
+    from mxtrain.kernels import cuda_cast  # noqa: E402
+
+    if cuda_cast.toolchain_problem() is not None:
+        pytest.skip(f"CUDA extension cannot build here: {cuda_cast.toolchain_problem()}", allow_module_level=True)
+
+from mxtrain.kernels import cast, dispatch  # noqa: E402
+from mxtrain.formats import parse_format  # noqa: E402
+from mxtrain.quantization import quantize_mx  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location(
+    "kernel_helpers_cuda", pathlib.Path(__file__).parents[1] / "kernels" / "helpers.py")
+helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(helpers)
+
+DEV = torch.device("cuda")
+FP8 = ("fp8_e4m3", "fp8_e5m2")
+MODES = ("floor", "rceil", "even")
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(cast, "POISON_OUTPUTS", True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed build must fail these tests, not fall back quietly
+        assert cuda_cast.library() is not None, cuda_cast.extension_error()
+
+
+def adversarial(rows, cols, dtype, seed=0):
+    return helpers.as_dtype(helpers.adversarial_matrix(rows, cols, seed=seed), dtype).to(DEV)
+
+
+def check(x, fmt, **kw):
+    got = cuda_cast.cuda_quantize(x, fmt, **kw)
+    ref_kw = {k: v for k, v in kw.items() if k not in ("dequantized", "dequantized_dtype", "keep_codes")}
+    want = ref = quantize_mx(x, fmt, **ref_kw)
+    keep = kw.get("keep_codes")
+    if keep is not None:
+        keep = tuple(a % x.ndim for a in (keep if isinstance(keep, tuple) else (keep,)))
+        assert tuple(p.axis for p in got.planes) == tuple(p.axis for p in want.planes if p.axis in keep)
+        if keep:
+            want = dataclasses.replace(want, planes=tuple(p for p in want.planes if p.axis in keep))
+    if got.planes:
+        problems = helpers.planes_equal(got, want)
+        assert not problems, f"{fmt} {kw} {list(x.shape)} {x.dtype}: " + "; ".join(problems)
+    deq = kw.get("dequantized", ())
+    for a in (deq if isinstance(deq, tuple) else (deq,)):
+        v = got.dequantized_values(a)
+        assert helpers.values_equal(v, ref.dequantize(torch.bfloat16, a)), f"values of axis {a} differ"
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FP8)
+def test_both_planes_adversarial(fmt, mode, dtype):
+    """NaN/Inf blocks, zeros, -0, subnormals, ties, one-ulp-under-powers-of-two, huge values."""
+    x = adversarial(200, 328, dtype, seed=3)
+    check(x, fmt, block_size=32, axis=(-1, 0), scale_mode=mode)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("shape", [(8192, 8192), (4096 + 17, 1000), (33, 4104), (1, 8), (64, 128), (7, 40)])
+def test_shapes_bf16(fmt, shape):
+    """Large and ragged shapes (M not a multiple of 32/64, K a multiple of 8 only), both planes."""
+    g = torch.Generator(device=DEV).manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g, device=DEV)
+    x *= torch.exp2(torch.randint(-30, 31, (shape[0], 1), generator=g, device=DEV).float())
+    x = x.to(torch.bfloat16)
+    check(x, fmt, block_size=32, axis=(-1, 0), scale_mode="floor")
+    check(x, fmt, block_size=32, axis=(-1, 0), scale_mode="rceil")
+
+
+@pytest.mark.parametrize("axis", [-1, 0, (0, -1)], ids=["rows", "cols", "cols_rows"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+def test_single_planes_and_order(axis, dtype):
+    x = adversarial(96, 264, dtype, seed=5)
+    check(x, "fp8_e4m3", block_size=32, axis=axis, scale_mode="rceil")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("request_", [
+    dict(axis=(1, 0), dequantized=(1,), keep_codes=(0,)),    # what LayerNormMLP asks for its input
+    dict(axis=(1, 0), dequantized=(1, 0), keep_codes=()),    # weights: both as values
+    dict(axis=(1, 0), dequantized=(0,)),                      # values and codes of a plane
+    dict(axis=1, dequantized=(1,), keep_codes=()),
+    dict(axis=0, dequantized=(0,), keep_codes=()),
+], ids=["row_vals_col_codes", "both_vals", "col_vals_all_codes", "row_vals", "col_vals"])
+def test_values_outputs(request_, mode):
+    x = adversarial(130, 200, torch.bfloat16, seed=7)
+    check(x, "fp8_e4m3", block_size=32, scale_mode=mode, **request_)
+    check(x, "fp8_e5m2", block_size=32, scale_mode=mode, **request_)
+
+
+def test_nd_tensors():
+    x = adversarial(48, 96, torch.bfloat16, seed=9).reshape(6, 8, 96)
+    check(x, "fp8_e4m3", block_size=32, axis=-1)
+    check(x, "fp8_e4m3", block_size=32, axis=(-1, 0))  # two launches: rows of [48, 96], columns of [6, 768]
+
+
+def test_strided_rows():
+    base = adversarial(64, 272, torch.bfloat16, seed=11)
+    x = base[:, :256]  # row stride 272: rows still 16-byte aligned, so the kernel takes it
+    assert cuda_cast.unsupported_reason(x, parse_format("fp8_e4m3"), 32, (1, 0), "floor", "even", (),
+                                        torch.bfloat16) is None
+    check(x, "fp8_e4m3", block_size=32, axis=(-1, 0))
+
+
+@pytest.mark.parametrize("case", [
+    dict(fmt="fp6_e2m3"), dict(fmt="fp4_e2m1"), dict(fmt="int8"), dict(rounding="nearest"),
+    dict(rounding="stochastic", seed=3), dict(block_size=16), dict(shape=(64, 36)),
+    dict(values_dtype=torch.float32),
+], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_unsupported_goes_to_triton(monkeypatch, case):
+    """Casts the CUDA kernel does not take: handed to the Triton cast, same bits as it and the reference."""
+    calls = []
+    real = cuda_cast._launch
+    monkeypatch.setattr(cuda_cast, "_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    shape = case.get("shape", (64, 96))
+    x = adversarial(*shape, torch.bfloat16, seed=13)
+    fmt = case.get("fmt", "fp8_e4m3")
+    kw = dict(block_size=case.get("block_size", 32), axis=(-1, 0), rounding=case.get("rounding", "even"),
+              seed=case.get("seed"))
+    if "values_dtype" in case:
+        kw.update(dequantized=(1,), dequantized_dtype=case["values_dtype"])
+    got = cuda_cast.cuda_quantize(x, fmt, **kw)
+    assert not calls, "the CUDA kernel took a cast it does not support"
+    assert cuda_cast.unsupported_reason(x, parse_format(fmt), kw["block_size"], (1, 0), "floor", kw["rounding"],
+                                        kw.get("dequantized", ()), kw.get("dequantized_dtype", torch.bfloat16))
+    want = cast.triton_quantize(x, fmt, **kw)
+    assert not helpers.planes_equal(got, want)
+
+
+def test_dispatch_prefers_cuda_and_forced_backends_agree():
+    x = adversarial(256, 512, torch.bfloat16, seed=17)
+    assert dispatch._resolve(None, x.device, dispatch._QUANTIZE_IMPLS) == "cuda"
+    kw = dict(block_size=32, axis=(-1, 0), scale_mode="rceil")
+    by = {b: dispatch.quantize(x, "fp8_e4m3", backend=b, **kw) for b in ("cuda", "triton", "reference")}
+    assert not helpers.planes_equal(by["cuda"], by["reference"])
+    assert not helpers.planes_equal(by["triton"], by["reference"])
+
+
+def test_modules_on_cuda_cast_equal_triton(monkeypatch):
+    """LayerNormMLP forward+backward under MXFP8 on the CUDA cast equals the Triton cast bit for bit."""
+    import mxtrain
+
+    torch.manual_seed(0)
+    mlp = mxtrain.LayerNormMLP(256, 512, activation="gelu").to(DEV, torch.bfloat16)
+    x = torch.randn(128, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    outs = {}
+    for backend in ("cuda", "triton"):
+        monkeypatch.setenv("MXTRAIN_BACKEND", backend)
+        x.grad = None
+        mlp.zero_grad()
+        with mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()):
+            y = mlp(x)
+        y.float().square().sum().backward()
+        outs[backend] = [y.detach(), x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+    for a, b in zip(outs["cuda"], outs["triton"]):
+        assert torch.equal(a, b)
