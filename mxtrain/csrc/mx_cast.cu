@@ -28,13 +28,11 @@
 // The entry point is a plain C function (no PyTorch headers: the extension builds in seconds),
 // called through ctypes with raw pointers and the current CUDA stream.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
+#include "cast_common.cuh"
 
 namespace {
+
+using namespace mxtrain_cuda;
 
 constexpr int kTileM = 128;
 constexpr int kTileK = 128;
@@ -63,63 +61,7 @@ struct CastArgs {
   int flags;
 };
 
-// ---- element types: raw 16-byte words <-> fp32 ------------------------------------------------
-
-template <typename T>
-struct Elem;
-
-template <>
-struct Elem<__nv_bfloat16> {
-  static constexpr int kWords = 1;  // uint4 words per 8 elements
-  __device__ static float lo(uint32_t w) { return __uint_as_float(w << 16); }
-  __device__ static float hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
-};
-
-template <>
-struct Elem<__half> {
-  static constexpr int kWords = 1;
-  __device__ static float lo(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFF))); }
-  __device__ static float hi(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)(w >> 16))); }
-};
-
-template <>
-struct Elem<float> {
-  static constexpr int kWords = 2;
-};
-
-template <typename T>
-__device__ __forceinline__ void widen8(const uint4* raw, float v[8]) {
-  if constexpr (Elem<T>::kWords == 2) {
-    const uint32_t w[8] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w, raw[1].x, raw[1].y, raw[1].z, raw[1].w};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = __uint_as_float(w[j]);
-  } else {
-    const uint32_t w[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[2 * j] = Elem<T>::lo(w[j]);
-      v[2 * j + 1] = Elem<T>::hi(w[j]);
-    }
-  }
-}
-
-// two adjacent elements of a shared-memory row, as fp32
-template <typename T>
-__device__ __forceinline__ void load_pair(const T* p, float& a, float& b) {
-  if constexpr (Elem<T>::kWords == 2) {
-    const float2 f = *reinterpret_cast<const float2*>(p);
-    a = f.x;
-    b = f.y;
-  } else {
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
-    a = Elem<T>::lo(w);
-    b = Elem<T>::hi(w);
-  }
-}
-
 // ---- the MX numerics (as mxtrain.quantization and kernels/cast.py) ----------------------------
-
-__device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
 
 // E8M0 byte from a block's amax bit pattern
 __device__ __forceinline__ int shared_scale(uint32_t amax, const CastArgs& a) {
@@ -151,24 +93,6 @@ __device__ __forceinline__ float scale_value(int s) {
   return __uint_as_float(s == 255 ? 0x7FC00000u : (s == 0 ? 0x00400000u : (uint32_t)s << 23));
 }
 
-// two fp8 codes (low byte = a) of fp32 values already divided by the block scale
-template <int FMT>
-__device__ __forceinline__ uint32_t codes2(float a, float b) {
-  return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, FMT == 0 ? __NV_E4M3 : __NV_E5M2);
-}
-
-template <int FMT>
-__device__ __forceinline__ float decode(uint32_t code) {
-  const __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)code, FMT == 0 ? __NV_E4M3 : __NV_E5M2);
-  return __half2float(__half(h));
-}
-
-// fp32 -> bf16 bits, round to nearest even; NaN as torch's canonical 0x7FC0
-__device__ __forceinline__ uint32_t bf16_bits(float v) {
-  if (v != v) return 0x7FC0u;
-  return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(v));
-}
-
 // ---- the kernel ----------------------------------------------------------------------------
 
 // Dynamic shared memory of a tile: the raw input [kTileM][kTileK], the columnwise codes of the tile
@@ -177,10 +101,6 @@ template <typename T>
 constexpr int smem_bytes() {
   return kTileM * kTileK * (int)sizeof(T) + kTileK * kTileM + kTileK * (kTileM / 32);
 }
-
-// the 16-byte chunk c of row r of the transposed code tile lives at chunk c ^ ((r / 2) % 8): the
-// column phase's stores (rows 2p, 2p+1 of 8 lanes p at a time) then hit 8 distinct bank groups
-__device__ __forceinline__ int swz(int r, int c) { return c ^ ((r >> 1) & 7); }
 
 template <typename T, int FMT>
 __global__ void __launch_bounds__(kThreads) mx_cast_fp8_kernel(const CastArgs a) {
@@ -391,7 +311,7 @@ cudaError_t launch_typed(const CastArgs& a, int fmt, cudaStream_t stream) {
 extern "C" {
 
 // Version of this entry point's argument list; the Python side checks it.
-int mxtrain_cast_abi_version() { return 1; }
+int mxtrain_cast_abi_version() { return 2; }
 
 // Cast a row-major [M, K] tensor (dtype 0 bf16, 1 fp16, 2 fp32; row stride ldx elements, K and ldx
 // multiples of 8, x 16-byte aligned) to MXFP8 (fmt 0 e4m3, 1 e5m2), block size 32. Outputs that a

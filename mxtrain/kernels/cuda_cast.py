@@ -32,12 +32,14 @@ from mxtrain.quantization import MXTensor
 from mxtrain.quantization._validate import normalize_axis
 from mxtrain.quantization.mx import _check_common
 
-__all__ = ["cuda_quantize", "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
+__all__ = ["cuda_quantize", "fp8_block_cast", "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 SOURCE = CSRC_DIR / "mx_cast.cu"
+SOURCES = (SOURCE, CSRC_DIR / "fp8_block_cast.cu")
+HEADERS = (CSRC_DIR / "cast_common.cuh",)
 ENABLED = os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _FLAGS = {"row_codes": 1, "row_vals": 2, "col_codes": 4, "col_vals": 8}
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _FORMATS = {"fp8_e4m3": 0, "fp8_e5m2": 1}
@@ -59,8 +61,9 @@ def toolchain_problem() -> str | None:
             return "no CUDA compiler (nvcc) found: install the CUDA toolkit or set CUDA_HOME"
     if not cpp_extension.is_ninja_available():
         return "ninja is not installed (pip install ninja)"
-    if not SOURCE.exists():
-        return f"the kernel source {SOURCE} is missing from this installation"
+    missing = [str(f) for f in SOURCES + HEADERS if not f.exists()]
+    if missing:
+        return f"kernel sources missing from this installation: {', '.join(missing)}"
     return None
 
 
@@ -79,7 +82,8 @@ def _build() -> ctypes.CDLL:
              # the numerics rely on IEEE fp32: denormals kept (2^-127 scales), no contraction
              "--ftz=false", "--fmad=false", "--prec-div=true"]
     verbose = os.environ.get("MXTRAIN_CUDA_VERBOSE", "0") == "1"
-    path = load(name=name, sources=[str(SOURCE)], extra_cuda_cflags=flags, is_python_module=False, verbose=verbose)
+    path = load(name=name, sources=[str(f) for f in SOURCES], extra_cuda_cflags=flags,
+                extra_include_paths=[str(CSRC_DIR)], is_python_module=False, verbose=verbose)
     if not path:  # older torch returned nothing: the library sits in the build directory
         path = os.path.join(_get_build_directory(name, verbose), f"{name}.so")
     lib = ctypes.CDLL(path)
@@ -90,6 +94,10 @@ def _build() -> ctypes.CDLL:
     lib.mxtrain_mx_cast_fp8.argtypes = [vp, ll, ll, ll, i, i, i, i, i, ctypes.c_uint, i,
                                         vp, ll, vp, ll, vp, ll, vp, ll, vp, vp, ll, ll, ll, vp]
     lib.mxtrain_mx_cast_fp8.restype = i
+    f32 = ctypes.c_float
+    lib.mxtrain_fp8_block_cast.argtypes = [vp, vp, ll, ll, ll, ll, i, i, i, i, i, f32, f32, vp, vp, vp, vp, vp, ll, ll,
+                                           vp]
+    lib.mxtrain_fp8_block_cast.restype = i
     lib.mxtrain_cuda_error_string.argtypes = [i]
     lib.mxtrain_cuda_error_string.restype = ctypes.c_char_p
     return lib
@@ -108,7 +116,7 @@ def library() -> ctypes.CDLL | None:
             try:
                 _LIB = _build()
             except Exception as exc:  # a compiler error, a missing header: say so, keep working
-                problem = f"building {SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
+                problem = f"building {', '.join(f.name for f in SOURCES)} failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
         if problem is not None:
             _ERROR = problem
             warnings.warn(f"mxtrain: the CUDA C++ kernels are unavailable ({problem}); the Triton kernels "
@@ -260,6 +268,62 @@ def cuda_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mod
 
 
 cuda_quantize.supports_values = True
+
+
+# ---- FP8 block scaling (mxtrain/csrc/fp8_block_cast.cu) ------------------------------------------
+
+_FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+# the Triton block cast's activation ids (mxtrain.kernels.float8_cast.FUSED_ACTIVATIONS / _GRADS)
+_FP8_ACTS = ({"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}, {"gelu": 1, "relu": 3, "silu": 5})
+
+
+def fp8_block_unsupported(x: torch.Tensor, grad: torch.Tensor | None, columnwise: bool) -> str | None:
+    """Why the CUDA FP8 block cast does not take this source (the Triton one then does), or None."""
+    if x.dtype not in _DTYPES:
+        return f"input dtype {x.dtype}"
+    if x.ndim != 2 or x.numel() == 0:
+        return "not a non-empty 2-D tensor"
+    if x.device.type != "cuda":
+        return f"tensor on {x.device}"
+    for t in (x,) if grad is None else (x, grad):
+        if t.stride(1) != 1 or t.shape[1] % 8 or t.stride(0) % 8 or t.data_ptr() % 16:
+            return f"a [{t.shape[0]}, {t.shape[1]}] source with strides {tuple(t.stride())}: rows of a multiple " \
+                   f"of 8 contiguous elements, 16-byte aligned, are needed"
+    if columnwise and x.shape[0] % 16:
+        return f"the columnwise plane needs a multiple of 16 rows, got {x.shape[0]}"
+    return None
+
+
+def fp8_block_cast(x: torch.Tensor, grad: torch.Tensor | None, fmt: str, square: bool, act: str | None,
+                   row: torch.Tensor | None, rsi: torch.Tensor | None, col: torch.Tensor | None,
+                   csi: torch.Tensor | None, dbias: torch.Tensor | None, power_of_2_scales: bool,
+                   amax_epsilon: float) -> bool:
+    """Run the CUDA FP8 128-block cast into the given outputs (as ``float8_cast.block_cast_float8``
+    allocates them; ``dbias``: [ceil(M/128), N] fp32 partial column sums). Returns False, writing
+    nothing, where it does not apply (:func:`fp8_block_unsupported`, no extension)."""
+    if fp8_block_unsupported(x, grad, col is not None) is not None:
+        return False
+    pre = 0 if act is None else (1 if grad is None else 2)
+    acts = _FP8_ACTS[0 if pre == 1 else 1]
+    if pre and act not in acts:
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    M, N = x.shape
+    flags = (1 * (row is not None) | 2 * (col is not None) | 4 * (dbias is not None) | 8 * bool(square)
+             | 16 * bool(power_of_2_scales))
+    g = grad if grad is not None else x
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+    err = lib.mxtrain_fp8_block_cast(
+        x.data_ptr(), g.data_ptr(), M, N, x.stride(0), g.stride(0), _DTYPES[x.dtype], _FORMATS[fmt], pre,
+        acts[act] if pre else 0, flags, _FP8_MAX[fmt], float(amax_epsilon), ptr(row), ptr(rsi), ptr(col), ptr(csi),
+        ptr(dbias), -(-N // 128), -(-M // 128), torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"mxtrain CUDA FP8 block cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")
+    return True
 
 
 def _register() -> None:

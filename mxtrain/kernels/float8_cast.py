@@ -28,6 +28,8 @@ preserved on the GPU.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -278,6 +280,10 @@ BLOCK_CAST_WARPS = 8  # warps of a 128x128-tile block cast
 BLOCK_CAST_SPLIT = True
 BLOCK_ROW_TILE = (32, 4)
 BLOCK_COL_TILE = (64, 4)
+# CUDA tensors take the CUDA C++ block cast (mxtrain/csrc/fp8_block_cast.cu, built on first use) where it
+# applies: one 128x128-tile pass writes both planes and the bias sums (MXTRAIN_FP8_BLOCK_CAST=triton: off)
+BLOCK_CAST_CUDA = os.environ.get("MXTRAIN_FP8_BLOCK_CAST", "auto") != "triton" and \
+    os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
 # activations the prologue computes (forward) and differentiates (backward)
 FUSED_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
 FUSED_ACTIVATION_GRADS = {"gelu": 1, "relu": 3, "silu": 5}
@@ -355,6 +361,14 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
             BM=bm, BN=bn, num_warps=warps, **consts, **csts)
 
     db = None
+    if BLOCK_CAST_CUDA and x.is_cuda:  # the CUDA C++ cast (mxtrain/csrc/fp8_block_cast.cu): one pass, both planes
+        from mxtrain.kernels import cuda_cast
+
+        db = torch.empty((nb_m, N), **f32) if dbias else None
+        if cuda_cast.fp8_block_cast(x, g if src["PRE"] == 2 else None, fmt, square, act, row, rsi, col, csi, db,
+                                    power_of_2_scales, amax_epsilon):
+            return _block_result(row, rsi, col, csi, block, fmt, x, db)
+        db = None
     if square or (rowwise and columnwise and not BLOCK_CAST_SPLIT):  # one 128x128 tile writes both planes
         db = torch.empty((nb_m, N), **f32) if dbias else None
         launch(xb, gb, src, row, col, db, B, B, BLOCK_CAST_WARPS)
@@ -376,12 +390,16 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
             db_c = torch.empty((nb_m, N), **f32) if dbias and db is None else None
             launch(xb, gb, src, None, col, db_c, B, bn, wc)
             db = db if db is not None else db_c
+    return _block_result(row, rsi, col, csi, block, fmt, x, db)
+
+
+def _block_result(row, rsi, col, csi, block, fmt, x, db) -> tuple[Float8Tensor, torch.Tensor | None]:
     planes = []
-    if rowwise:
+    if row is not None:
         planes.append(Float8Plane(row, rsi, 1, tuple(block)))
-    if columnwise:
+    if col is not None:
         planes.append(Float8Plane(col, csi, 0, tuple(block)))
-    return Float8Tensor(tuple(planes), fmt, (M, N), x.dtype, None), (db.sum(0) if dbias else None)
+    return Float8Tensor(tuple(planes), fmt, tuple(x.shape), x.dtype, None), (None if db is None else db.sum(0))
 
 
 def tensor_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, rowwise: bool = True, columnwise: bool = False,
