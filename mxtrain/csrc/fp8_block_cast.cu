@@ -13,9 +13,9 @@
 //     Inf amax, the exponent bits only with power-of-2 scales; scale-inverse = fp32(1 / s);
 //   * code = cvt.rn.satfinite(v * s) (one rounded fp32 product): ties to even, saturating to +-FMAX.
 //
-// The activations use the CUDA math library (erff, expf, tanhf) that torch's CUDA kernels and
-// Triton's libdevice calls use, with the operation order of float8_cast.py; the build turns FMA
-// contraction off, as the Triton kernels do.
+// The activations use the CUDA math library (erff, expf, tanhf: the functions torch's CUDA kernels
+// call, and libdevice's, which Triton calls), with the operation order of float8_cast.py and every
+// product and sum of ours an explicit rounded intrinsic (no FMA contraction, as in the Triton kernels).
 //
 // Work split: a CTA of 256 threads handles a 128 x 128 tile (one block along each axis). Each thread
 // loads eight 8-element chunks (16 lanes per tile row), computes the source, keeps it in shared
@@ -53,37 +53,41 @@ struct Fp8Args {
 
 // ---- the source ----------------------------------------------------------------------------
 
+// Every product and sum is an explicit round-to-nearest intrinsic: the build leaves FMA contraction on
+// (the CUDA math library's erff / expf / tanhf are written for it, and only then match the libdevice
+// versions that Triton and torch's kernels run), so nothing of ours may be contracted.
 __device__ __forceinline__ float act_fwd(float x, int act) {
   switch (act) {
     case 1:
-      return (x * 0.5f) * (1.0f + erff(x * 0.7071067811865476f));
+      return __fmul_rn(__fmul_rn(x, 0.5f), __fadd_rn(1.0f, erff(__fmul_rn(x, 0.7071067811865476f))));
     case 2: {
-      const float inner = 0.7978845608028654f * (x + 0.044715f * ((x * x) * x));
-      return (0.5f * x) * (1.0f + tanhf(inner));
+      const float cube = __fmul_rn(__fmul_rn(x, x), x);
+      const float inner = __fmul_rn(0.7978845608028654f, __fadd_rn(x, __fmul_rn(0.044715f, cube)));
+      return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(inner)));
     }
     case 3:
       return x <= 0.0f ? 0.0f : x;  // torch's CUDA relu: -0 -> +0, NaN stays NaN
     case 4: {
       const float r = x < 0.0f ? 0.0f : x;
-      return r * r;
+      return __fmul_rn(r, r);
     }
     default:
-      return __fdiv_rn(x, 1.0f + expf(-x));
+      return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x)));
   }
 }
 
 __device__ __forceinline__ float act_bwd(float x, float g, int act) {
   switch (act) {
     case 1: {
-      const float cdf = 0.5f * (1.0f + erff(x * 0.7071067811865476f));
-      const float pdf = expf((-0.5f * x) * x) * 0.3989422804014327f;
-      return g * (cdf + x * pdf);
+      const float cdf = __fmul_rn(0.5f, __fadd_rn(1.0f, erff(__fmul_rn(x, 0.7071067811865476f))));
+      const float pdf = __fmul_rn(expf(__fmul_rn(__fmul_rn(-0.5f, x), x)), 0.3989422804014327f);
+      return __fmul_rn(g, __fadd_rn(cdf, __fmul_rn(x, pdf)));
     }
     case 3:
       return x <= 0.0f ? 0.0f : g;
     default: {
-      const float s = __fdiv_rn(1.0f, 1.0f + expf(-x));
-      return (g * s) * (1.0f + x * (1.0f - s));
+      const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
+      return __fmul_rn(__fmul_rn(g, s), __fadd_rn(1.0f, __fmul_rn(x, __fsub_rn(1.0f, s))));
     }
   }
 }
@@ -130,7 +134,7 @@ __device__ __forceinline__ void narrow8(const float v[8], uint4* raw) {
 __device__ __forceinline__ float block_scale(uint32_t amax_bits, const Fp8Args& a) {
   float amax = amax_bits > 0x7F800000u ? __uint_as_float(0x7F800000u) : __uint_as_float(amax_bits);  // NaN -> Inf
   if (a.eps > 0.0f) amax = fmaxf(amax, a.eps);
-  float s = __fdiv_rn(a.fmax, amax);
+  float s = __fdiv_rn(a.fmax, amax);  // (no product feeds a sum anywhere here: nothing to contract)
   if (s == __uint_as_float(0x7F800000u)) s = 3.4028234663852886e38f;
   if (amax == 0.0f || amax == __uint_as_float(0x7F800000u)) s = 1.0f;
   if (a.flags & kPow2) s = __uint_as_float(__float_as_uint(s) & 0xFF800000u);

@@ -1,12 +1,13 @@
 """GPU checks of the CUDA C++ FP8 block cast (mxtrain/csrc/fp8_block_cast.cu).
 
-Without a prologue, and with the exact activations (relu, squared_relu), its codes and
-scale-inverses equal the Triton block cast's and the reference ``quantize_float8``'s bit for bit:
-1x128 and 128x128 blocks, every dtype, both formats, power-of-2 scales, an amax epsilon, ragged
-shapes, special values. With gelu / gelu_tanh / silu the source comes from the CUDA math library,
-which can differ from torch's kernels (and Triton's libdevice) by an fp32 ulp: checked against the
-reference cast of torch's unfused source within one step. Bias sums equal the Triton ones to fp32
-rounding (another summation order).
+Its codes and scale-inverses equal the Triton block cast's bit for bit without a prologue and with
+relu / squared_relu / silu (and their gradients), and the reference ``quantize_float8``'s without a
+transcendental prologue: 1x128 and
+128x128 blocks, every dtype, both formats, power-of-2 scales, an amax epsilon, ragged shapes, special
+values. With gelu / gelu_tanh (the CUDA math library's erff / tanhf, which differ from Triton's
+libdevice in the last bit for some inputs) and silu, the source may differ from torch's unfused one
+by an fp32 ulp: checked against its reference cast within one step. Bias sums equal the Triton ones to fp32 rounding
+(another summation order).
 """
 
 import os
@@ -103,6 +104,9 @@ def test_single_planes(planes):
 
 
 EXACT_ACTS = ("relu", "squared_relu")  # exact arithmetic: bit-identical everywhere
+# bit-identical to the Triton cast: expf agrees with libdevice's; the CUDA math library's erff (gelu)
+# and tanhf (gelu_tanh) differ from libdevice's in the last bit for some inputs
+BIT_EQUAL_ACTS = EXACT_ACTS + ("silu",)
 
 
 def code_distance(a, b):
@@ -137,8 +141,9 @@ def test_activation_prologue(act, dtype):
     for block in ((1, 128), (128, 128)):
         got, db = run(h, "fp8_e4m3", block, True, rowwise=True, columnwise=True, act=act, dbias=True)
         want, db_t = run(h, "fp8_e4m3", block, False, rowwise=True, columnwise=True, act=act, dbias=True)
-        if act in EXACT_ACTS:
+        if act in BIT_EQUAL_ACTS:
             same(got, want)
+        if act in EXACT_ACTS:
             same(got, quantize_float8(src, "fp8_e4m3", axes=(1, 0), block=block))
         else:
             close_to_unfused(got, src, block)
@@ -155,9 +160,9 @@ def test_activation_grad_prologue_and_dbias(act, dtype):
     src = activation_backward(h, da, act)
     got, db = run(h, "fp8_e5m2", (1, 128), True, rowwise=True, columnwise=True, act=act, grad=da, dbias=True)
     want, db_t = run(h, "fp8_e5m2", (1, 128), False, rowwise=True, columnwise=True, act=act, grad=da, dbias=True)
-    if act in EXACT_ACTS:
+    if act in BIT_EQUAL_ACTS:
         same(got, want)
-    else:
+    if act not in EXACT_ACTS:
         close_to_unfused(got, src, (1, 128))
     torch.testing.assert_close(db, db_t, rtol=1e-4, atol=1e-2)
     torch.testing.assert_close(db.double(), src.double().sum(0), rtol=1e-3, atol=5e-2)
@@ -172,4 +177,5 @@ def test_unsupported_shapes_take_triton(monkeypatch):
     assert calls == [False]
     same(got, quantize_float8(x, "fp8_e4m3", axes=(1, 0), block=(1, 128)))
     assert "multiple of 16 rows" in cuda_cast.fp8_block_unsupported(x, None, True)
+    assert "multiple of 16 rows" in cuda_cast.fp8_block_unsupported(x, None, False)  # one backend per source
     assert "rows of a multiple of 8" in cuda_cast.fp8_block_unsupported(source(64, 36, torch.bfloat16), None, False)
