@@ -302,7 +302,27 @@ def strip_and_values_rows(x, n):
 
 
 def fused_rows(x, n, variants_out=None):
-    """Norm+cast and activation+cast against torch op + separate cast (empty until those kernels exist)."""
+    """Norm+cast and activation+cast against the torch op followed by the separate cast.
+
+    The baseline's cast is the fastest one (the dispatch point's default: the CUDA C++ cast where it
+    is built, else Triton); the fused functions take the CUDA kernels where they apply. The names
+    also give each against the Triton-only pair (``MXTRAIN_BACKEND=triton`` for both)."""
+    import os
+
+    from mxtrain.kernels import dispatch
+
+    def with_backend(backend, fn):
+        def run():
+            old = os.environ.get("MXTRAIN_BACKEND")
+            os.environ["MXTRAIN_BACKEND"] = backend
+            try:
+                return fn()
+            finally:
+                if old is None:
+                    del os.environ["MXTRAIN_BACKEND"]
+                else:
+                    os.environ["MXTRAIN_BACKEND"] = old
+        return run
     rows = []
     try:
         from mxtrain.kernels import norm_cast
@@ -318,23 +338,24 @@ def fused_rows(x, n, variants_out=None):
         w = torch.randn(n, device=x.device, dtype=torch.bfloat16)
         b = torch.randn(n, device=x.device, dtype=torch.bfloat16)
         for kind in ("LayerNorm", "RMSNorm"):
-            def unfused():
+            def unfused(kind=kind):
                 if kind == "LayerNorm":
                     y = torch.nn.functional.layer_norm(x, (n,), w, b)
                 else:
                     y = torch.nn.functional.rms_norm(x, (n,), w)
-                return cast.triton_quantize(y, "fp8_e4m3", axis=(-1, 0))
+                return dispatch.quantize(y, "fp8_e4m3", axis=(-1, 0))
             base_ms = bench(unfused)
+            base_triton = bench(with_backend("triton", unfused))
             nbytes = x.numel() * 2 + 2 * (n * n + n * (n // 32))
-            default_tile = norm_cast.TILE
-            tiles = [default_tile] + ([(512, 8), (128, 4), (256, 8)] if variants_out is not None else [])
-            for tile in tiles:
-                norm_cast.TILE = tile
-                ms = bench(lambda: norm_cast.norm_cast(x, w, b if kind == "LayerNorm" else None, kind=kind,
-                                                       fmt="fp8_e4m3", axis=(-1, 0)))
-                row = (f"{kind}+cast MXFP8 row+col [{tile}] (unfused {base_ms:.4f} ms)", nbytes, ms, base_ms)
-                (rows if tile == default_tile else variants_out).append(row)
-            norm_cast.TILE = default_tile
+
+            def fused(kind=kind):
+                return norm_cast.norm_cast(x, w, b if kind == "LayerNorm" else None, kind=kind, fmt="fp8_e4m3",
+                                           axis=(-1, 0))
+            ms = bench(fused)
+            ms_triton = bench(with_backend("triton", fused))
+            rows.append((f"{kind}+cast MXFP8 row+col (unfused {base_ms:.4f} ms; Triton-only pair: fused "
+                         f"{ms_triton:.4f} vs unfused {base_triton:.4f} ms = {base_triton / ms_triton:.2f}x)",
+                         nbytes, ms, base_ms))
     if activation_cast is not None:
         h = torch.randn(n, 2 * n, device=x.device, dtype=torch.bfloat16)
         for act in ("gelu", "swiglu"):
@@ -342,11 +363,18 @@ def fused_rows(x, n, variants_out=None):
 
             def unfused(act=act, inp=inp):
                 y = activation_cast.torch_activation(inp, act)
-                return cast.triton_quantize(y, "fp8_e4m3", axis=(-1, 0))
+                return dispatch.quantize(y, "fp8_e4m3", axis=(-1, 0))
+
+            def fused(act=act, inp=inp):
+                return activation_cast.activation_cast(inp, act, "fp8_e4m3", axis=(-1, 0))
             base_ms = bench(unfused)
-            ms = bench(lambda act=act, inp=inp: activation_cast.activation_cast(inp, act, "fp8_e4m3", axis=(-1, 0)))
+            base_triton = bench(with_backend("triton", unfused))
+            ms = bench(fused)
+            ms_triton = bench(with_backend("triton", fused))
             nbytes = inp.numel() * 2 + 2 * (n * n + n * (n // 32))
-            rows.append((f"{act}+cast MXFP8 row+col (unfused {base_ms:.4f} ms)", nbytes, ms, base_ms))
+            rows.append((f"{act}+cast MXFP8 row+col (unfused {base_ms:.4f} ms; Triton-only pair: fused "
+                         f"{ms_triton:.4f} vs unfused {base_triton:.4f} ms = {base_triton / ms_triton:.2f}x)",
+                         nbytes, ms, base_ms))
     return rows
 
 

@@ -90,4 +90,66 @@ __device__ __forceinline__ int swz(int r, int c) { return c ^ ((r >> 1) & 7); }
 
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
 
+// ---- sources: activations, rounding to the input dtype -----------------------------------
+
+// Every product and sum is an explicit round-to-nearest intrinsic: the build leaves FMA contraction on
+// (the CUDA math library's erff / expf / tanhf are written for it, and only then match the libdevice
+// versions that Triton and torch's kernels run), so nothing of ours may be contracted.
+__device__ __forceinline__ float act_fwd(float x, int act) {
+  switch (act) {
+    case 1:
+      return __fmul_rn(__fmul_rn(x, 0.5f), __fadd_rn(1.0f, erff(__fmul_rn(x, 0.7071067811865476f))));
+    case 2: {
+      const float cube = __fmul_rn(__fmul_rn(x, x), x);
+      const float inner = __fmul_rn(0.7978845608028654f, __fadd_rn(x, __fmul_rn(0.044715f, cube)));
+      return __fmul_rn(__fmul_rn(0.5f, x), __fadd_rn(1.0f, tanhf(inner)));
+    }
+    case 3:
+      return x <= 0.0f ? 0.0f : x;  // torch's CUDA relu: -0 -> +0, NaN stays NaN
+    case 4: {
+      const float r = x < 0.0f ? 0.0f : x;
+      return __fmul_rn(r, r);
+    }
+    default:
+      return __fdiv_rn(x, __fadd_rn(1.0f, expf(-x)));
+  }
+}
+
+// fp32 rounded to T (ties to even), back as fp32; NaN kept
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  if constexpr (Elem<T>::kWords == 2) {
+    return v;
+  } else if constexpr (sizeof(T) == 2 && Elem<T>::kIsHalf) {
+    return __half2float(__float2half_rn(v));
+  } else {
+    if (v != v) return v;
+    return __bfloat162float(__float2bfloat16_rn(v));
+  }
+}
+
+// fp32 values -> raw T bits of one 8-element chunk (exact: the values are already rounded to T)
+template <typename T>
+__device__ __forceinline__ void narrow8(const float v[8], uint4* raw) {
+  if constexpr (Elem<T>::kWords == 2) {
+    raw[0] = make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+    raw[1] = make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]), __float_as_uint(v[7]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t lo, hi;
+      if constexpr (Elem<T>::kIsHalf) {
+        lo = __half_as_ushort(__float2half_rn(v[2 * j]));
+        hi = __half_as_ushort(__float2half_rn(v[2 * j + 1]));
+      } else {
+        lo = __float_as_uint(v[2 * j]) >> 16;  // exact: bf16 values
+        hi = __float_as_uint(v[2 * j + 1]) >> 16;
+      }
+      w[j] = lo | (hi << 16);
+    }
+    raw[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 }  // namespace mxtrain_cuda

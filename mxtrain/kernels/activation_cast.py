@@ -14,7 +14,10 @@ rounding to bf16 an element may differ by one bf16 ulp where the fp32 value lies
 next to a rounding boundary (tests: ``|diff| <= 1 ulp of the dtype``, fp32 within 1e-6 relative).
 
 The kernel is the cast kernel with an activation prologue (``ACT`` constexpr): the
-same tile grid, one read of ``h`` (two column tiles of it for gated activations).
+same tile grid, one read of ``h`` (two column tiles of it for gated activations). With
+``MXTRAIN_CUDA_FUSED_SOURCES=1`` (opt-in: slower than this kernel on an H100), CUDA tensors with an
+MXFP8 round-half-even cast of block 32 run the non-gated activations on the CUDA C++ cast
+(``mxtrain/csrc/mx_cast.cu``) with the activation as its prologue: the same contract.
 """
 
 from __future__ import annotations
@@ -73,6 +76,16 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
     h2 = h.reshape(-1, h.shape[-1])
     if h2.stride(-1) != 1:
         h2 = h2.contiguous()
+    if h.is_cuda and not gated and (len(out_shape) == 2 or not want_col):
+        from mxtrain.kernels import cuda_cast
+        from mxtrain.kernels.norm_cast import _cuda_cast_selected
+
+        res = (cuda_cast.activation_cast(h2, name, fmt_, block_size, scale_mode, rounding, pack, want_row, want_col,
+                                         return_output) if _cuda_cast_selected(h.device) else None)
+        if res is not None:  # the CUDA C++ cast with the activation as its prologue
+            row, col, y = res
+            mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
+            return (mxt, y.reshape(out_shape)) if return_output else mxt
     n_out = out_shape[-1]
     y = torch.empty(h2.shape[0], n_out, dtype=h.dtype, device=h.device) if return_output else None
     seed_t = _cast._philox_seed(seed, h.device) if rounding == "stochastic" else None

@@ -32,14 +32,14 @@ from mxtrain.quantization import MXTensor
 from mxtrain.quantization._validate import normalize_axis
 from mxtrain.quantization.mx import _check_common
 
-__all__ = ["cuda_quantize", "fp8_block_cast", "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
+__all__ = ["cuda_quantize", "fp8_block_cast", "norm_cast", "activation_cast", "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 SOURCE = CSRC_DIR / "mx_cast.cu"
 SOURCES = (SOURCE, CSRC_DIR / "fp8_block_cast.cu")
 HEADERS = (CSRC_DIR / "cast_common.cuh",)
 ENABLED = os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _FLAGS = {"row_codes": 1, "row_vals": 2, "col_codes": 4, "col_vals": 8}
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _FORMATS = {"fp8_e4m3": 0, "fp8_e5m2": 1}
@@ -94,7 +94,10 @@ def _build() -> ctypes.CDLL:
                            f"{_ABI_VERSION}; clear the torch extension cache")
     ll, vp, i = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int
     lib.mxtrain_mx_cast_fp8.argtypes = [vp, ll, ll, ll, i, i, i, i, i, ctypes.c_uint, i,
-                                        vp, ll, vp, ll, vp, ll, vp, ll, vp, vp, ll, ll, ll, vp]
+                                        vp, ll, vp, ll, vp, ll, vp, ll, vp, vp, ll, ll, ll,
+                                        i, i, vp, vp, vp, vp, vp, ll, vp]
+    lib.mxtrain_row_stats.argtypes = [vp, ll, ll, ll, i, ctypes.c_float, vp, vp, vp]
+    lib.mxtrain_row_stats.restype = i
     lib.mxtrain_mx_cast_fp8.restype = i
     f32 = ctypes.c_float
     lib.mxtrain_fp8_block_cast.argtypes = [vp, vp, ll, ll, ll, ll, i, i, i, i, i, f32, f32, vp, vp, vp, vp, vp, ll, ll,
@@ -182,8 +185,13 @@ def _alloc(shape, device) -> torch.Tensor:
 
 
 def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str, rows: bool, cols: bool,
-            row_codes: bool, row_vals: bool, col_codes: bool, col_vals: bool):
-    """One kernel launch on a 2-D view; returns (row, col) as the Triton ``_launch`` does."""
+            row_codes: bool, row_vals: bool, col_codes: bool, col_vals: bool, pre: int = 0, act: int = 0,
+            mean=None, rstd=None, gamma=None, beta=None, y=None):
+    """One kernel launch on a 2-D view; returns (row, col) as the Triton ``_launch`` does.
+
+    ``pre`` 1-5: cast ``act(x2)`` (the ids of :data:`CUDA_ACTIVATIONS`); 6: LayerNorm ``((x2 - mean) * rstd)
+    * gamma (+ beta)``; 7: RMSNorm ``(x2 * rstd) * gamma``; rounded to x2's dtype (bf16 / fp16 only) and
+    written to ``y`` if given."""
     M, K = x2.shape
     dev = x2.device
     kp, mp = -(-K // 32) * 32, -(-M // 32) * 32
@@ -209,10 +217,75 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
     err = lib.mxtrain_mx_cast_fp8(
         x2.data_ptr(), M, K, x2.stride(0), _DTYPES[x2.dtype], _FORMATS[fmt.name], _SCALE_MODES[scale_mode],
         fmt.emax, fmt.mbits, _inv_max_bits(fmt), flags, ptr(rd), ld(rd), ptr(rs), ld(rs), ptr(cd), ld(cd), ptr(cs),
-        ld(cs), ptr(rv), ptr(cv), K, kp, mp, torch.cuda.current_stream(dev).cuda_stream)
+        ld(cs), ptr(rv), ptr(cv), K, kp, mp, pre, act, ptr(mean), ptr(rstd), ptr(gamma), ptr(beta), ptr(y), ld(y),
+        torch.cuda.current_stream(dev).cuda_stream)
     if err:
         raise RuntimeError(f"mxtrain CUDA cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")
     return row, col
+
+
+# ---- fused sources: activation + cast, norm + cast -------------------------------------------
+
+# activation ids of the CUDA prologue (cast_common.cuh act_fwd); gated activations stay with Triton
+CUDA_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
+# Norm + cast and activation + cast on the CUDA kernel: off by default, because on an H100 they
+# measured slower than Triton's fused kernels (8192^2 bf16, both planes: gelu 0.253 vs 0.228 ms,
+# LayerNorm 0.271 vs 0.263, RMSNorm 0.256 vs 0.255; benchmarks/RESULTS.md): the prologue pushes the
+# tile kernel to 128 registers with spills. Exact and tested; MXTRAIN_CUDA_FUSED_SOURCES=1 turns them on.
+FUSED_SOURCES = os.environ.get("MXTRAIN_CUDA_FUSED_SOURCES", "0") == "1"
+
+
+def _fused_unsupported(x2: torch.Tensor, fmt: ElemFormat, block_size: int, scale_mode: str, rounding: str,
+                       pack: bool) -> str | None:
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        return f"fused sources are built for bf16 / fp16 inputs, got {x2.dtype}"
+    return unsupported_reason(x2, fmt, block_size, (1, 0), scale_mode, rounding, (), torch.bfloat16)
+
+
+def activation_cast(h2: torch.Tensor, act: str, fmt: ElemFormat, block_size: int, scale_mode: str, rounding: str,
+                    pack: bool, rows: bool, cols: bool, return_output: bool):
+    """``act(h2)`` cast to MXFP8 in one pass on the CUDA kernel: ``(row, col, y)`` as the Triton
+    ``_launch`` returns them (plus the activation output when asked for), or None where it does not apply."""
+    if not FUSED_SOURCES or act not in CUDA_ACTIVATIONS or _fused_unsupported(h2, fmt, block_size, scale_mode,
+                                                                              rounding, pack):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    y = torch.empty_like(h2) if return_output else None
+    row, col = _launch(lib, h2, fmt, scale_mode, rows, cols, True, False, True, False, pre=CUDA_ACTIVATIONS[act], y=y)
+    return row, col, y
+
+
+def norm_cast(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float,
+              zero_centered_gamma: bool, fmt: ElemFormat, block_size: int, scale_mode: str, rounding: str,
+              pack: bool, rows: bool, cols: bool, return_output: bool):
+    """LayerNorm / RMSNorm of ``x2`` [M, K] cast to MXFP8 on the CUDA kernels: a statistics pass
+    (``mxtrain_row_stats``: fp32 mean, then the mean of squared deviations, per row) and the cast with
+    the norm as its prologue. Returns ``(row, col, mean, rstd, y)`` or None where it does not apply."""
+    if not FUSED_SOURCES or _fused_unsupported(x2, fmt, block_size, scale_mode, rounding, pack):
+        return None
+    if weight.dtype not in (x2.dtype, torch.float32) or (bias is not None and bias.dtype != weight.dtype):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    M, K = x2.shape
+    dev = x2.device
+    gamma = (weight + 1) if zero_centered_gamma else weight  # in the weight's dtype, as the modules compute it
+    gamma = gamma.float().contiguous()
+    beta = bias.float().contiguous() if bias is not None else None
+    rstd = torch.empty(M, dtype=torch.float32, device=dev)
+    mean = torch.empty(M, dtype=torch.float32, device=dev) if kind == "LayerNorm" else None
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    err = lib.mxtrain_row_stats(x2.data_ptr(), M, K, x2.stride(0), _DTYPES[x2.dtype], float(eps),
+                                None if mean is None else mean.data_ptr(), rstd.data_ptr(), stream)
+    if err:
+        raise RuntimeError(f"mxtrain CUDA norm statistics failed: {lib.mxtrain_cuda_error_string(err).decode()}")
+    y = torch.empty_like(x2) if return_output else None
+    row, col = _launch(lib, x2, fmt, scale_mode, rows, cols, True, False, True, False,
+                       pre=6 if kind == "LayerNorm" else 7, mean=mean, rstd=rstd, gamma=gamma, beta=beta, y=y)
+    return row, col, mean, rstd, y
 
 
 def _inv_max_bits(fmt: ElemFormat) -> int:

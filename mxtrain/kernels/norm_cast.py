@@ -5,7 +5,12 @@
 to ``x``'s dtype first, as the torch op returns it), the per-row ``mean`` (LayerNorm)
 and ``rstd`` in fp32, and optionally ``y`` itself.
 
-One program owns a band of ``BLOCK_M`` rows (32 = one columnwise block when the
+With ``MXTRAIN_CUDA_FUSED_SOURCES=1`` (opt-in: slower than this Triton kernel on an H100, see
+benchmarks/RESULTS.md), CUDA tensors with an MXFP8 round-half-even cast of block 32 run the CUDA C++
+kernels of ``mxtrain/csrc/mx_cast.cu`` instead: a per-row statistics pass (fp32 sum for the mean,
+then the sum of squared deviations) and the cast with the norm as its prologue; the same contract.
+
+The Triton kernel: one program owns a band of ``BLOCK_M`` rows (32 = one columnwise block when the
 columnwise plane is written): pass 1 streams the band once for the row statistics
 (chunked Welford/Chan combination in fp32: no E[x^2] - E[x]^2 cancellation); pass 2
 streams it again, last chunk first (what pass 1 read last is the likeliest to still be in
@@ -172,6 +177,16 @@ def _reference(x2, weight, bias, kind, eps, zc, fmt, block_size, axis, scale_mod
     return mxt, mean, rstd, y
 
 
+def _cuda_cast_selected(device: torch.device) -> bool:
+    """Whether the dispatch point picks the CUDA C++ cast here (``MXTRAIN_BACKEND=triton`` keeps Triton)."""
+    from mxtrain.kernels import dispatch
+
+    try:
+        return dispatch._resolve(None, device, dispatch._QUANTIZE_IMPLS) == "cuda"
+    except RuntimeError:
+        return False
+
+
 def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, kind: str = "LayerNorm",
               eps: float = 1e-5, zero_centered_gamma: bool = False, fmt="fp8_e4m3", block_size: int = 32,
               axis=(-1, 0), scale_mode: str = "floor", rounding: str = "even", seed=None, pack: bool = True,
@@ -208,6 +223,15 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         return NormCastResult(mxt, mean, rstd, y if return_output else None)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    if x.is_cuda and _cuda_cast_selected(x.device):  # the CUDA kernels: a statistics pass, then the cast
+        from mxtrain.kernels import cuda_cast
+
+        res = cuda_cast.norm_cast(x2, weight, bias, kind, eps, zero_centered_gamma, fmt_, block_size, scale_mode,
+                                  rounding, pack, want_row, want_col, return_output)
+        if res is not None:
+            row, col, mean, rstd, y = res
+            mxt = _cast.assemble_mxtensor(x, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
+            return NormCastResult(mxt, mean, rstd, y.reshape(x.shape) if y is not None else None)
     M = x2.shape[0]
     dev = x.device
     bs = block_size

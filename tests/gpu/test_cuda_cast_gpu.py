@@ -185,3 +185,89 @@ def test_modules_on_cuda_cast_equal_triton(monkeypatch):
         outs[backend] = [y.detach(), x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
     for a, b in zip(outs["cuda"], outs["triton"]):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- norm + cast, activation + cast on the CUDA kernel
+
+@pytest.fixture
+def fused_sources(monkeypatch):
+    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", True)  # opt-in (slower than Triton's fused kernels)
+
+
+def _spy(monkeypatch, name):
+    calls = []
+    real = getattr(cuda_cast, name)
+    monkeypatch.setattr(cuda_cast, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+def test_norm_cast_cuda(monkeypatch, fused_sources, dtype, kind, zero_centered):
+    from mxtrain.kernels.norm_cast import norm_cast, torch_norm
+
+    calls = _spy(monkeypatch, "_launch")
+    g = torch.Generator(device=DEV).manual_seed(21)
+    x = (torch.randn(300, 1032, generator=g, device=DEV) * 2 + 0.5).to(dtype)  # ragged rows and columns
+    w = (torch.randn(1032, generator=g, device=DEV) * 0.5 + (0 if zero_centered else 1)).to(dtype)
+    b = (torch.randn(1032, generator=g, device=DEV) * 0.2).to(dtype) if kind == "LayerNorm" else None
+    r = norm_cast(x, w, b, kind=kind, fmt="fp8_e4m3", axis=(-1, 0), scale_mode="rceil", return_output=True,
+                  zero_centered_gamma=zero_centered)
+    assert bool(calls) == (dtype != torch.float32), "fused sources run on the CUDA kernel for bf16 / fp16 only"
+    want = quantize_mx(r.out, "fp8_e4m3", axis=(-1, 0), scale_mode="rceil")
+    assert not helpers.planes_equal(r.mx, want)  # the codes of the kernel's own output, bit for bit
+    tol = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-5),
+           torch.float16: dict(rtol=2**-9, atol=1e-5)}[dtype]
+    torch.testing.assert_close(r.out.float(), torch_norm(x, w, b, kind, zero_centered_gamma=zero_centered).float(),
+                               **tol)
+    xf = x.float()
+    var = xf.var(-1, unbiased=False) if kind == "LayerNorm" else xf.square().mean(-1)
+    torch.testing.assert_close(r.rstd, torch.rsqrt(var + 1e-5), rtol=1e-5, atol=0)
+    if kind == "LayerNorm":
+        torch.testing.assert_close(r.mean, xf.mean(-1), rtol=1e-5, atol=1e-5)
+    r2 = norm_cast(x, w, b, kind=kind, fmt="fp8_e4m3", axis=(-1, 0), scale_mode="rceil",
+                   zero_centered_gamma=zero_centered)  # without the output: the same bytes
+    assert r2.out is None and not helpers.planes_equal(r2.mx, r.mx)
+
+
+def test_norm_cast_3d_rowwise_and_triton_switch(monkeypatch, fused_sources):
+    from mxtrain.kernels.norm_cast import norm_cast
+
+    x = torch.randn(4, 64, 256, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(256, device=DEV, dtype=torch.bfloat16)
+    r = norm_cast(x, w, None, kind="RMSNorm", fmt="fp8_e5m2", axis=-1, return_output=True)
+    assert not helpers.planes_equal(r.mx, quantize_mx(r.out, "fp8_e5m2", axis=-1))
+    calls = _spy(monkeypatch, "_launch")
+    monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
+    r = norm_cast(x, w, None, kind="RMSNorm", fmt="fp8_e5m2", axis=-1, return_output=True)
+    assert not calls  # MXTRAIN_BACKEND=triton keeps the Triton kernel
+    assert not helpers.planes_equal(r.mx, quantize_mx(r.out, "fp8_e5m2", axis=-1))
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu", "squared_relu", "silu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[1])
+def test_activation_cast_cuda(monkeypatch, fused_sources, act, dtype):
+    from mxtrain.kernels.activation_cast import activation_cast, torch_activation
+
+    calls = _spy(monkeypatch, "_launch")
+    g = torch.Generator(device=DEV).manual_seed(22)
+    h = (torch.randn(200, 1032, generator=g, device=DEV) * 3).to(dtype)
+    mxt, out = activation_cast(h, act, "fp8_e4m3", axis=(-1, 0), return_output=True)
+    assert bool(calls) == (dtype != torch.float32), "fused sources run on the CUDA kernel for bf16 / fp16 only"
+    assert not helpers.planes_equal(mxt, quantize_mx(out, "fp8_e4m3", axis=(-1, 0)))
+    tol = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-5),
+           torch.float16: dict(rtol=2**-9, atol=1e-5)}[dtype]
+    torch.testing.assert_close(out.float(), torch_activation(h, act).float(), **tol)
+    if act in ("relu", "squared_relu"):
+        assert torch.equal(out, torch_activation(h, act))
+    assert not helpers.planes_equal(activation_cast(h, act, "fp8_e4m3", axis=(-1, 0)), mxt)
+
+
+def test_fused_sources_off_by_default(monkeypatch):
+    from mxtrain.kernels.activation_cast import activation_cast
+
+    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", False)
+    calls = _spy(monkeypatch, "_launch")
+    activation_cast(torch.randn(64, 256, device=DEV, dtype=torch.bfloat16), "gelu", "fp8_e4m3", axis=(-1, 0))
+    assert not calls
