@@ -90,6 +90,54 @@ __device__ __forceinline__ int swz(int r, int c) { return c ^ ((r >> 1) & 7); }
 
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
 
+// ---- the columnwise plane through a transposed code tile (both casts) ------------------------
+
+// The 32 codes of each column of the pair at p[0], p[1] (rows r at p[r * LD]), every value times its
+// column's multiplier: 4 codes per word, in row order
+template <typename T, int FMT, int LD>
+__device__ __forceinline__ void pair_codes(const T* p, float mul_a, float mul_b, uint32_t ca[8], uint32_t cb[8]) {
+#pragma unroll
+  for (int r = 0; r < 32; r += 4) {
+    float a0, b0, a1, b1, a2, b2, a3, b3;
+    load_pair<T>(p + r * LD, a0, b0);
+    load_pair<T>(p + (r + 1) * LD, a1, b1);
+    load_pair<T>(p + (r + 2) * LD, a2, b2);
+    load_pair<T>(p + (r + 3) * LD, a3, b3);
+    ca[r / 4] = codes2<FMT>(__fmul_rn(a0, mul_a), __fmul_rn(a1, mul_a)) |
+                (codes2<FMT>(__fmul_rn(a2, mul_a), __fmul_rn(a3, mul_a)) << 16);
+    cb[r / 4] = codes2<FMT>(__fmul_rn(b0, mul_b), __fmul_rn(b1, mul_b)) |
+                (codes2<FMT>(__fmul_rn(b2, mul_b), __fmul_rn(b3, mul_b)) << 16);
+  }
+}
+
+// Those codes into the transposed code tile (rows of TILE_M bytes): rows ra and ra + 1, 16-byte chunks
+// 2h and 2h + 1 (32 rows of block h), swizzled
+template <int TILE_M>
+__device__ __forceinline__ void put_pair_codes(uint8_t* ctile, int ra, int h, const uint32_t ca[8],
+                                               const uint32_t cb[8]) {
+  const int rb = ra + 1;
+  *reinterpret_cast<uint4*>(ctile + ra * TILE_M + swz(ra, 2 * h) * 16) = make_uint4(ca[0], ca[1], ca[2], ca[3]);
+  *reinterpret_cast<uint4*>(ctile + ra * TILE_M + swz(ra, 2 * h + 1) * 16) = make_uint4(ca[4], ca[5], ca[6], ca[7]);
+  *reinterpret_cast<uint4*>(ctile + rb * TILE_M + swz(rb, 2 * h) * 16) = make_uint4(cb[0], cb[1], cb[2], cb[3]);
+  *reinterpret_cast<uint4*>(ctile + rb * TILE_M + swz(rb, 2 * h + 1) * 16) = make_uint4(cb[4], cb[5], cb[6], cb[7]);
+}
+
+// The code tile (ROWS rows of TILE_M bytes) out to dst[(r0 + r) * ld + c0 + ...] as whole rows, 16 bytes
+// a lane (TILE_M / 16 lanes a row): rows below r_end, 16-byte chunks starting below c_end
+template <int ROWS, int TILE_M, int THREADS>
+__device__ __forceinline__ void write_code_tile(const uint8_t* ctile, uint8_t* dst, long long ld, long long r0,
+                                                long long c0, long long r_end, long long c_end, int tid) {
+  constexpr int kPerRow = TILE_M / 16;
+#pragma unroll
+  for (int j = 0; j < ROWS * kPerRow / THREADS; ++j) {
+    const int idx = j * THREADS + tid;
+    const int r = idx / kPerRow, c = idx % kPerRow;
+    const long long row = r0 + r, col = c0 + 16 * c;
+    if (row < r_end && col < c_end)
+      *reinterpret_cast<uint4*>(dst + row * ld + col) = *reinterpret_cast<const uint4*>(ctile + r * TILE_M + swz(r, c) * 16);
+  }
+}
+
 // ---- sources: activations, rounding to the input dtype -----------------------------------
 
 // Every product and sum is an explicit round-to-nearest intrinsic: the build leaves FMA contraction on

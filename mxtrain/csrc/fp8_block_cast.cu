@@ -213,20 +213,8 @@ __global__ void __launch_bounds__(kThreads) fp8_block_cast_kernel(const Fp8Args 
     sb = block_scale(max(max(pamax[cb_], pamax[kB + cb_]), max(pamax[2 * kB + cb_], pamax[3 * kB + cb_])), a);
   }
   uint32_t wa[8], wb[8];
-#pragma unroll
-  for (int r = 0; r < 32; r += 4) {
-    float a0, b0, a1, b1, a2, b2, a3, b3;
-    load_pair<T>(&tile[32 * h + r][ca_], a0, b0);
-    load_pair<T>(&tile[32 * h + r + 1][ca_], a1, b1);
-    load_pair<T>(&tile[32 * h + r + 2][ca_], a2, b2);
-    load_pair<T>(&tile[32 * h + r + 3][ca_], a3, b3);
-    wa[r / 4] = codes2<FMT>(__fmul_rn(a0, sa), __fmul_rn(a1, sa)) | (codes2<FMT>(__fmul_rn(a2, sa), __fmul_rn(a3, sa)) << 16);
-    wb[r / 4] = codes2<FMT>(__fmul_rn(b0, sb), __fmul_rn(b1, sb)) | (codes2<FMT>(__fmul_rn(b2, sb), __fmul_rn(b3, sb)) << 16);
-  }
-  *reinterpret_cast<uint4*>(ctile + ca_ * kB + swz(ca_, 2 * h) * 16) = make_uint4(wa[0], wa[1], wa[2], wa[3]);
-  *reinterpret_cast<uint4*>(ctile + ca_ * kB + swz(ca_, 2 * h + 1) * 16) = make_uint4(wa[4], wa[5], wa[6], wa[7]);
-  *reinterpret_cast<uint4*>(ctile + cb_ * kB + swz(cb_, 2 * h) * 16) = make_uint4(wb[0], wb[1], wb[2], wb[3]);
-  *reinterpret_cast<uint4*>(ctile + cb_ * kB + swz(cb_, 2 * h + 1) * 16) = make_uint4(wb[4], wb[5], wb[6], wb[7]);
+  pair_codes<T, FMT, kB>(&tile[32 * h][ca_], sa, sb, wa, wb);
+  put_pair_codes<kB>(ctile, ca_, h, wa, wb);
   if (h == 0 && n_in) {
     if (!square) {
       a.csi[(n0 + ca_) * a.nb_m + blockIdx.x] = __fdiv_rn(1.0f, sa);
@@ -237,14 +225,7 @@ __global__ void __launch_bounds__(kThreads) fp8_block_cast_kernel(const Fp8Args 
   }
   __syncthreads();
   // 4. the transposed codes leave as 128-byte rows (M is a multiple of 16: whole chunks)
-#pragma unroll
-  for (int j = 0; j < kB * (kB / 16) / kThreads; ++j) {
-    const int idx = j * kThreads + tid;
-    const int r = idx / 8, c = idx % 8;
-    const long long n = n0 + r, m = m0 + 16 * c;
-    if (n < a.N && m < a.M)
-      *reinterpret_cast<uint4*>(a.col + n * a.M + m) = *reinterpret_cast<const uint4*>(ctile + r * kB + swz(r, c) * 16);
-  }
+  write_code_tile<kB, kB, kThreads>(ctile, a.col, a.M, n0, m0, a.N, a.M, tid);
 }
 
 template <typename T, int FMT, int PRE>

@@ -276,31 +276,16 @@ __global__ void __launch_bounds__(kThreads, PRE != 0 ? 2 : 1) mx_cast_fp8_kernel
     const int sa = shared_scale(amax_a, a), sb = shared_scale(amax_b, a);
     const float inv_a = inverse_scale(sa), inv_b = inverse_scale(sb);
     uint32_t ca[8], cb[8];  // 32 codes per column, 4 per word
-#pragma unroll
-    for (int r = 0; r < 32; r += 4) {
-      float a0, b0, a1, b1, a2, b2, a3, b3;
-      load_pair<T>(&tile[32 * h + r][2 * p], a0, b0);
-      load_pair<T>(&tile[32 * h + r + 1][2 * p], a1, b1);
-      load_pair<T>(&tile[32 * h + r + 2][2 * p], a2, b2);
-      load_pair<T>(&tile[32 * h + r + 3][2 * p], a3, b3);
-      ca[r / 4] = codes2<FMT>(__fmul_rn(a0, inv_a), __fmul_rn(a1, inv_a)) |
-                  (codes2<FMT>(__fmul_rn(a2, inv_a), __fmul_rn(a3, inv_a)) << 16);
-      cb[r / 4] = codes2<FMT>(__fmul_rn(b0, inv_b), __fmul_rn(b1, inv_b)) |
-                  (codes2<FMT>(__fmul_rn(b2, inv_b), __fmul_rn(b3, inv_b)) << 16);
-    }
+    pair_codes<T, FMT, kTileK>(&tile[32 * h][2 * p], inv_a, inv_b, ca, cb);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       if (sa == 255) ca[j] = 0u;
       if (sb == 255) cb[j] = 0u;
     }
     if (a.flags & kColCodes) {  // into the transposed code tile; leaves in full lines below
-      const int ra = 2 * p, rb = 2 * p + 1;
-      *reinterpret_cast<uint4*>(ctile + ra * kTileM + swz(ra, 2 * h) * 16) = make_uint4(ca[0], ca[1], ca[2], ca[3]);
-      *reinterpret_cast<uint4*>(ctile + ra * kTileM + swz(ra, 2 * h + 1) * 16) = make_uint4(ca[4], ca[5], ca[6], ca[7]);
-      *reinterpret_cast<uint4*>(ctile + rb * kTileM + swz(rb, 2 * h) * 16) = make_uint4(cb[0], cb[1], cb[2], cb[3]);
-      *reinterpret_cast<uint4*>(ctile + rb * kTileM + swz(rb, 2 * h + 1) * 16) = make_uint4(cb[4], cb[5], cb[6], cb[7]);
-      cscale[ra * (kTileM / 32) + h] = (uint8_t)sa;
-      cscale[rb * (kTileM / 32) + h] = (uint8_t)sb;
+      put_pair_codes<kTileM>(ctile, 2 * p, h, ca, cb);
+      cscale[2 * p * (kTileM / 32) + h] = (uint8_t)sa;
+      cscale[(2 * p + 1) * (kTileM / 32) + h] = (uint8_t)sb;
     }
     if (a.flags & kColVals) {
       const float sva = scale_value(sa), svb = scale_value(sb);
@@ -321,15 +306,7 @@ __global__ void __launch_bounds__(kThreads, PRE != 0 ? 2 : 1) mx_cast_fp8_kernel
 
   // 4. the transposed codes leave as whole 128-byte rows (8 lanes per row), the scales as words
   __syncthreads();
-#pragma unroll
-  for (int j = 0; j < kTileK * (kTileM / 16) / kThreads; ++j) {
-    const int idx = j * kThreads + tid;
-    const int r = idx / 8, c = idx % 8;
-    const long long k = k0 + r, m = m0 + 16 * c;
-    if (k < a.K && m < a.MP)
-      *reinterpret_cast<uint4*>(a.col_data + k * a.col_data_ld + m) =
-          *reinterpret_cast<const uint4*>(ctile + r * kTileM + swz(r, c) * 16);
-  }
+  write_code_tile<kTileK, kTileM, kThreads>(ctile, a.col_data, a.col_data_ld, k0, m0, a.K, a.MP, tid);
   if (tid < kTileK && k0 + tid < a.K) {
     const long long nbm = a.MP / 32;
     uint8_t* dst = a.col_scale + (k0 + tid) * a.col_scale_ld + m0 / 32;

@@ -76,12 +76,11 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
     h2 = h.reshape(-1, h.shape[-1])
     if h2.stride(-1) != 1:
         h2 = h2.contiguous()
-    if h.is_cuda and not gated and (len(out_shape) == 2 or not want_col):
-        from mxtrain.kernels import cuda_cast
-        from mxtrain.kernels.norm_cast import _cuda_cast_selected
+    from mxtrain.kernels import cuda_cast
 
-        res = (cuda_cast.activation_cast(h2, name, fmt_, block_size, scale_mode, rounding, pack, want_row, want_col,
-                                         return_output) if _cuda_cast_selected(h.device) else None)
+    if h.is_cuda and not gated and (len(out_shape) == 2 or not want_col) and cuda_cast.fused_sources_selected(h.device):
+        res = cuda_cast.activation_cast(h2, name, fmt_, block_size, scale_mode, rounding, pack, want_row, want_col,
+                                        return_output)
         if res is not None:  # the CUDA C++ cast with the activation as its prologue
             row, col, y = res
             mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)

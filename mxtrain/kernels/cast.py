@@ -40,7 +40,7 @@ from mxtrain.kernels._triton_utils import (
     launch_options, tl, triton,
 )
 from mxtrain.quantization import MXPlane, MXTensor, quantize_mx
-from mxtrain.quantization._validate import make_generator, normalize_axis
+from mxtrain.quantization._validate import make_generator, normalize_axes
 from mxtrain.quantization.mx import _check_common
 from mxtrain.quantization.packing import packed_length
 
@@ -673,12 +673,7 @@ def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_m
     from mxtrain.kernels.dispatch import attach_values, values_request
 
     fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
-    axes = axis if isinstance(axis, tuple) else (axis,)
-    if not axes:
-        raise ValueError("axis tuple must name at least one axis")
-    axes = tuple(normalize_axis(a, x.ndim) for a in axes)
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"axis tuple {axis} names an axis twice")
+    axes = normalize_axes(axis, x.ndim)
     deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
     if _fallback_reason(x, fmt, block_size, axes, pack) is not None:
         mxt = quantize_mx(x, fmt, block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding,

@@ -29,10 +29,11 @@ import torch
 
 from mxtrain.formats import ElemFormat
 from mxtrain.quantization import MXTensor
-from mxtrain.quantization._validate import normalize_axis
+from mxtrain.quantization._validate import normalize_axes
 from mxtrain.quantization.mx import _check_common
 
-__all__ = ["cuda_quantize", "fp8_block_cast", "norm_cast", "activation_cast", "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
+__all__ = ["cuda_quantize", "fp8_block_cast", "norm_cast", "activation_cast", "fused_sources_selected",
+           "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 SOURCE = CSRC_DIR / "mx_cast.cu"
@@ -121,7 +122,8 @@ def library() -> ctypes.CDLL | None:
             try:
                 _LIB = _build()
             except Exception as exc:  # a compiler error, a missing header: say so, keep working
-                problem = f"building {', '.join(f.name for f in SOURCES)} failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
+                names = ", ".join(f.name for f in SOURCES)
+                problem = f"building {names} failed: {type(exc).__name__}: {str(exc).strip()[-2000:]}"
         if problem is not None:
             _ERROR = problem
             warnings.warn(f"mxtrain: the CUDA C++ kernels are unavailable ({problem}); the Triton kernels "
@@ -235,6 +237,21 @@ CUDA_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "si
 FUSED_SOURCES = os.environ.get("MXTRAIN_CUDA_FUSED_SOURCES", "0") == "1"
 
 
+def fused_sources_selected(device: torch.device) -> bool:
+    """Whether norm + cast and activation + cast take the CUDA kernel on ``device``: opted in
+    (:data:`FUSED_SOURCES`) and the dispatch point picks ``"cuda"`` there (``MXTRAIN_BACKEND=triton``
+    keeps Triton). The callers (:mod:`~mxtrain.kernels.norm_cast`, :mod:`~mxtrain.kernels.activation_cast`)
+    ask first, so the default path does no more than read a flag."""
+    if not FUSED_SOURCES:
+        return False
+    from mxtrain.kernels import dispatch
+
+    try:
+        return dispatch._resolve(None, device, dispatch._QUANTIZE_IMPLS) == "cuda"
+    except RuntimeError:
+        return False
+
+
 def _fused_unsupported(x2: torch.Tensor, fmt: ElemFormat, block_size: int, scale_mode: str, rounding: str,
                        pack: bool) -> str | None:
     if x2.dtype not in (torch.bfloat16, torch.float16):
@@ -246,8 +263,7 @@ def activation_cast(h2: torch.Tensor, act: str, fmt: ElemFormat, block_size: int
                     pack: bool, rows: bool, cols: bool, return_output: bool):
     """``act(h2)`` cast to MXFP8 in one pass on the CUDA kernel: ``(row, col, y)`` as the Triton
     ``_launch`` returns them (plus the activation output when asked for), or None where it does not apply."""
-    if not FUSED_SOURCES or act not in CUDA_ACTIVATIONS or _fused_unsupported(h2, fmt, block_size, scale_mode,
-                                                                              rounding, pack):
+    if act not in CUDA_ACTIVATIONS or _fused_unsupported(h2, fmt, block_size, scale_mode, rounding, pack):
         return None
     lib = library()
     if lib is None:
@@ -263,7 +279,7 @@ def norm_cast(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """LayerNorm / RMSNorm of ``x2`` [M, K] cast to MXFP8 on the CUDA kernels: a statistics pass
     (``mxtrain_row_stats``: fp32 mean, then the mean of squared deviations, per row) and the cast with
     the norm as its prologue. Returns ``(row, col, mean, rstd, y)`` or None where it does not apply."""
-    if not FUSED_SOURCES or _fused_unsupported(x2, fmt, block_size, scale_mode, rounding, pack):
+    if _fused_unsupported(x2, fmt, block_size, scale_mode, rounding, pack):
         return None
     if weight.dtype not in (x2.dtype, torch.float32) or (bias is not None and bias.dtype != weight.dtype):
         return None
@@ -316,12 +332,7 @@ def cuda_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mod
     kw = dict(block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding, seed=seed, pack=pack,
               dequantized=dequantized, dequantized_dtype=dequantized_dtype, keep_codes=keep_codes)
     fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
-    axes = axis if isinstance(axis, tuple) else (axis,)
-    if not axes:
-        raise ValueError("axis tuple must name at least one axis")
-    axes = tuple(normalize_axis(a, x.ndim) for a in axes)
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"axis tuple {axis} names an axis twice")
+    axes = normalize_axes(axis, x.ndim)
     deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
     if unsupported_reason(x, fmt, block_size, axes, scale_mode, rounding, deq, dequantized_dtype) is not None:
         return _fallback(x, fmt, **kw)

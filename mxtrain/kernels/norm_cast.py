@@ -177,16 +177,6 @@ def _reference(x2, weight, bias, kind, eps, zc, fmt, block_size, axis, scale_mod
     return mxt, mean, rstd, y
 
 
-def _cuda_cast_selected(device: torch.device) -> bool:
-    """Whether the dispatch point picks the CUDA C++ cast here (``MXTRAIN_BACKEND=triton`` keeps Triton)."""
-    from mxtrain.kernels import dispatch
-
-    try:
-        return dispatch._resolve(None, device, dispatch._QUANTIZE_IMPLS) == "cuda"
-    except RuntimeError:
-        return False
-
-
 def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, kind: str = "LayerNorm",
               eps: float = 1e-5, zero_centered_gamma: bool = False, fmt="fp8_e4m3", block_size: int = 32,
               axis=(-1, 0), scale_mode: str = "floor", rounding: str = "even", seed=None, pack: bool = True,
@@ -223,9 +213,9 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         return NormCastResult(mxt, mean, rstd, y if return_output else None)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if x.is_cuda and _cuda_cast_selected(x.device):  # the CUDA kernels: a statistics pass, then the cast
-        from mxtrain.kernels import cuda_cast
+    from mxtrain.kernels import cuda_cast
 
+    if x.is_cuda and cuda_cast.fused_sources_selected(x.device):  # a statistics pass, then the cast
         res = cuda_cast.norm_cast(x2, weight, bias, kind, eps, zero_centered_gamma, fmt_, block_size, scale_mode,
                                   rounding, pack, want_row, want_col, return_output)
         if res is not None:

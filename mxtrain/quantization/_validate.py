@@ -41,6 +41,17 @@ def normalize_axis(axis, ndim: int) -> int:
     return axis % ndim
 
 
+def normalize_axes(axis, ndim: int) -> tuple[int, ...]:
+    """``axis`` (an int or a tuple of them) as a tuple of distinct non-negative axes, validated."""
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    if not axes:
+        raise ValueError("axis tuple must name at least one axis")
+    axes = tuple(normalize_axis(a, ndim) for a in axes)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axis tuple {axis} names an axis twice")
+    return axes
+
+
 def make_generator(seed, device: torch.device) -> torch.Generator | None:
     """``None`` uses torch's global RNG; an int seeds a private generator; a Generator is used as is."""
     if seed is None or isinstance(seed, torch.Generator):

@@ -16,7 +16,7 @@ from mxtrain.formats import E8M0, ElemFormat, parse_format
 from mxtrain.quantization import _memory
 from mxtrain.quantization._validate import (
     ROUNDINGS, SCALE_MODES, check_block_size, check_choice, check_float_tensor, make_generator,
-    normalize_axis,
+    normalize_axes, normalize_axis,
 )
 from mxtrain.quantization.rounding import (
     FP32_ABS_MASK, FP32_BIAS, FP32_EXP_MASK, FP32_MANT_BITS, decode_codes_fast, element_codes, grid_value,
@@ -184,12 +184,7 @@ def quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, 
     from mxtrain.quantization.packing import pack_codes, packed_length
 
     fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
-    axes = axis if isinstance(axis, tuple) else (axis,)
-    if not axes:
-        raise ValueError("axis tuple must name at least one axis")
-    axes = tuple(normalize_axis(a, x.ndim) for a in axes)
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"axis tuple {axis} names an axis twice")
+    axes = normalize_axes(axis, x.ndim)
     generator = make_generator(seed, x.device) if rounding == "stochastic" else None
     tables = _use_tables(x.device, rounding)
     planes = []
