@@ -46,6 +46,7 @@ def main(argv=None):
     ap.add_argument("--strip", action="store_true",
                     help="time the strip kernel configs and the module's cast+dequantize operations (tile vs strip, "
                          "cast writing the dequantized operand vs cast then dequantize), round-robin")
+    ap.add_argument("--fused-only", action="store_true", help="time the copy and the fused norm/activation casts only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_casts needs a CUDA GPU", file=sys.stderr)
@@ -72,6 +73,8 @@ def main(argv=None):
     copy_bytes = 2 * x.numel() * x.element_size()
     copy_bw = gbps(copy_bytes, copy_ms)
     rows.append(("copy bf16 (baseline)", copy_bytes, copy_ms, None))
+    if args.fused_only:
+        return _report(rows + fused_rows(x, n), [], copy_bw, n, args.out)
 
     # ---- cast: rowwise + columnwise MXFP8 from one read
     def cast_bytes(fmt_bits, planes):
@@ -138,6 +141,12 @@ def main(argv=None):
     if args.strip:
         rows += strip_and_values_rows(x, n)
 
+    return _report(rows, extra, copy_bw, n, args.out)
+
+
+def _report(rows, extra, copy_bw, n, out):
+    import triton
+
     dev_name = torch.cuda.get_device_name()
     lines = [f"### Triton MX kernels: {dev_name}, {datetime.date.today()}, torch {torch.__version__}, "
              f"triton {triton.__version__}, {n}x{n} bf16", "",
@@ -149,10 +158,16 @@ def main(argv=None):
         lines.append(f"| {name} | {ms:.4f} | {gbps(nbytes, ms):.0f} | {ratio} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text)
     return 0
+
+
+def _graph_row(label, fused, unfused, nbytes):
+    """Fused against unfused, both replayed from CUDA graphs: kernel time without Python overhead."""
+    base = graph_bench(unfused)
+    return (f"{label}, CUDA graph (kernel time; unfused {base:.4f} ms)", nbytes, graph_bench(fused), base)
 
 
 def graph_bench(fn, rep=100):
@@ -356,6 +371,7 @@ def fused_rows(x, n, variants_out=None):
             rows.append((f"{kind}+cast MXFP8 row+col (unfused {base_ms:.4f} ms; Triton-only pair: fused "
                          f"{ms_triton:.4f} vs unfused {base_triton:.4f} ms = {base_triton / ms_triton:.2f}x)",
                          nbytes, ms, base_ms))
+            rows.append(_graph_row(f"{kind}+cast MXFP8 row+col", fused, unfused, nbytes))
     if activation_cast is not None:
         h = torch.randn(n, 2 * n, device=x.device, dtype=torch.bfloat16)
         for act in ("gelu", "swiglu"):
@@ -375,6 +391,7 @@ def fused_rows(x, n, variants_out=None):
             rows.append((f"{act}+cast MXFP8 row+col (unfused {base_ms:.4f} ms; Triton-only pair: fused "
                          f"{ms_triton:.4f} vs unfused {base_triton:.4f} ms = {base_triton / ms_triton:.2f}x)",
                          nbytes, ms, base_ms))
+            rows.append(_graph_row(f"{act}+cast MXFP8 row+col", fused, unfused, nbytes))
     return rows
 
 

@@ -16,11 +16,12 @@
 // Only fp8_e4m3 / fp8_e5m2 with round-half-even and block size 32 are built here; every other
 // cast takes the Triton kernel (mxtrain/kernels/cuda_cast.py decides, in one place).
 //
-// Work split: a CTA of 128 threads casts a 64 x 128 tile. Each thread loads eight 16-byte chunks
-// (8 elements of one row each, all loads issued before any use). Rowwise: the 4 lanes holding one
+// Work split: a CTA of 256 threads casts a 128 x 128 tile. Each thread loads eight 16-byte chunks
+// (8 elements of one row each, all loads issued before any use; with a source, straight into shared
+// memory, see the kernel). Rowwise: the 4 lanes holding one
 // 32-element block reduce its amax with two shuffles and each stores its 8 codes as one 8-byte
 // store. Columnwise: the raw tile goes to shared memory; thread t owns the column pair 2*(t%64),
-// 2*(t%64)+1 over the 32 rows of block t/64, so the column amax needs no shuffles, reads are one
+// 2*(t%64)+1 over the 32 rows of block t/64 (x2: 4 blocks, 256 threads), so the column amax needs no shuffles, reads are one
 // 32-bit word per row (conflict-free across a warp), and each column's 32 codes leave as two
 // 16-byte stores into the transposed plane. The grid walks M fastest, so neighbouring CTAs fill
 // neighbouring bytes of the transposed plane's rows (merged in L2).
@@ -65,12 +66,18 @@ struct CastArgs {
   // over five inlined activations in the unrolled loops made the kernel big enough to thrash the
   // instruction cache (gelu + cast ran at 0.36x of the unfused ops)
   int act;
-  const float* mean;
-  const float* rstd;
+  float* mean;
+  float* rstd;
   const float* gamma;  // [K] fp32
   const float* beta;   // [K] fp32 or null
   void* y;             // [M, K] in x's dtype, row stride ld_y, or null
   long long ld_y;
+  // norms: the statistics are computed inside the kernel (see mx_source_cast_kernel), written to
+  // mean (LayerNorm) / rstd [M]; work is a zeroed int32 workspace [1 + bands] (the item counter, then
+  // per band of kTileM rows the number of its statistics items done); lookahead in bands
+  float eps;
+  int* work;
+  int lookahead;
 };
 
 // ---- the MX numerics (as mxtrain.quantization and kernels/cast.py) ----------------------------
@@ -110,156 +117,74 @@ __device__ __forceinline__ float scale_value(int s) {
 // Dynamic shared memory of a tile: the raw input [kTileM][kTileK], the columnwise codes of the tile
 // transposed [kTileK][kTileM] (16-byte chunks XOR-swizzled), its columnwise scales [kTileK][4]
 template <typename T>
-__host__ __device__ constexpr int smem_bytes() {  // + the norm's gamma / beta of the tile's columns (fp32) at the end
-  return kTileM * kTileK * (int)sizeof(T) + kTileK * kTileM + kTileK * (kTileM / 32) + 2 * kTileK * 4;
+__host__ __device__ constexpr int smem_bytes() {
+  return kTileM * kTileK * (int)sizeof(T) + kTileK * kTileM + kTileK * (kTileM / 32);
 }
 
-template <typename T, int FMT, int PRE>
-__global__ void __launch_bounds__(kThreads, PRE != 0 ? 2 : 1) mx_cast_fp8_kernel(const CastArgs a) {
-  constexpr int W = Elem<T>::kWords;
-  extern __shared__ __align__(16) unsigned char smem[];
-  T (*tile)[kTileK] = reinterpret_cast<T (*)[kTileK]>(smem);
-  uint8_t* ctile = smem + kTileM * kTileK * sizeof(T);  // [kTileK][kTileM]
-  uint8_t* cscale = ctile + kTileK * kTileM;            // [kTileK][kTileM / 32]
+// 16-byte global -> shared copy that bypasses registers (zero-filled when !in)
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src, bool in) {
+  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem_dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(in ? 16 : 0));
+}
 
-  const int tid = threadIdx.x;
-  const long long m0 = (long long)blockIdx.x * kTileM;
-  const long long k0 = (long long)blockIdx.y * kTileK;
-  const bool row_plane = a.flags & (kRowCodes | kRowVals);
-  const bool col_plane = a.flags & (kColCodes | kColVals);
-
-  // 1. all loads in flight at once: chunk i of this thread is row i*16 + tid/16, columns (tid%16)*8 +[0, 8)
-  const int cc = (tid % 16) * 8;
-  const long long col = k0 + cc;
-  uint4 raw[kChunks][W];
+// The rowwise plane of one 8-element chunk (4 lanes hold a 32-element block, 16 lanes a row of the
+// tile): the block's scale, the 8 codes as one 8-byte store, the row's 4 scale bytes of the tile as a
+// word from its first lane, and on request the dequantized bf16 values. Every lane of the warp calls it.
+template <int FMT>
+__device__ __forceinline__ void row_chunk(const CastArgs& a, const float v[8], long long row, long long col,
+                                          long long k0, int tid, bool word_scales, long long nbk) {
+  uint32_t amax = 0;
 #pragma unroll
-  for (int i = 0; i < kChunks; ++i) {
-    const long long row = m0 + i * 16 + tid / 16;
-    if (row < a.M && col < a.K) {
-      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + row * a.ldx + col);
+  for (int j = 0; j < 8; ++j) amax = max(amax, abs_bits(v[j]));
+  amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+  const int s = shared_scale(amax, a);
+  const float inv = inverse_scale(s);
+  uint32_t c[4];
 #pragma unroll
-      for (int w = 0; w < W; ++w) raw[i][w] = __ldg(src + w);
-    } else {
+  for (int j = 0; j < 4; ++j) c[j] = codes2<FMT>(__fmul_rn(v[2 * j], inv), __fmul_rn(v[2 * j + 1], inv));
+  const uint32_t w0 = s == 255 ? 0u : (c[0] | (c[1] << 16));
+  const uint32_t w1 = s == 255 ? 0u : (c[2] | (c[3] << 16));
+  // the row's 4 scale bytes of this tile, gathered in its first lane (lanes 0, 4, 8, 12 of 16)
+  const uint32_t s1 = __shfl_down_sync(0xFFFFFFFFu, (uint32_t)s, 4, 16);
+  const uint32_t s2 = __shfl_down_sync(0xFFFFFFFFu, (uint32_t)s, 8, 16);
+  const uint32_t s3 = __shfl_down_sync(0xFFFFFFFFu, (uint32_t)s, 12, 16);
+  if (row < a.M && (a.flags & kRowCodes)) {
+    if (col < a.KP) *reinterpret_cast<uint2*>(a.row_data + row * a.row_data_ld + col) = make_uint2(w0, w1);
+    if ((tid & 15) == 0) {
+      uint8_t* dst = a.row_scale + row * a.row_scale_ld + k0 / 32;
+      if (word_scales) {
+        *reinterpret_cast<uint32_t*>(dst) = (uint32_t)s | (s1 << 8) | (s2 << 16) | (s3 << 24);
+      } else {
+        const uint32_t sb[4] = {(uint32_t)s, s1, s2, s3};
 #pragma unroll
-      for (int w = 0; w < W; ++w) raw[i][w] = make_uint4(0u, 0u, 0u, 0u);
-    }
-  }
-
-  // the source, in place of the raw input (rounded to T: exact in its bits), and y if asked for
-  if constexpr (PRE != 0) {
-    const bool col_in = col < a.K;
-    if constexpr (PRE >= 6) {  // the tile's gamma / beta, staged once in shared memory
-      float* gs = reinterpret_cast<float*>(smem + smem_bytes<T>() - 2 * kTileK * 4);
-      if (tid < kTileK) {
-        gs[tid] = k0 + tid < a.K ? __ldg(a.gamma + k0 + tid) : 0.0f;
-        gs[kTileK + tid] = (k0 + tid < a.K && a.beta) ? __ldg(a.beta + k0 + tid) : 0.0f;
-      }
-      __syncthreads();
-    }
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      const long long row = m0 + i * 16 + tid / 16;
-      const bool in = row < a.M && col_in;
-      float v[8];
-      widen8<T>(raw[i], v);
-      float mu = 0.0f, rs = 0.0f;
-      float gw[8], bw[8];
-      if constexpr (PRE >= 6) {
-        if (in) {
-          rs = a.rstd[row];
-          if (PRE == 6) mu = a.mean[row];
-        }
-        const float4* gs = reinterpret_cast<const float4*>(smem + smem_bytes<T>() - 2 * kTileK * 4);
-        const float4 g0 = gs[cc / 4], g1 = gs[cc / 4 + 1], b0 = gs[kTileK / 4 + cc / 4], b1 = gs[kTileK / 4 + cc / 4 + 1];
-        gw[0] = g0.x; gw[1] = g0.y; gw[2] = g0.z; gw[3] = g0.w; gw[4] = g1.x; gw[5] = g1.y; gw[6] = g1.z; gw[7] = g1.w;
-        bw[0] = b0.x; bw[1] = b0.y; bw[2] = b0.z; bw[3] = b0.w; bw[4] = b1.x; bw[5] = b1.y; bw[6] = b1.z; bw[7] = b1.w;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float s;
-        if constexpr (PRE < 6) {
-          s = act_fwd(v[j], PRE);
-        } else {
-          s = PRE == 6 ? __fmul_rn(__fmul_rn(__fsub_rn(v[j], mu), rs), gw[j]) : __fmul_rn(__fmul_rn(v[j], rs), gw[j]);
-          if (a.beta) s = __fadd_rn(s, bw[j]);
-        }
-        v[j] = in ? round_to<T>(s) : 0.0f;
-      }
-      narrow8<T>(v, raw[i]);
-      if (a.y && in) {
-        uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(a.y) + row * a.ld_y + col);
-#pragma unroll
-        for (int w = 0; w < W; ++w) dst[w] = raw[i][w];
+        for (int j = 0; j < 4; ++j)
+          if (k0 / 32 + j < nbk) dst[j] = (uint8_t)sb[j];
       }
     }
   }
-
-  if (col_plane) {
+  if (row < a.M && col < a.K && (a.flags & kRowVals)) {
+    const float sv = scale_value(s);
+    const uint32_t wc[2] = {w0, w1};
+    uint32_t out[4];
 #pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      uint4* dst = reinterpret_cast<uint4*>(&tile[i * 16 + tid / 16][cc]);
-#pragma unroll
-      for (int w = 0; w < W; ++w) dst[w] = raw[i][w];
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t word = wc[j / 2] >> (16 * (j % 2));
+      const float lo = __fmul_rn(decode<FMT>(word & 0xFF), sv);
+      const float hi = __fmul_rn(decode<FMT>((word >> 8) & 0xFF), sv);
+      out[j] = bf16_bits(lo) | (bf16_bits(hi) << 16);
     }
+    *reinterpret_cast<uint4*>(a.row_vals + row * a.ld_vals + col) = make_uint4(out[0], out[1], out[2], out[3]);
   }
+}
 
-  // 2. rowwise plane: 4 lanes per 32-element block, 16 lanes per row of the tile
-  if (row_plane) {
-    const long long nbk = a.KP / 32;
-    const bool word_scales = (nbk % 4 == 0) && (k0 / 32 + 4 <= nbk);
-#pragma unroll
-    for (int i = 0; i < kChunks; ++i) {
-      const long long row = m0 + i * 16 + tid / 16;
-      float v[8];
-      widen8<T>(raw[i], v);
-      uint32_t amax = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) amax = max(amax, abs_bits(v[j]));
-      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-      amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-      const int s = shared_scale(amax, a);
-      const float inv = inverse_scale(s);
-      uint32_t c[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) c[j] = codes2<FMT>(__fmul_rn(v[2 * j], inv), __fmul_rn(v[2 * j + 1], inv));
-      const uint32_t w0 = s == 255 ? 0u : (c[0] | (c[1] << 16));
-      const uint32_t w1 = s == 255 ? 0u : (c[2] | (c[3] << 16));
-      // the row's 4 scale bytes of this tile, gathered in its first lane (lanes 0, 4, 8, 12 of 16)
-      const uint32_t s1 = __shfl_down_sync(0xFFFFFFFFu, (uint32_t)s, 4, 16);
-      const uint32_t s2 = __shfl_down_sync(0xFFFFFFFFu, (uint32_t)s, 8, 16);
-      const uint32_t s3 = __shfl_down_sync(0xFFFFFFFFu, (uint32_t)s, 12, 16);
-      if (row < a.M && (a.flags & kRowCodes)) {
-        if (col < a.KP) *reinterpret_cast<uint2*>(a.row_data + row * a.row_data_ld + col) = make_uint2(w0, w1);
-        if ((tid & 15) == 0) {
-          uint8_t* dst = a.row_scale + row * a.row_scale_ld + k0 / 32;
-          if (word_scales) {
-            *reinterpret_cast<uint32_t*>(dst) = (uint32_t)s | (s1 << 8) | (s2 << 16) | (s3 << 24);
-          } else {
-            const uint32_t sb[4] = {(uint32_t)s, s1, s2, s3};
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-              if (k0 / 32 + j < nbk) dst[j] = (uint8_t)sb[j];
-          }
-        }
-      }
-      if (row < a.M && col < a.K && (a.flags & kRowVals)) {
-        const float sv = scale_value(s);
-        const uint32_t wc[2] = {w0, w1};
-        uint32_t out[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint32_t word = wc[j / 2] >> (16 * (j % 2));
-          const float lo = __fmul_rn(decode<FMT>(word & 0xFF), sv);
-          const float hi = __fmul_rn(decode<FMT>((word >> 8) & 0xFF), sv);
-          out[j] = bf16_bits(lo) | (bf16_bits(hi) << 16);
-        }
-        *reinterpret_cast<uint4*>(a.row_vals + row * a.ld_vals + col) = make_uint4(out[0], out[1], out[2], out[3]);
-      }
-    }
-  }
-  if (!col_plane) return;
-
-  // 3. columnwise plane: thread t owns columns 2p, 2p+1 over the 32 rows of block h of the tile
+// The columnwise plane of a tile held in shared memory (tile[kTileM][kTileK], the source values):
+// thread t owns columns 2p, 2p+1 over the 32 rows of block h; the codes go through the transposed
+// code tile and leave as whole 128-byte rows, the scales as words. Starts and ends with a barrier
+// (the tile is complete before it; ctile / cscale are free again after it). Every thread calls it.
+template <typename T, int FMT>
+__device__ __forceinline__ void col_tile(const CastArgs& a, const T (*tile)[kTileK], uint8_t* ctile, uint8_t* cscale,
+                                         long long m0, long long k0, int tid) {
   __syncthreads();
   const int p = tid % 64, h = tid / 64;
   const long long kc = k0 + 2 * p;  // K is a multiple of 8: both columns are in or out together
@@ -302,10 +227,8 @@ __global__ void __launch_bounds__(kThreads, PRE != 0 ? 2 : 1) mx_cast_fp8_kernel
       }
     }
   }
-  if (!(a.flags & kColCodes)) return;
-
-  // 4. the transposed codes leave as whole 128-byte rows (8 lanes per row), the scales as words
   __syncthreads();
+  if (!(a.flags & kColCodes)) return;
   write_code_tile<kTileK, kTileM, kThreads>(ctile, a.col_data, a.col_data_ld, k0, m0, a.K, a.MP, tid);
   if (tid < kTileK && k0 + tid < a.K) {
     const long long nbm = a.MP / 32;
@@ -321,43 +244,403 @@ __global__ void __launch_bounds__(kThreads, PRE != 0 ? 2 : 1) mx_cast_fp8_kernel
   }
 }
 
-template <typename T, int FMT, int PRE>
-cudaError_t launch_kernel(const CastArgs& a, dim3 grid, cudaStream_t stream) {
+// The plain cast: every load of the thread in flight at once into registers, the rowwise plane from
+// the registers, the tile to shared memory for the columnwise plane. One tile per CTA.
+template <typename T, int FMT>
+__global__ void __launch_bounds__(kThreads, 1) mx_cast_fp8_kernel(const CastArgs a) {
+  constexpr int W = Elem<T>::kWords;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T (*tile)[kTileK] = reinterpret_cast<T (*)[kTileK]>(smem);
+  uint8_t* ctile = smem + kTileM * kTileK * sizeof(T);  // [kTileK][kTileM]
+  uint8_t* cscale = ctile + kTileK * kTileM;            // [kTileK][kTileM / 32]
+
+  const int tid = threadIdx.x;
+  const long long m0 = (long long)blockIdx.x * kTileM;
+  const long long k0 = (long long)blockIdx.y * kTileK;
   const bool col_plane = a.flags & (kColCodes | kColVals);
-  const int smem = (col_plane || PRE >= 6) ? smem_bytes<T>() : 0;
-  static bool configured = false;  // per instantiation: allow more than 48 KB of dynamic shared memory
-  if (!configured) {
-    const cudaError_t err = cudaFuncSetAttribute(mx_cast_fp8_kernel<T, FMT, PRE>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<T>());
-    if (err != cudaSuccess) return err;
-    configured = true;
+  const long long nbk = a.KP / 32;
+  const bool word_scales = (nbk % 4 == 0) && (k0 / 32 + 4 <= nbk);
+  // chunk i of this thread is row i*16 + tid/16, columns (tid%16)*8 +[0, 8)
+  const int cc = (tid % 16) * 8;
+  const long long col = k0 + cc;
+
+  // 1. all loads in flight at once
+  uint4 raw[kChunks][W];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const long long row = m0 + i * 16 + tid / 16;
+    if (row < a.M && col < a.K) {
+      const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(a.x) + row * a.ldx + col);
+#pragma unroll
+      for (int w = 0; w < W; ++w) raw[i][w] = __ldg(src + w);
+    } else {
+#pragma unroll
+      for (int w = 0; w < W; ++w) raw[i][w] = make_uint4(0u, 0u, 0u, 0u);
+    }
   }
-  mx_cast_fp8_kernel<T, FMT, PRE><<<grid, kThreads, smem, stream>>>(a);
+  if (col_plane) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      uint4* dst = reinterpret_cast<uint4*>(&tile[i * 16 + tid / 16][cc]);
+#pragma unroll
+      for (int w = 0; w < W; ++w) dst[w] = raw[i][w];
+    }
+  }
+  // 2. rowwise plane
+  if (a.flags & (kRowCodes | kRowVals)) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      float v[8];
+      widen8<T>(raw[i], v);
+      row_chunk<FMT>(a, v, m0 + i * 16 + tid / 16, col, k0, tid, word_scales, nbk);
+    }
+  }
+  // 3. columnwise plane
+  if (col_plane) col_tile<T, FMT>(a, tile, ctile, cscale, m0, k0, tid);
+}
+
+// ---- casts of a source: act(x), LayerNorm(x), RMSNorm(x) --------------------------------------
+
+// One activation value, rounded to T: the one copy of the code that both the table below and the
+// values outside it run (not inlined), so the two give the same bits by construction
+template <typename T, int PRE>
+__device__ __noinline__ float act_rounded(float x) {
+  return round_to<T>(act_fwd(x, PRE));
+}
+
+// The bf16 activation table: every bf16 input with 2^-10 <= |x| < 8 (exponent fields 117-129, both
+// signs: 2 x 13 x 128 entries) and its activation's bf16 bits. A bf16 input has only 65536 values;
+// the table holds the ones where nearly all of the work is, so most elements cost a shared-memory
+// lookup instead of erff / tanhf / expf (about 30 instructions each, which made the fused cast
+// compute-bound). Inputs outside it run act_rounded itself.
+constexpr int kLutLo = 117 << 7, kLutSpan = 13 << 7, kLutEntries = 2 * kLutSpan;
+
+// ---- work items of the source kernel ----------------------------------------------------------
+
+constexpr int kStatRows = 16;                       // rows of one statistics item (2 per warp)
+constexpr int kStatItems = kTileM / kStatRows;      // statistics items per band of kTileM rows
+
+struct Item {
+  bool stats;
+  long long tm, tk;  // cast: the tile; statistics: band tm, rows tm * kTileM + tk * kStatRows + [0, 16)
+};
+
+// Activations: item t is tile t (M fastest). Norms: the items of band b are its kStatItems statistics
+// items and its tiles (K fastest); the statistics of band b + L are issued just after the tiles of band
+// b, the first L bands' first: a band's tiles come a few bands after its statistics, whose reads of x
+// are then still in L2 when the tiles read x again (one pass over x from DRAM, not two), and every
+// item waits only on items with smaller numbers (fetched in order from a counter by running CTAs: no
+// deadlock, whatever else runs on the GPU).
+__device__ __forceinline__ Item decode_item(long long i, bool norm, long long ntm, long long ntk, long long L) {
+  if (!norm) return Item{false, i % ntm, i / ntm};
+  const long long prefix = L * kStatItems;
+  if (i < prefix) return Item{true, i / kStatItems, i % kStatItems};
+  const long long j = i - prefix, full = ntm - L, gs = ntk + kStatItems;
+  if (j < full * gs) {
+    const long long g = j / gs, r = j % gs;
+    return r < ntk ? Item{false, g, r} : Item{true, g + L, r - ntk};
+  }
+  const long long j2 = j - full * gs;
+  return Item{false, full + j2 / ntk, j2 % ntk};
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+// One statistics item: rows band * kTileM + sub * kStatRows + [0, 16), two per warp. LayerNorm:
+// mean = sum(x) / K, then var = sum((x - mean)^2) / K (two passes over the row, the second from
+// L1 / L2); RMSNorm: var = sum(x^2) / K; rstd = 1 / sqrt(var + eps). Each lane sums its 8-element
+// chunks in order, then the warp's butterfly: a fixed order, the same in every run.
+template <typename T, bool RMS>
+__device__ __forceinline__ void stats_item(const CastArgs& a, long long band, long long sub, int tid) {
+  const int warp = tid / 32, lane = tid % 32;
+  const float kf = (float)a.K;
+#pragma unroll 1
+  for (int rr = 0; rr < 2; ++rr) {
+    const long long row = band * kTileM + sub * kStatRows + warp * 2 + rr;
+    if (row >= a.M) break;
+    const T* xr = static_cast<const T*>(a.x) + row * a.ldx;
+    float acc = 0.0f;
+#pragma unroll 4
+    for (long long c = lane * 8; c < a.K; c += 256) {
+      uint4 raw = __ldg(reinterpret_cast<const uint4*>(xr + c));
+      float v[8];
+      widen8<T>(&raw, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc = RMS ? __fadd_rn(acc, __fmul_rn(v[j], v[j])) : __fadd_rn(acc, v[j]);
+    }
+    acc = warp_sum(acc);
+    float var;
+    if constexpr (RMS) {
+      var = __fdiv_rn(acc, kf);
+    } else {
+      const float mu = __fdiv_rn(acc, kf);
+      float m2 = 0.0f;
+#pragma unroll 4
+      for (long long c = lane * 8; c < a.K; c += 256) {
+        uint4 raw = __ldg(reinterpret_cast<const uint4*>(xr + c));
+        float v[8];
+        widen8<T>(&raw, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float d = __fsub_rn(v[j], mu);
+          m2 = __fadd_rn(m2, __fmul_rn(d, d));
+        }
+      }
+      var = __fdiv_rn(warp_sum(m2), kf);
+      if (lane == 0) a.mean[row] = mu;
+    }
+    if (lane == 0) a.rstd[row] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, a.eps)));
+  }
+  __syncthreads();  // every row of the item written
+  if (tid == 0) {
+    __threadfence();
+    atomicAdd(a.work + 1 + band, 1);
+  }
+}
+
+// The source kernel: persistent CTAs (about two per multiprocessor) walk the work items, each tile
+// copied straight to shared memory (cp.async, zero outside the tensor) one item ahead, so the next
+// tile's loads overlap this one's arithmetic. Per tile: the source of each of the thread's chunks from
+// shared memory (unrolled), rounded to T, written back there (for the columnwise plane) and to y, and
+// its rowwise plane; then the columnwise plane. Norms compute their row statistics as items of the
+// same walk (decode_item). History: holding the tile in registers while an inlined erff ran over 64
+// values needed 128 registers and spilled (slower than the torch op and the plain cast); a rolled
+// loop over the chunks left each warp on one dependency chain at a time; a separate statistics
+// kernel read x from DRAM twice.
+template <typename T, int FMT, int PRE>
+__global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastArgs a) {
+  static_assert(Elem<T>::kWords == 1, "sources are built for 16-bit inputs");
+  constexpr bool kLut = (PRE == 1 || PRE == 2 || PRE == 5) && !Elem<T>::kIsHalf;  // gelu, gelu_tanh, silu
+  constexpr bool kNorm = PRE >= 6;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T (*tiles)[kTileM][kTileK] = reinterpret_cast<T (*)[kTileM][kTileK]>(smem);  // two buffers
+  uint8_t* ctile = smem + 2 * kTileM * kTileK * sizeof(T);
+  uint8_t* cscale = ctile + kTileK * kTileM;
+  uint16_t* lut = reinterpret_cast<uint16_t*>(cscale + kTileK * (kTileM / 32));
+  __shared__ long long next_item[2];
+
+  const int tid = threadIdx.x;
+  const bool row_plane = a.flags & (kRowCodes | kRowVals);
+  const bool col_plane = a.flags & (kColCodes | kColVals);
+  const long long nbk = a.KP / 32;
+  const long long m_extent = (a.flags & kColCodes) ? a.MP : a.M;
+  const long long k_extent = (a.flags & kRowCodes) ? a.KP : a.K;
+  const long long ntm = (m_extent + kTileM - 1) / kTileM;
+  const long long ntk = (k_extent + kTileK - 1) / kTileK;
+  const long long L = kNorm ? (a.lookahead < ntm ? a.lookahead : ntm) : 0;
+  const long long nitems = ntm * ntk + (kNorm ? ntm * kStatItems : 0);
+  const int cc = (tid % 16) * 8;
+
+  long long fetched = 0;  // items fetched by this CTA
+  auto fetch = [&]() -> long long {
+    if constexpr (!kNorm) {
+      return blockIdx.x + (fetched++) * (long long)gridDim.x;
+    } else {
+      const int slot = (int)(fetched++ & 1);
+      if (tid == 0) next_item[slot] = atomicAdd(a.work, 1);
+      __syncthreads();
+      return next_item[slot];
+    }
+  };
+  auto prefetch = [&](long long i, int buf) {
+    if (i < nitems) {
+      const Item it = decode_item(i, kNorm, ntm, ntk, L);
+      if (!it.stats) {
+        const long long m0 = it.tm * kTileM, col = it.tk * kTileK + cc;
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const long long row = m0 + c * 16 + tid / 16;
+          const bool in = row < a.M && col < a.K;
+          const T* src = static_cast<const T*>(a.x) + (in ? row * a.ldx + col : 0);
+          cp_async16(&tiles[buf][c * 16 + tid / 16][cc], src, in);
+        }
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+
+  long long cur = fetch();
+  prefetch(cur, 0);
+  if constexpr (kLut) {
+    for (int e = tid; e < kLutEntries; e += kThreads) {
+      const uint32_t bits = (uint32_t)(kLutLo + e % kLutSpan) | (e >= kLutSpan ? 0x8000u : 0u);
+      lut[e] = (uint16_t)bf16_bits(act_rounded<T, PRE>(__uint_as_float(bits << 16)));
+    }
+    __syncthreads();
+  }
+  int buf = 0;
+  while (cur < nitems) {
+    const long long nxt = fetch();
+    prefetch(nxt, buf ^ 1);
+    const Item it = decode_item(cur, kNorm, ntm, ntk, L);
+    if (kNorm && it.stats) {
+      stats_item<T, PRE == 7>(a, it.tm, it.tk, tid);
+      cur = nxt;
+      buf ^= 1;
+      continue;
+    }
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this tile's copies (this thread's) are in
+    const long long m0 = it.tm * kTileM, k0 = it.tk * kTileK;
+    const long long col = k0 + cc;
+    const bool col_in = col < a.K;
+    const bool word_scales = (nbk % 4 == 0) && (k0 / 32 + 4 <= nbk);
+    float gw[8], bw[8];  // the norm's gamma / beta of this thread's 8 columns (the same in every chunk)
+    float mu[kChunks], rs[kChunks];  // the norm's statistics of this thread's 8 rows
+    if constexpr (kNorm) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const bool in = col_in && col + j < a.K;
+        gw[j] = in ? __ldg(a.gamma + col + j) : 0.0f;
+        bw[j] = (in && a.beta) ? __ldg(a.beta + col + j) : 0.0f;
+      }
+      if (tid == 0) {  // this band's statistics, from other CTAs of this launch
+        while (load_acquire(a.work + 1 + it.tm) < kStatItems) __nanosleep(100);
+      }
+      __syncthreads();
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {  // written during this launch: read from L2 (__ldcg), not __ldg
+        const long long row = m0 + i * 16 + tid / 16;
+        rs[i] = row < a.M ? __ldcg(a.rstd + row) : 0.0f;
+        mu[i] = (PRE == 6 && row < a.M) ? __ldcg(a.mean + row) : 0.0f;
+      }
+    }
+    // Unrolled (independent chunks interleave: a rolled loop left each warp waiting on one chain of
+    // shared-memory loads and shuffles at a time); the source's code stays small: a table lookup, the
+    // norm's four operations, relu, or a call. The thread reads only what its own cp.async wrote: no
+    // barrier before col_tile's.
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const long long row = m0 + i * 16 + tid / 16;
+      const bool in = row < a.M && col_in;
+      uint4* cell = reinterpret_cast<uint4*>(&tiles[buf][i * 16 + tid / 16][cc]);
+      uint4 raw = *cell;
+      float v[8];
+      if constexpr (kLut) {
+        const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t half[2];
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const uint32_t b = (w[j] >> (16 * k)) & 0xFFFFu;
+            const int e = (int)(b & 0x7FFFu) - kLutLo;
+            if ((unsigned)e < (unsigned)kLutSpan) {
+              half[k] = lut[e + (b >> 15) * kLutSpan];
+            } else {
+              half[k] = bf16_bits(act_rounded<T, PRE>(__uint_as_float(b << 16)));
+            }
+            if (!in) half[k] = 0u;
+            v[2 * j + k] = __uint_as_float(half[k] << 16);
+          }
+          o[j] = half[0] | (half[1] << 16);
+        }
+        raw = make_uint4(o[0], o[1], o[2], o[3]);
+      } else {
+        widen8<T>(&raw, v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          float s;
+          if constexpr (PRE == 3 || PRE == 4) {
+            s = round_to<T>(act_fwd(v[j], PRE));
+          } else if constexpr (PRE < 6) {  // fp16 gelu / gelu_tanh / silu: no table, one copy of the code
+            s = act_rounded<T, PRE>(v[j]);
+          } else {
+            s = PRE == 6 ? __fmul_rn(__fmul_rn(__fsub_rn(v[j], mu[i]), rs[i]), gw[j])
+                         : __fmul_rn(__fmul_rn(v[j], rs[i]), gw[j]);
+            if (a.beta) s = __fadd_rn(s, bw[j]);
+            s = round_to<T>(s);
+          }
+          v[j] = in ? s : 0.0f;
+        }
+        narrow8<T>(v, &raw);
+      }
+      if (col_plane) *cell = raw;
+      if (a.y && in) *reinterpret_cast<uint4*>(static_cast<T*>(a.y) + row * a.ld_y + col) = raw;
+      if (row_plane) row_chunk<FMT>(a, v, row, col, k0, tid, word_scales, nbk);
+    }
+    if (col_plane) {
+      col_tile<T, FMT>(a, tiles[buf], ctile, cscale, m0, k0, tid);
+    } else {
+      __syncthreads();  // every thread is done with tiles[buf] before the next prefetch refills it
+    }
+    cur = nxt;
+    buf ^= 1;
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+template <typename T>
+__host__ __device__ constexpr int source_smem_bytes() {
+  return 2 * kTileM * kTileK * (int)sizeof(T) + kTileK * kTileM + kTileK * (kTileM / 32) + kLutEntries * 2;
+}
+
+template <typename K>
+cudaError_t allow_smem(K kernel, int bytes) {  // more than 48 KB of dynamic shared memory
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+template <typename T, int FMT>
+cudaError_t launch_plain(const CastArgs& a, dim3 grid, cudaStream_t stream) {
+  const bool col_plane = a.flags & (kColCodes | kColVals);
+  static cudaError_t configured = allow_smem(mx_cast_fp8_kernel<T, FMT>, smem_bytes<T>());
+  if (configured != cudaSuccess) return configured;
+  mx_cast_fp8_kernel<T, FMT><<<grid, kThreads, col_plane ? smem_bytes<T>() : 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int FMT, int PRE>
+cudaError_t launch_source(const CastArgs& a, long long nitems, cudaStream_t stream) {
+  static cudaError_t configured = allow_smem(mx_source_cast_kernel<T, FMT, PRE>, source_smem_bytes<T>());
+  if (configured != cudaSuccess) return configured;
+  static int ctas = 0;  // persistent grid: as many CTAs as fit on the device at once
+  if (ctas == 0) {
+    int dev = 0, sms = 0, per_sm = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, mx_source_cast_kernel<T, FMT, PRE>, kThreads,
+                                                  source_smem_bytes<T>());
+    ctas = max(1, sms * max(1, per_sm));
+  }
+  const unsigned grid = (unsigned)(nitems < ctas ? nitems : (long long)ctas);
+  mx_source_cast_kernel<T, FMT, PRE><<<grid, kThreads, source_smem_bytes<T>(), stream>>>(a);
   return cudaGetLastError();
 }
 
 template <typename T, int FMT>
 cudaError_t launch_pre(const CastArgs& a, int pre, dim3 grid, cudaStream_t stream) {
   if constexpr (Elem<T>::kWords == 2) {  // fused sources are built for bf16 / fp16 inputs only
-    return pre == 0 ? launch_kernel<T, FMT, 0>(a, grid, stream) : cudaErrorInvalidValue;
+    return pre == 0 ? launch_plain<T, FMT>(a, grid, stream) : cudaErrorInvalidValue;
   } else {
+    const long long ntiles = (long long)grid.x * grid.y;  // + the statistics items of a norm
+    const long long nitems = ntiles + (pre >= 6 ? (long long)grid.x * kStatItems : 0);
     switch (pre) {
       case 0:
-        return launch_kernel<T, FMT, 0>(a, grid, stream);
+        return launch_plain<T, FMT>(a, grid, stream);
       case 1:
-        return launch_kernel<T, FMT, 1>(a, grid, stream);
+        return launch_source<T, FMT, 1>(a, nitems, stream);
       case 2:
-        return launch_kernel<T, FMT, 2>(a, grid, stream);
+        return launch_source<T, FMT, 2>(a, nitems, stream);
       case 3:
-        return launch_kernel<T, FMT, 3>(a, grid, stream);
+        return launch_source<T, FMT, 3>(a, nitems, stream);
       case 4:
-        return launch_kernel<T, FMT, 4>(a, grid, stream);
+        return launch_source<T, FMT, 4>(a, nitems, stream);
       case 5:
-        return launch_kernel<T, FMT, 5>(a, grid, stream);
+        return launch_source<T, FMT, 5>(a, nitems, stream);
       case 6:
-        return launch_kernel<T, FMT, 6>(a, grid, stream);
+        return launch_source<T, FMT, 6>(a, nitems, stream);
       default:
-        return launch_kernel<T, FMT, 7>(a, grid, stream);
+        return launch_source<T, FMT, 7>(a, nitems, stream);
     }
   }
 }
@@ -370,83 +653,26 @@ cudaError_t launch_typed(const CastArgs& a, int fmt, int pre, cudaStream_t strea
   return fmt == 0 ? launch_pre<T, 0>(a, pre, grid, stream) : launch_pre<T, 1>(a, pre, grid, stream);
 }
 
-// ---- per-row statistics of a norm (the prologue's mean / rstd) -----------------------------
-
-constexpr int kStatsThreads = 256;
-
-__device__ __forceinline__ float block_sum(float v, float* red) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // red is reused
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float t = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kStatsThreads / 32; ++w) t = __fadd_rn(t, red[w]);
-  return t;
-}
-
-// One CTA per row: LayerNorm (mean non-null): mean = sum(x) / K, var = sum((x - mean)^2) / K, two
-// passes over the row (the second from L1/L2); RMSNorm: var = sum(x^2) / K. rstd = 1 / sqrt(var + eps).
-template <typename T>
-__global__ void __launch_bounds__(kStatsThreads) row_stats_kernel(const void* x, long long ldx, long long K, float eps,
-                                                                  float* mean, float* rstd) {
-  constexpr int W = Elem<T>::kWords;
-  __shared__ float red[kStatsThreads / 32];
-  const T* xr = static_cast<const T*>(x) + (long long)blockIdx.x * ldx;
-  float s = 0.0f;
-  for (long long c = threadIdx.x * 8; c < K; c += kStatsThreads * 8) {
-    uint4 raw[W];
-#pragma unroll
-    for (int w = 0; w < W; ++w) raw[w] = __ldg(reinterpret_cast<const uint4*>(xr + c) + w);
-    float v[8];
-    widen8<T>(raw, v);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) s = mean ? __fadd_rn(s, v[j]) : __fadd_rn(s, __fmul_rn(v[j], v[j]));
-  }
-  const float kf = (float)K;
-  float var;
-  if (mean) {
-    const float mu = __fdiv_rn(block_sum(s, red), kf);
-    float s2 = 0.0f;
-    for (long long c = threadIdx.x * 8; c < K; c += kStatsThreads * 8) {
-      uint4 raw[W];
-#pragma unroll
-      for (int w = 0; w < W; ++w) raw[w] = __ldg(reinterpret_cast<const uint4*>(xr + c) + w);
-      float v[8];
-      widen8<T>(raw, v);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float d = __fsub_rn(v[j], mu);
-        s2 = __fadd_rn(s2, __fmul_rn(d, d));
-      }
-    }
-    var = __fdiv_rn(block_sum(s2, red), kf);
-    if (threadIdx.x == 0) mean[blockIdx.x] = mu;
-  } else {
-    var = __fdiv_rn(block_sum(s, red), kf);
-  }
-  if (threadIdx.x == 0) rstd[blockIdx.x] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
-}
-
 }  // namespace
 
 extern "C" {
 
 // Version of this entry point's argument list; the Python side checks it.
-int mxtrain_cast_abi_version() { return 3; }
+int mxtrain_cast_abi_version() { return 4; }
 
 // Cast a row-major [M, K] tensor (dtype 0 bf16, 1 fp16, 2 fp32; row stride ldx elements, K and ldx
 // multiples of 8, x 16-byte aligned) to MXFP8 (fmt 0 e4m3, 1 e5m2), block size 32. Outputs that a
-// flag does not ask for may be null. Returns a cudaError_t (0 on success).
+// flag does not ask for may be null. pre: the source (0 x; 1-5 act(x); 6 LayerNorm, 7 RMSNorm with
+// gamma / beta fp32 [K], the statistics written to mean / rstd [M] fp32, eps, work a zeroed int32
+// workspace of 1 + ceil(max(M, MP if the columnwise codes are asked for) / 128) entries, lookahead >= 1
+// bands). Returns a cudaError_t (0 on success).
 int mxtrain_mx_cast_fp8(const void* x, long long M, long long K, long long ldx, int dtype, int fmt,
                         int scale_mode, int emax, int mbits, unsigned int inv_max_bits, int flags,
                         uint8_t* row_data, long long row_data_ld, uint8_t* row_scale, long long row_scale_ld,
                         uint8_t* col_data, long long col_data_ld, uint8_t* col_scale, long long col_scale_ld,
                         uint16_t* row_vals, uint16_t* col_vals, long long ld_vals, long long KP, long long MP,
-                        int pre, int act, const float* mean, const float* rstd, const float* gamma, const float* beta,
-                        void* y, long long ld_y, void* stream) {
+                        int pre, int act, float* mean, float* rstd, const float* gamma, const float* beta,
+                        void* y, long long ld_y, float eps, int* work, int lookahead, void* stream) {
   CastArgs a;
   a.x = x;
   a.ldx = ldx;
@@ -477,8 +703,11 @@ int mxtrain_mx_cast_fp8(const void* x, long long M, long long K, long long ldx, 
   a.beta = beta;
   a.y = y;
   a.ld_y = ld_y;
+  a.eps = eps;
+  a.work = work;
+  a.lookahead = lookahead;
   if (M <= 0 || K <= 0 || (K % 8) || (ldx % 8) || fmt < 0 || fmt > 1 || scale_mode < 0 || scale_mode > 2 ||
-      pre < 0 || pre > 7 || (pre >= 6 && (!rstd || !gamma)) || (pre == 6 && !mean) || (y && (ld_y % 8)))
+      pre < 0 || pre > 7 || (pre >= 6 && (!rstd || !gamma || !work || lookahead < 1)) || (pre == 6 && !mean) || (y && (ld_y % 8)))
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (dtype) {
@@ -491,29 +720,6 @@ int mxtrain_mx_cast_fp8(const void* x, long long M, long long K, long long ldx, 
     default:
       return (int)cudaErrorInvalidValue;
   }
-}
-
-// Per-row norm statistics of a row-major [M, K] tensor (K, ldx multiples of 8): mean (LayerNorm; null
-// for RMSNorm) and rstd, fp32 [M]. Returns a cudaError_t.
-int mxtrain_row_stats(const void* x, long long M, long long K, long long ldx, int dtype, float eps, float* mean,
-                      float* rstd, void* stream) {
-  if (M <= 0 || K <= 0 || (K % 8) || (ldx % 8) || M > 2147483647LL) return (int)cudaErrorInvalidValue;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const dim3 grid((unsigned)M);
-  switch (dtype) {
-    case 0:
-      row_stats_kernel<__nv_bfloat16><<<grid, kStatsThreads, 0, s>>>(x, ldx, K, eps, mean, rstd);
-      break;
-    case 1:
-      row_stats_kernel<__half><<<grid, kStatsThreads, 0, s>>>(x, ldx, K, eps, mean, rstd);
-      break;
-    case 2:
-      row_stats_kernel<float><<<grid, kStatsThreads, 0, s>>>(x, ldx, K, eps, mean, rstd);
-      break;
-    default:
-      return (int)cudaErrorInvalidValue;
-  }
-  return (int)cudaGetLastError();
 }
 
 const char* mxtrain_cuda_error_string(int err) { return cudaGetErrorString((cudaError_t)err); }

@@ -40,7 +40,7 @@ SOURCE = CSRC_DIR / "mx_cast.cu"
 SOURCES = (SOURCE, CSRC_DIR / "fp8_block_cast.cu")
 HEADERS = (CSRC_DIR / "cast_common.cuh",)
 ENABLED = os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _FLAGS = {"row_codes": 1, "row_vals": 2, "col_codes": 4, "col_vals": 8}
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _FORMATS = {"fp8_e4m3": 0, "fp8_e5m2": 1}
@@ -96,9 +96,7 @@ def _build() -> ctypes.CDLL:
     ll, vp, i = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int
     lib.mxtrain_mx_cast_fp8.argtypes = [vp, ll, ll, ll, i, i, i, i, i, ctypes.c_uint, i,
                                         vp, ll, vp, ll, vp, ll, vp, ll, vp, vp, ll, ll, ll,
-                                        i, i, vp, vp, vp, vp, vp, ll, vp]
-    lib.mxtrain_row_stats.argtypes = [vp, ll, ll, ll, i, ctypes.c_float, vp, vp, vp]
-    lib.mxtrain_row_stats.restype = i
+                                        i, i, vp, vp, vp, vp, vp, ll, ctypes.c_float, vp, i, vp]
     lib.mxtrain_mx_cast_fp8.restype = i
     f32 = ctypes.c_float
     lib.mxtrain_fp8_block_cast.argtypes = [vp, vp, ll, ll, ll, ll, i, i, i, i, i, f32, f32, vp, vp, vp, vp, vp, ll, ll,
@@ -188,12 +186,12 @@ def _alloc(shape, device) -> torch.Tensor:
 
 def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str, rows: bool, cols: bool,
             row_codes: bool, row_vals: bool, col_codes: bool, col_vals: bool, pre: int = 0, act: int = 0,
-            mean=None, rstd=None, gamma=None, beta=None, y=None):
+            mean=None, rstd=None, gamma=None, beta=None, y=None, eps: float = 0.0):
     """One kernel launch on a 2-D view; returns (row, col) as the Triton ``_launch`` does.
 
     ``pre`` 1-5: cast ``act(x2)`` (the ids of :data:`CUDA_ACTIVATIONS`); 6: LayerNorm ``((x2 - mean) * rstd)
-    * gamma (+ beta)``; 7: RMSNorm ``(x2 * rstd) * gamma``; rounded to x2's dtype (bf16 / fp16 only) and
-    written to ``y`` if given."""
+    * gamma (+ beta)``; 7: RMSNorm ``(x2 * rstd) * gamma``, the kernel computing ``mean`` / ``rstd`` (fp32
+    [M] outputs) itself; rounded to x2's dtype (bf16 / fp16 only) and written to ``y`` if given."""
     M, K = x2.shape
     dev = x2.device
     kp, mp = -(-K // 32) * 32, -(-M // 32) * 32
@@ -214,13 +212,16 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
 
     def ld(t):
         return 0 if t is None else t.stride(0)
+    # a norm's workspace: the kernel's item counter, then per band of 128 rows its statistics items done
+    work = (torch.zeros(1 + -(-(mp if col_codes else M) // 128), dtype=torch.int32, device=dev)
+            if pre >= 6 else None)
     rd, rs, rv = row if row is not None else (None, None, None)
     cd, cs, cv = col if col is not None else (None, None, None)
     err = lib.mxtrain_mx_cast_fp8(
         x2.data_ptr(), M, K, x2.stride(0), _DTYPES[x2.dtype], _FORMATS[fmt.name], _SCALE_MODES[scale_mode],
         fmt.emax, fmt.mbits, _inv_max_bits(fmt), flags, ptr(rd), ld(rd), ptr(rs), ld(rs), ptr(cd), ld(cd), ptr(cs),
         ld(cs), ptr(rv), ptr(cv), K, kp, mp, pre, act, ptr(mean), ptr(rstd), ptr(gamma), ptr(beta), ptr(y), ld(y),
-        torch.cuda.current_stream(dev).cuda_stream)
+        float(eps), ptr(work), NORM_LOOKAHEAD, torch.cuda.current_stream(dev).cuda_stream)
     if err:
         raise RuntimeError(f"mxtrain CUDA cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")
     return row, col
@@ -230,16 +231,17 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
 
 # activation ids of the CUDA prologue (cast_common.cuh act_fwd); gated activations stay with Triton
 CUDA_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
-# Norm + cast and activation + cast on the CUDA kernel: off by default, because on an H100 they
-# measured slower than Triton's fused kernels (8192^2 bf16, both planes: gelu 0.253 vs 0.228 ms,
-# LayerNorm 0.271 vs 0.263, RMSNorm 0.256 vs 0.255; benchmarks/RESULTS.md): the prologue pushes the
-# tile kernel to 128 registers with spills. Exact and tested; MXTRAIN_CUDA_FUSED_SOURCES=1 turns them on.
-FUSED_SOURCES = os.environ.get("MXTRAIN_CUDA_FUSED_SOURCES", "0") == "1"
+# Norm + cast and activation + cast on the CUDA kernel (mx_source_cast_kernel): on by default, faster
+# than Triton's fused kernels (benchmarks/RESULTS.md); MXTRAIN_CUDA_FUSED_SOURCES=0 keeps Triton's.
+FUSED_SOURCES = os.environ.get("MXTRAIN_CUDA_FUSED_SOURCES", "1") != "0"
+# A norm's statistics run this many bands of 128 rows ahead of the tiles that use them (their reads of
+# x are then still in L2 when the tiles read x again)
+NORM_LOOKAHEAD = int(os.environ.get("MXTRAIN_NORM_LOOKAHEAD", "6"))
 
 
 def fused_sources_selected(device: torch.device) -> bool:
-    """Whether norm + cast and activation + cast take the CUDA kernel on ``device``: opted in
-    (:data:`FUSED_SOURCES`) and the dispatch point picks ``"cuda"`` there (``MXTRAIN_BACKEND=triton``
+    """Whether norm + cast and activation + cast take the CUDA kernel on ``device``: enabled
+    (:data:`FUSED_SOURCES`, the default) and the dispatch point picks ``"cuda"`` there (``MXTRAIN_BACKEND=triton``
     keeps Triton). The callers (:mod:`~mxtrain.kernels.norm_cast`, :mod:`~mxtrain.kernels.activation_cast`)
     ask first, so the default path does no more than read a flag."""
     if not FUSED_SOURCES:
@@ -276,9 +278,9 @@ def activation_cast(h2: torch.Tensor, act: str, fmt: ElemFormat, block_size: int
 def norm_cast(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float,
               zero_centered_gamma: bool, fmt: ElemFormat, block_size: int, scale_mode: str, rounding: str,
               pack: bool, rows: bool, cols: bool, return_output: bool):
-    """LayerNorm / RMSNorm of ``x2`` [M, K] cast to MXFP8 on the CUDA kernels: a statistics pass
-    (``mxtrain_row_stats``: fp32 mean, then the mean of squared deviations, per row) and the cast with
-    the norm as its prologue. Returns ``(row, col, mean, rstd, y)`` or None where it does not apply."""
+    """LayerNorm / RMSNorm of ``x2`` [M, K] cast to MXFP8 in one CUDA kernel that also computes the row
+    statistics (fp32 mean, then the mean of squared deviations; see ``mx_source_cast_kernel``).
+    Returns ``(row, col, mean, rstd, y)`` or None where it does not apply."""
     if _fused_unsupported(x2, fmt, block_size, scale_mode, rounding, pack):
         return None
     if weight.dtype not in (x2.dtype, torch.float32) or (bias is not None and bias.dtype != weight.dtype):
@@ -293,14 +295,10 @@ def norm_cast(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     beta = bias.float().contiguous() if bias is not None else None
     rstd = torch.empty(M, dtype=torch.float32, device=dev)
     mean = torch.empty(M, dtype=torch.float32, device=dev) if kind == "LayerNorm" else None
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    err = lib.mxtrain_row_stats(x2.data_ptr(), M, K, x2.stride(0), _DTYPES[x2.dtype], float(eps),
-                                None if mean is None else mean.data_ptr(), rstd.data_ptr(), stream)
-    if err:
-        raise RuntimeError(f"mxtrain CUDA norm statistics failed: {lib.mxtrain_cuda_error_string(err).decode()}")
     y = torch.empty_like(x2) if return_output else None
     row, col = _launch(lib, x2, fmt, scale_mode, rows, cols, True, False, True, False,
-                       pre=6 if kind == "LayerNorm" else 7, mean=mean, rstd=rstd, gamma=gamma, beta=beta, y=y)
+                       pre=6 if kind == "LayerNorm" else 7, mean=mean, rstd=rstd, gamma=gamma, beta=beta, y=y,
+                       eps=eps)
     return row, col, mean, rstd, y
 
 

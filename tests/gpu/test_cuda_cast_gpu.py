@@ -191,7 +191,7 @@ def test_modules_on_cuda_cast_equal_triton(monkeypatch):
 
 @pytest.fixture
 def fused_sources(monkeypatch):
-    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", True)  # opt-in (slower than Triton's fused kernels)
+    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", True)  # the default (MXTRAIN_CUDA_FUSED_SOURCES=0 turns it off)
 
 
 def _spy(monkeypatch, name):
@@ -264,10 +264,74 @@ def test_activation_cast_cuda(monkeypatch, fused_sources, act, dtype):
     assert not helpers.planes_equal(activation_cast(h, act, "fp8_e4m3", axis=(-1, 0)), mxt)
 
 
-def test_fused_sources_off_by_default(monkeypatch):
+def test_fused_sources_switch_off(monkeypatch):
     from mxtrain.kernels.activation_cast import activation_cast
 
-    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", False)
+    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", False)  # what MXTRAIN_CUDA_FUSED_SOURCES=0 sets
     calls = _spy(monkeypatch, "_launch")
     activation_cast(torch.randn(64, 256, device=DEV, dtype=torch.bfloat16), "gelu", "fp8_e4m3", axis=(-1, 0))
     assert not calls
+
+
+def _ulp_diff_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in bf16 ulps (monotone integer order of the bit patterns), NaNs equal to NaNs."""
+    def order(t):
+        i = t.view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -32768 - i, i)
+    d = (order(a) - order(b)).abs()
+    both_nan = a.isnan() & b.isnan()
+    return torch.where(both_nan, torch.zeros_like(d), d)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "silu"])
+def test_activation_table_every_bf16_input(fused_sources, act):
+    """bf16 gelu / gelu_tanh / silu read most values from a table of the kernel's own function: every one
+    of the 65536 bf16 inputs (both signs, zeros, subnormals, Inf, NaN; in and outside the table's range)
+    against torch, and the codes against the reference cast of the kernel's output."""
+    from mxtrain.kernels.activation_cast import activation_cast, torch_activation
+
+    h = torch.arange(-32768, 32768, dtype=torch.int32, device=DEV).to(torch.int16).view(torch.bfloat16)
+    h = h.reshape(256, 256)
+    mxt, out = activation_cast(h, act, "fp8_e4m3", axis=(-1, 0), return_output=True)
+    ref = torch_activation(h, act)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert _ulp_diff_bf16(out, ref).max().item() <= 1
+    assert (_ulp_diff_bf16(out, ref) == 0).float().mean().item() > 0.99
+    assert bool((out[ref == 0] == 0).all())
+    assert not helpers.planes_equal(mxt, quantize_mx(out, "fp8_e4m3", axis=(-1, 0)))
+    # the same values in a ragged, shuffled layout: the table does not depend on where a value sits
+    perm = torch.randperm(h.numel(), device=DEV, generator=torch.Generator(device=DEV).manual_seed(3))
+    h2 = h.reshape(-1)[perm][: 200 * 328].reshape(200, 328)
+    _, out2 = activation_cast(h2, act, "fp8_e4m3", axis=(-1, 0), return_output=True)
+    assert torch.equal(out2.view(torch.int16), out.reshape(-1)[perm][: 200 * 328].reshape(200, 328).view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_norm_statistics_in_kernel_many_bands(monkeypatch, fused_sources, kind):
+    """The norm's statistics are work items of the same kernel, run ahead of the tiles that wait on them:
+    many bands, a ragged last band, any lookahead, rowwise-only: the same statistics and bytes."""
+    from mxtrain.kernels.norm_cast import norm_cast
+
+    g = torch.Generator(device=DEV).manual_seed(31)
+    x = (torch.randn(2000, 4104, generator=g, device=DEV) * 3 + 1.5).to(torch.bfloat16)
+    w = (torch.randn(4104, generator=g, device=DEV) * 0.5 + 1).to(torch.bfloat16)
+    b = (torch.randn(4104, generator=g, device=DEV) * 0.2).to(torch.bfloat16) if kind == "LayerNorm" else None
+    results = []
+    for lookahead in (1, 6, 1000):
+        monkeypatch.setattr(cuda_cast, "NORM_LOOKAHEAD", lookahead)
+        results.append(norm_cast(x, w, b, kind=kind, fmt="fp8_e4m3", axis=(-1, 0), return_output=True))
+    r = results[0]
+    for other in results[1:]:
+        assert not helpers.planes_equal(other.mx, r.mx)
+        assert torch.equal(other.rstd, r.rstd) and torch.equal(other.out, r.out)
+        if kind == "LayerNorm":
+            assert torch.equal(other.mean, r.mean)
+    xf = x.float()
+    var = xf.var(-1, unbiased=False) if kind == "LayerNorm" else xf.square().mean(-1)
+    torch.testing.assert_close(r.rstd, torch.rsqrt(var + 1e-5), rtol=1e-5, atol=0)
+    if kind == "LayerNorm":
+        torch.testing.assert_close(r.mean, xf.mean(-1), rtol=1e-5, atol=1e-5)
+    assert not helpers.planes_equal(r.mx, quantize_mx(r.out, "fp8_e4m3", axis=(-1, 0)))
+    rows_only = norm_cast(x, w, b, kind=kind, fmt="fp8_e4m3", axis=-1)
+    assert not helpers.planes_equal(rows_only.mx, quantize_mx(r.out, "fp8_e4m3", axis=-1))
+    assert torch.equal(rows_only.rstd, r.rstd)
