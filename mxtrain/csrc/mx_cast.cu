@@ -308,16 +308,18 @@ __device__ __noinline__ float act_rounded(float x) {
   return round_to<T>(act_fwd(x, PRE));
 }
 
-// The bf16 activation table: every bf16 input with 2^-10 <= |x| < 8 (exponent fields 117-129, both
-// signs: 2 x 13 x 128 entries) and its activation's bf16 bits. A bf16 input has only 65536 values;
+// The bf16 activation table: every bf16 input with 2^-16 <= |x| < 2^8 (exponent fields 111-134, both
+// signs: 2 x 24 x 128 entries, 12 KB) and its activation's bf16 bits. A bf16 input has only 65536 values;
 // the table holds the ones where nearly all of the work is, so most elements cost a shared-memory
 // lookup instead of erff / tanhf / expf (about 30 instructions each, which made the fused cast
-// compute-bound). Inputs outside it run act_rounded itself.
-constexpr int kLutLo = 117 << 7, kLutSpan = 13 << 7, kLutEntries = 2 * kLutSpan;
+// compute-bound). Zeros give themselves (gelu, gelu_tanh
+// and silu of +-0 are +-0, which is also what the zero padding of a ragged tile needs); other inputs
+// outside the table run act_rounded itself.
+constexpr int kLutLo = 111 << 7, kLutSpan = 24 << 7, kLutEntries = 2 * kLutSpan;
 
 // ---- work items of the source kernel ----------------------------------------------------------
 
-constexpr int kStatRows = 16;                       // rows of one statistics item (2 per warp)
+constexpr int kStatRows = 8;                        // rows of one statistics item (1 per warp)
 constexpr int kStatItems = kTileM / kStatRows;      // statistics items per band of kTileM rows
 
 struct Item {
@@ -350,56 +352,81 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   return v;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Running statistics of a row: RMSNorm the sum of squares (in m2); LayerNorm the count, mean and sum of
+// squared deviations, combined chunk by chunk (Chan et al.: no E[x^2] - E[x]^2 cancellation, one pass)
+struct RowStats {
+  float n, mean, m2;
+};
+
+template <bool RMS>
+__device__ __forceinline__ void add_chunk(RowStats& st, const float v[8]) {
+  if constexpr (RMS) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-  return v;
+    for (int j = 0; j < 8; ++j) st.m2 = __fadd_rn(st.m2, __fmul_rn(v[j], v[j]));
+  } else {
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sum = __fadd_rn(sum, v[j]);
+    const float cm = __fmul_rn(sum, 0.125f);
+    float cm2 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float d = __fsub_rn(v[j], cm);
+      cm2 = __fadd_rn(cm2, __fmul_rn(d, d));
+    }
+    // the weights by the fast reciprocal (2 ulp; a correctly rounded division per chunk made the
+    // statistics items slow enough that tiles waited on them); still one fixed order of operations
+    const float n_new = __fadd_rn(st.n, 8.0f);
+    const float delta = __fsub_rn(cm, st.mean);
+    const float w = __fdividef(8.0f, n_new);
+    st.mean = __fadd_rn(st.mean, __fmul_rn(delta, w));
+    st.m2 = __fadd_rn(__fadd_rn(st.m2, cm2), __fmul_rn(__fmul_rn(delta, delta), __fmul_rn(st.n, w)));
+    st.n = n_new;
+  }
 }
 
-// One statistics item: rows band * kTileM + sub * kStatRows + [0, 16), two per warp. LayerNorm:
-// mean = sum(x) / K, then var = sum((x - mean)^2) / K (two passes over the row, the second from
-// L1 / L2); RMSNorm: var = sum(x^2) / K; rstd = 1 / sqrt(var + eps). Each lane sums its 8-element
-// chunks in order, then the warp's butterfly: a fixed order, the same in every run.
+// the warp's statistics in lane 0 (a fixed tree: the same bits in every run)
+template <bool RMS>
+__device__ __forceinline__ RowStats warp_combine(RowStats st) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float n2 = __shfl_down_sync(0xFFFFFFFFu, st.n, o);
+    const float mean2 = __shfl_down_sync(0xFFFFFFFFu, st.mean, o);
+    const float m22 = __shfl_down_sync(0xFFFFFFFFu, st.m2, o);
+    if constexpr (RMS) {
+      st.m2 = __fadd_rn(st.m2, m22);
+    } else if (n2 > 0.0f) {
+      const float n_new = __fadd_rn(st.n, n2);
+      const float delta = __fsub_rn(mean2, st.mean);
+      st.mean = __fadd_rn(st.mean, __fmul_rn(delta, __fdiv_rn(n2, n_new)));
+      st.m2 = __fadd_rn(__fadd_rn(st.m2, m22), __fmul_rn(__fmul_rn(delta, delta), __fdiv_rn(__fmul_rn(st.n, n2), n_new)));
+      st.n = n_new;
+    }
+  }
+  return st;
+}
+
+// One statistics item: rows band * kTileM + sub * kStatRows + [0, 8), a warp per row (one pass, 8
+// loads in flight per lane). rstd = 1 / sqrt(m2 / K + eps); LayerNorm also writes the mean.
 template <typename T, bool RMS>
 __device__ __forceinline__ void stats_item(const CastArgs& a, long long band, long long sub, int tid) {
   const int warp = tid / 32, lane = tid % 32;
-  const float kf = (float)a.K;
-#pragma unroll 1
-  for (int rr = 0; rr < 2; ++rr) {
-    const long long row = band * kTileM + sub * kStatRows + warp * 2 + rr;
-    if (row >= a.M) break;
+  const long long row = band * kTileM + sub * kStatRows + warp;
+  if (row < a.M) {
     const T* xr = static_cast<const T*>(a.x) + row * a.ldx;
-    float acc = 0.0f;
-#pragma unroll 4
+    RowStats st{0.0f, 0.0f, 0.0f};
+#pragma unroll 8
     for (long long c = lane * 8; c < a.K; c += 256) {
-      uint4 raw = __ldg(reinterpret_cast<const uint4*>(xr + c));
+      const uint4 w = __ldg(reinterpret_cast<const uint4*>(xr + c));
       float v[8];
-      widen8<T>(&raw, v);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc = RMS ? __fadd_rn(acc, __fmul_rn(v[j], v[j])) : __fadd_rn(acc, v[j]);
+      widen8<T>(&w, v);
+      add_chunk<RMS>(st, v);
     }
-    acc = warp_sum(acc);
-    float var;
-    if constexpr (RMS) {
-      var = __fdiv_rn(acc, kf);
-    } else {
-      const float mu = __fdiv_rn(acc, kf);
-      float m2 = 0.0f;
-#pragma unroll 4
-      for (long long c = lane * 8; c < a.K; c += 256) {
-        uint4 raw = __ldg(reinterpret_cast<const uint4*>(xr + c));
-        float v[8];
-        widen8<T>(&raw, v);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float d = __fsub_rn(v[j], mu);
-          m2 = __fadd_rn(m2, __fmul_rn(d, d));
-        }
-      }
-      var = __fdiv_rn(warp_sum(m2), kf);
-      if (lane == 0) a.mean[row] = mu;
+    st = warp_combine<RMS>(st);
+    if (lane == 0) {
+      a.rstd[row] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(st.m2, (float)a.K), a.eps)));
+      if (!RMS) a.mean[row] = st.mean;
     }
-    if (lane == 0) a.rstd[row] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, a.eps)));
   }
   __syncthreads();  // every row of the item written
   if (tid == 0) {
@@ -537,10 +564,11 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
             const int e = (int)(b & 0x7FFFu) - kLutLo;
             if ((unsigned)e < (unsigned)kLutSpan) {
               half[k] = lut[e + (b >> 15) * kLutSpan];
+            } else if ((b & 0x7FFFu) == 0u) {
+              half[k] = b;
             } else {
               half[k] = bf16_bits(act_rounded<T, PRE>(__uint_as_float(b << 16)));
             }
-            if (!in) half[k] = 0u;
             v[2 * j + k] = __uint_as_float(half[k] << 16);
           }
           o[j] = half[0] | (half[1] << 16);
