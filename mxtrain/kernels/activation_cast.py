@@ -14,10 +14,12 @@ rounding to bf16 an element may differ by one bf16 ulp where the fp32 value lies
 next to a rounding boundary (tests: ``|diff| <= 1 ulp of the dtype``, fp32 within 1e-6 relative).
 
 The kernel is the cast kernel with an activation prologue (``ACT`` constexpr): the
-same tile grid, one read of ``h`` (two column tiles of it for gated activations). With
-``MXTRAIN_CUDA_FUSED_SOURCES=1`` (opt-in: slower than this kernel on an H100), CUDA tensors with an
-MXFP8 round-half-even cast of block 32 run the non-gated activations on the CUDA C++ cast
-(``mxtrain/csrc/mx_cast.cu``) with the activation as its prologue: the same contract.
+same tile grid, one read of ``h`` (two column tiles of it for gated activations). On CUDA tensors
+with an MXFP8 round-half-even cast of block 32, the non-gated activations run by default on the CUDA
+C++ kernel (``mxtrain/csrc/mx_cast.cu``, ``MXTRAIN_CUDA_FUSED_SOURCES=0`` keeps this one): the same
+contract; for bf16 input, gelu / gelu_tanh / silu values come from a table of the kernel's own
+function over the bf16 inputs with 2^-16 <= |x| < 2^8 (exact by construction: the table is that
+function's output), the other inputs from the function itself.
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@
 to ``x``'s dtype first, as the torch op returns it), the per-row ``mean`` (LayerNorm)
 and ``rstd`` in fp32, and optionally ``y`` itself.
 
-With ``MXTRAIN_CUDA_FUSED_SOURCES=1`` (opt-in: slower than this Triton kernel on an H100, see
-benchmarks/RESULTS.md), CUDA tensors with an MXFP8 round-half-even cast of block 32 run the CUDA C++
-kernels of ``mxtrain/csrc/mx_cast.cu`` instead: a per-row statistics pass (fp32 sum for the mean,
-then the sum of squared deviations) and the cast with the norm as its prologue; the same contract.
+On CUDA tensors with an MXFP8 round-half-even cast of block 32 (bf16 / fp16 input), the CUDA C++
+kernel of ``mxtrain/csrc/mx_cast.cu`` serves it by default (``MXTRAIN_CUDA_FUSED_SOURCES=0`` or
+``MXTRAIN_BACKEND=triton`` keep this Triton kernel): one persistent kernel whose work items are the
+row statistics (a warp per row, one pass: chunked Chan combination in fp32) and the 128x128 cast
+tiles, each band's statistics a few bands ahead of its tiles, so ``x`` is read from DRAM once (the
+tiles' second read hits L2); the same contract.
 
 The Triton kernel: one program owns a band of ``BLOCK_M`` rows (32 = one columnwise block when the
 columnwise plane is written): pass 1 streams the band once for the row statistics
