@@ -221,7 +221,7 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
         x2.data_ptr(), M, K, x2.stride(0), _DTYPES[x2.dtype], _FORMATS[fmt.name], _SCALE_MODES[scale_mode],
         fmt.emax, fmt.mbits, _inv_max_bits(fmt), flags, ptr(rd), ld(rd), ptr(rs), ld(rs), ptr(cd), ld(cd), ptr(cs),
         ld(cs), ptr(rv), ptr(cv), K, kp, mp, pre, act, ptr(mean), ptr(rstd), ptr(gamma), ptr(beta), ptr(y), ld(y),
-        float(eps), ptr(work), NORM_LOOKAHEAD, torch.cuda.current_stream(dev).cuda_stream)
+        float(eps), ptr(work), max(1, int(NORM_LOOKAHEAD)), torch.cuda.current_stream(dev).cuda_stream)
     if err:
         raise RuntimeError(f"mxtrain CUDA cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")
     return row, col
@@ -236,7 +236,18 @@ CUDA_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "si
 FUSED_SOURCES = os.environ.get("MXTRAIN_CUDA_FUSED_SOURCES", "1") != "0"
 # A norm's statistics run this many bands of 128 rows ahead of the tiles that use them (their reads of
 # x are then still in L2 when the tiles read x again)
-NORM_LOOKAHEAD = int(os.environ.get("MXTRAIN_NORM_LOOKAHEAD", "6"))
+def _lookahead_from_env() -> int:
+    raw = os.environ.get("MXTRAIN_NORM_LOOKAHEAD", "6")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"MXTRAIN_NORM_LOOKAHEAD must be a positive integer (bands of 128 rows), got {raw!r}")
+    return value
+
+
+NORM_LOOKAHEAD = _lookahead_from_env()
 
 
 def fused_sources_selected(device: torch.device) -> bool:

@@ -102,3 +102,14 @@ def test_source_compiles_for_sm90_without_spills(tmp_path):
         assert spills and not any(spills), e  # (a called function reports its own line)
     so = ctypes.CDLL(str(lib))
     assert so.mxtrain_cast_abi_version() == cuda_cast._ABI_VERSION
+
+
+def test_norm_lookahead_env_is_checked(monkeypatch):
+    monkeypatch.setenv("MXTRAIN_NORM_LOOKAHEAD", "0")
+    with pytest.raises(ValueError, match="MXTRAIN_NORM_LOOKAHEAD must be a positive integer"):
+        cuda_cast._lookahead_from_env()
+    monkeypatch.setenv("MXTRAIN_NORM_LOOKAHEAD", "many")
+    with pytest.raises(ValueError, match="got 'many'"):
+        cuda_cast._lookahead_from_env()
+    monkeypatch.setenv("MXTRAIN_NORM_LOOKAHEAD", "8")
+    assert cuda_cast._lookahead_from_env() == 8
