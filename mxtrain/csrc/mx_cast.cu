@@ -479,25 +479,23 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
       return next_item[slot];
     }
   };
-  auto prefetch = [&](long long i, int buf) {
-    if (i < nitems) {
-      const Item it = decode_item(i, kNorm, ntm, ntk, L);
-      if (!it.stats) {
-        const long long m0 = it.tm * kTileM, col = it.tk * kTileK + cc;
+  auto prefetch = [&](const Item& it, bool valid, int buf) {  // the tile's copies (an empty group otherwise)
+    if (valid && !it.stats) {
+      const long long m0 = it.tm * kTileM, col = it.tk * kTileK + cc;
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          const long long row = m0 + c * 16 + tid / 16;
-          const bool in = row < a.M && col < a.K;
-          const T* src = static_cast<const T*>(a.x) + (in ? row * a.ldx + col : 0);
-          cp_async16(&tiles[buf][c * 16 + tid / 16][cc], src, in);
-        }
+      for (int c = 0; c < kChunks; ++c) {
+        const long long row = m0 + c * 16 + tid / 16;
+        const bool in = row < a.M && col < a.K;
+        const T* src = static_cast<const T*>(a.x) + (in ? row * a.ldx + col : 0);
+        cp_async16(&tiles[buf][c * 16 + tid / 16][cc], src, in);
       }
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
 
   long long cur = fetch();
-  prefetch(cur, 0);
+  Item it = decode_item(cur, kNorm, ntm, ntk, L);
+  prefetch(it, cur < nitems, 0);
   if constexpr (kLut) {
     for (int e = tid; e < kLutEntries; e += kThreads) {
       const uint32_t bits = (uint32_t)(kLutLo + e % kLutSpan) | (e >= kLutSpan ? 0x8000u : 0u);
@@ -505,15 +503,14 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
     }
     __syncthreads();
   }
-  int buf = 0;
-  while (cur < nitems) {
-    const long long nxt = fetch();
-    prefetch(nxt, buf ^ 1);
-    const Item it = decode_item(cur, kNorm, ntm, ntk, L);
+  long long nxt = 0;
+  Item nxt_it{};
+  for (int buf = 0; cur < nitems; cur = nxt, it = nxt_it, buf ^= 1) {
+    nxt = fetch();
+    nxt_it = decode_item(nxt, kNorm, ntm, ntk, L);
+    prefetch(nxt_it, nxt < nitems, buf ^ 1);
     if (kNorm && it.stats) {
       stats_item<T, PRE == 7>(a, it.tm, it.tk, tid);
-      cur = nxt;
-      buf ^= 1;
       continue;
     }
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this tile's copies (this thread's) are in
@@ -602,8 +599,6 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
     } else {
       __syncthreads();  // every thread is done with tiles[buf] before the next prefetch refills it
     }
-    cur = nxt;
-    buf ^= 1;
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
