@@ -113,6 +113,8 @@ def main():
     device, dtype = torch.device(args.device), {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     torch.manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype, requires_grad=True)
+    # a dense output gradient, as a loss downstream gives (y.sum() would hand backward a broadcast view)
+    dy = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype)
     ref = TorchBlock(args.hidden, args.ffn, device, dtype)
     mx = mxtrain.LayerNormMLP(args.hidden, args.ffn, activation="gelu", device=device, dtype=dtype)
     rows = []
@@ -123,7 +125,7 @@ def main():
         def step():
             with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
                 y = run(x)
-            y.sum().backward()
+            y.backward(dy)
 
         with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
             y = module(x)

@@ -46,15 +46,20 @@ def torch_activation(h: torch.Tensor, name: str) -> torch.Tensor:
 
 def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32, axis=(-1, 0),
                     scale_mode: str = "floor", rounding: str = "even", seed=None, pack: bool = True,
-                    return_output: bool = False):
+                    return_output: bool = False, dequantized=(), dequantized_dtype: torch.dtype = torch.bfloat16,
+                    keep_codes=None):
     """MX planes of ``act(h)`` (``h``: [..., N], or [..., 2N] for gated activations).
 
     Returns the :class:`MXTensor` of the activation output (logical shape [..., N]),
     or ``(mxt, out)`` with ``return_output=True`` (``out`` in ``h``'s dtype). Blocks
     along the last axis (any ndim) and/or the first axis of a 2-D output. Where the
     kernel cannot run (see :func:`mxtrain.kernels.cast._fallback_reason`) it computes
-    ``torch_activation`` and the reference cast.
+    ``torch_activation`` and the reference cast. ``dequantized`` / ``keep_codes`` /
+    ``dequantized_dtype`` as :func:`mxtrain.kernels.dispatch.quantize` (the CUDA kernel writes bf16
+    values in the same pass; elsewhere the planes are dequantized after the cast).
     """
+    from mxtrain.kernels.dispatch import attach_values, values_request
+
     name = check_activation(activation)
     act = ACTIVATION_IDS[name]
     gated = act >= 6
@@ -66,6 +71,12 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
     axes = tuple(normalize_axis(a, len(out_shape)) for a in axes)
     last = len(out_shape) - 1
     want_row, want_col = last in axes, (0 in axes and len(out_shape) >= 2)
+    deq, keep = values_request(len(out_shape), axes, dequantized, keep_codes, dequantized_dtype)
+
+    def finish(mxt, out):  # values asked for, where the kernel wrote codes
+        if deq or set(keep) != set(axes):
+            mxt = attach_values(mxt, deq, dequantized_dtype, keep)
+        return (mxt, out) if return_output else mxt
     probe = h.new_empty(()).expand(out_shape)  # shape/device stand-in for the output (no memory)
     reason = _cast._fallback_reason(probe, fmt_, block_size, axes, pack)
     if reason is None and want_col and (len(out_shape) > 2 or block_size > _cast.MAX_FUSED_BLOCK_SIZE):
@@ -74,19 +85,25 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
         out = torch_activation(h, name)
         mxt = quantize_mx(out, fmt_, block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding,
                           seed=seed, pack=pack)
-        return (mxt, out) if return_output else mxt
+        return finish(mxt, out)
     h2 = h.reshape(-1, h.shape[-1])
     if h2.stride(-1) != 1:
         h2 = h2.contiguous()
     from mxtrain.kernels import cuda_cast
 
     if h.is_cuda and not gated and (len(out_shape) == 2 or not want_col) and cuda_cast.fused_sources_selected(h.device):
+        native = dequantized_dtype == torch.bfloat16  # the kernel writes bf16 values itself
+        to2d = {0: 0, last: 1}  # the launch's axes: 1 rowwise, 0 columnwise
         res = cuda_cast.activation_cast(h2, name, fmt_, block_size, scale_mode, rounding, pack, want_row, want_col,
-                                        return_output)
+                                        return_output, deq=tuple(to2d[a] for a in deq) if native else (),
+                                        keep=tuple(to2d[a] for a in keep) if native else None)
         if res is not None:  # the CUDA C++ cast with the activation as its prologue
             row, col, y = res
-            mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
-            return (mxt, y.reshape(out_shape)) if return_output else mxt
+            mxt = _cast.assemble_mxtensor(probe, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
+            y = y.reshape(out_shape) if y is not None else None
+            if native:
+                return (mxt, y) if return_output else mxt
+            return finish(mxt, y)
     n_out = out_shape[-1]
     y = torch.empty(h2.shape[0], n_out, dtype=h.dtype, device=h.device) if return_output else None
     seed_t = _cast._philox_seed(seed, h.device) if rounding == "stochastic" else None
@@ -101,6 +118,4 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
         planes[0] = MXPlane(data=col[0], scale=col[1], axis=0, packed=pack)
     mxt = MXTensor(planes=tuple(planes[a] for a in axes), fmt=fmt_.name, block_size=block_size,
                    shape=out_shape, dtype=h.dtype, scale_mode=scale_mode, rounding=rounding, whole_axis=False)
-    if return_output:
-        return mxt, y.reshape(out_shape)
-    return mxt
+    return finish(mxt, y.reshape(out_shape) if y is not None else None)

@@ -272,26 +272,39 @@ def _fused_unsupported(x2: torch.Tensor, fmt: ElemFormat, block_size: int, scale
     return unsupported_reason(x2, fmt, block_size, (1, 0), scale_mode, rounding, (), torch.bfloat16)
 
 
+def _plane_opts(rows: bool, cols: bool, deq: tuple[int, ...], keep: tuple[int, ...] | None) -> dict:
+    """The launch's codes / values switches of a 2-D cast: ``deq`` the axes (1 rowwise, 0 columnwise)
+    whose dequantized bf16 values are written, ``keep`` those whose codes+scales are (None: all)."""
+    keep = (0, 1) if keep is None else keep
+    return dict(row_codes=rows and 1 in keep, row_vals=rows and 1 in deq,
+                col_codes=cols and 0 in keep, col_vals=cols and 0 in deq)
+
+
 def activation_cast(h2: torch.Tensor, act: str, fmt: ElemFormat, block_size: int, scale_mode: str, rounding: str,
-                    pack: bool, rows: bool, cols: bool, return_output: bool):
+                    pack: bool, rows: bool, cols: bool, return_output: bool, deq: tuple[int, ...] = (),
+                    keep: tuple[int, ...] | None = None):
     """``act(h2)`` cast to MXFP8 in one pass on the CUDA kernel: ``(row, col, y)`` as the Triton
-    ``_launch`` returns them (plus the activation output when asked for), or None where it does not apply."""
+    ``_launch`` returns them (plus the activation output when asked for), or None where it does not apply.
+    ``deq`` / ``keep``: see :func:`_plane_opts` (the default writes the codes of both planes)."""
     if act not in CUDA_ACTIVATIONS or _fused_unsupported(h2, fmt, block_size, scale_mode, rounding, pack):
         return None
     lib = library()
     if lib is None:
         return None
     y = torch.empty_like(h2) if return_output else None
-    row, col = _launch(lib, h2, fmt, scale_mode, rows, cols, True, False, True, False, pre=CUDA_ACTIVATIONS[act], y=y)
+    row, col = _launch(lib, h2, fmt, scale_mode, rows, cols, **_plane_opts(rows, cols, deq, keep),
+                       pre=CUDA_ACTIVATIONS[act], y=y)
     return row, col, y
 
 
 def norm_cast(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float,
               zero_centered_gamma: bool, fmt: ElemFormat, block_size: int, scale_mode: str, rounding: str,
-              pack: bool, rows: bool, cols: bool, return_output: bool):
+              pack: bool, rows: bool, cols: bool, return_output: bool, deq: tuple[int, ...] = (),
+              keep: tuple[int, ...] | None = None):
     """LayerNorm / RMSNorm of ``x2`` [M, K] cast to MXFP8 in one CUDA kernel that also computes the row
     statistics (fp32 mean, then the mean of squared deviations; see ``mx_source_cast_kernel``).
-    Returns ``(row, col, mean, rstd, y)`` or None where it does not apply."""
+    Returns ``(row, col, mean, rstd, y)`` or None where it does not apply. ``deq`` / ``keep`` as
+    :func:`activation_cast`."""
     if _fused_unsupported(x2, fmt, block_size, scale_mode, rounding, pack):
         return None
     if weight.dtype not in (x2.dtype, torch.float32) or (bias is not None and bias.dtype != weight.dtype):
@@ -307,7 +320,7 @@ def norm_cast(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     rstd = torch.empty(M, dtype=torch.float32, device=dev)
     mean = torch.empty(M, dtype=torch.float32, device=dev) if kind == "LayerNorm" else None
     y = torch.empty_like(x2) if return_output else None
-    row, col = _launch(lib, x2, fmt, scale_mode, rows, cols, True, False, True, False,
+    row, col = _launch(lib, x2, fmt, scale_mode, rows, cols, **_plane_opts(rows, cols, deq, keep),
                        pre=6 if kind == "LayerNorm" else 7, mean=mean, rstd=rstd, gamma=gamma, beta=beta, y=y,
                        eps=eps)
     return row, col, mean, rstd, y

@@ -182,14 +182,19 @@ def _reference(x2, weight, bias, kind, eps, zc, fmt, block_size, axis, scale_mod
 def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, kind: str = "LayerNorm",
               eps: float = 1e-5, zero_centered_gamma: bool = False, fmt="fp8_e4m3", block_size: int = 32,
               axis=(-1, 0), scale_mode: str = "floor", rounding: str = "even", seed=None, pack: bool = True,
-              return_output: bool = False) -> NormCastResult:
+              return_output: bool = False, dequantized=(), dequantized_dtype: torch.dtype = torch.bfloat16,
+              keep_codes=None) -> NormCastResult:
     """Norm over the last dim of ``x`` ([..., K]) and the MX planes of the result.
 
     ``axis``: -1 (rowwise, any ndim), 0 (columnwise, 2-D) or both (2-D). ``bias`` is
     LayerNorm's beta (RMSNorm takes none). Where the kernel cannot run (CPU without the
     interpreter, unsupported block size or axes), torch's norm and the reference cast
-    give the same contract.
+    give the same contract. ``dequantized`` / ``keep_codes`` / ``dequantized_dtype`` as
+    :func:`mxtrain.kernels.dispatch.quantize`: planes handed to a GEMM at once can come as their
+    dequantized values (the CUDA kernel writes bf16 values in the same pass, no codes needed).
     """
+    from mxtrain.kernels.dispatch import attach_values, values_request
+
     if kind not in KINDS:
         raise ValueError(f"unknown normalization {kind!r}; allowed: {', '.join(KINDS)}")
     if kind == "RMSNorm" and bias is not None:
@@ -200,8 +205,14 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         raise ValueError(f"weight/bias must have shape [{K}]")
     axes = axis if isinstance(axis, tuple) else (axis,)
     axes = tuple(normalize_axis(a, x.ndim) for a in axes)
+    deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
     last = x.ndim - 1
     want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
+
+    def finish(r: NormCastResult) -> NormCastResult:  # values asked for, where the kernel wrote codes
+        if deq or set(keep) != set(axes):
+            r.mx = attach_values(r.mx, deq, dequantized_dtype, keep)
+        return r
     x2 = x.reshape(-1, K)
     reason = _cast._fallback_reason(x, fmt_, block_size, axes, pack)
     if reason is None and want_col and (x.ndim != 2 or block_size > _cast.MAX_FUSED_BLOCK_SIZE):
@@ -212,18 +223,23 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     if reason is not None:
         mxt, mean, rstd, y = _reference(x2, weight, bias, kind, eps, zero_centered_gamma, fmt_, block_size, axis,
                                         scale_mode, rounding, seed, pack, x.shape)
-        return NormCastResult(mxt, mean, rstd, y if return_output else None)
+        return finish(NormCastResult(mxt, mean, rstd, y if return_output else None))
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     from mxtrain.kernels import cuda_cast
 
     if x.is_cuda and cuda_cast.fused_sources_selected(x.device):  # a statistics pass, then the cast
+        native = dequantized_dtype == torch.bfloat16  # the kernel writes bf16 values itself
+        to2d = {0: 0, last: 1}  # the launch's axes: 1 rowwise, 0 columnwise
         res = cuda_cast.norm_cast(x2, weight, bias, kind, eps, zero_centered_gamma, fmt_, block_size, scale_mode,
-                                  rounding, pack, want_row, want_col, return_output)
+                                  rounding, pack, want_row, want_col, return_output,
+                                  deq=tuple(to2d[a] for a in deq) if native else (),
+                                  keep=tuple(to2d[a] for a in keep) if native else None)
         if res is not None:
             row, col, mean, rstd, y = res
             mxt = _cast.assemble_mxtensor(x, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
-            return NormCastResult(mxt, mean, rstd, y.reshape(x.shape) if y is not None else None)
+            r = NormCastResult(mxt, mean, rstd, y.reshape(x.shape) if y is not None else None)
+            return r if native else finish(r)
     M = x2.shape[0]
     dev = x.device
     bs = block_size
@@ -276,4 +292,4 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         planes[0] = MXPlane(data=col[0], scale=col[1], axis=0, packed=pack)
     mxt = MXTensor(planes=tuple(planes[a] for a in axes), fmt=fmt_.name, block_size=bs, shape=tuple(x.shape),
                    dtype=x.dtype, scale_mode=scale_mode, rounding=rounding, whole_axis=False)
-    return NormCastResult(mxt, mean, rstd, y.reshape(x.shape) if y is not None else None)
+    return finish(NormCastResult(mxt, mean, rstd, y.reshape(x.shape) if y is not None else None))

@@ -27,13 +27,15 @@ def recipe_generator(recipe, device: torch.device) -> torch.Generator | None:
     return gen
 
 
-def quantize_operand(t2d: torch.Tensor, specs_axes, generator) -> list["MXTensor | torch.Tensor"]:
+def quantize_operand(t2d: torch.Tensor, specs_axes, generator, at_once: bool = False) -> list["MXTensor | torch.Tensor"]:
     """Quantize a 2-D tensor for several (RoleSpec, axis) uses; identical specs share one call.
 
     A role whose format is None gets the tensor itself (high precision). A spec
     given for two axes produces both planes in one quantize call, which is what
     the one-pass rowwise+columnwise kernels do; each use then gets an MXTensor
-    holding only its own plane.
+    holding only its own plane. ``at_once``: every plane goes to a GEMM right away
+    (backward's gradient operands), so on CUDA the cast may write all of them as
+    values (see :data:`CARRY_VALUES`).
 
     A weight all-gathered by FSDP2 in MX (``mxtrain.distributed``) carries the
     planes already: a use they serve gets them as they are, never quantized again.
@@ -54,36 +56,76 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator) -> list["MXTensor
             for i, axis in uses:
                 out[i] = fp8.only(axis)
             continue
-        now = _used_at_once(t2d, axes)
+        now = _used_at_once(t2d, axes, at_once)
         extra = {} if not now else dict(dequantized=now, keep_codes=tuple(a for a in axes if a not in now))
         mx = quantize(t2d, spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
                       rounding=spec.rounding, seed=generator, **extra)
-        for i, axis in uses:
-            # Each use gets only its own plane: what a module keeps for backward (the
-            # columnwise wgrad/dgrad operand) must not pin the rowwise plane as well.
-            if axis in now:
-                out[i] = dataclasses.replace(mx, planes=(), values=((axis % 2, mx.dequantized_values(axis)),))
-            else:
-                out[i] = (mx if len(mx.planes) == 1 and not mx.values
-                          else dataclasses.replace(mx, planes=(mx.plane(axis),), values=()))
+        _hand_out(mx, uses, now, out)
+    return out
+
+
+def _hand_out(mx: MXTensor, uses, now: tuple[int, ...], out: list) -> None:
+    """Give each (index, axis) use only its own plane of ``mx`` (codes, or values for the axes in ``now``):
+    what a module keeps for backward (the columnwise wgrad/dgrad operand) must not pin the rowwise plane."""
+    for i, axis in uses:
+        if axis in now:
+            out[i] = dataclasses.replace(mx, planes=(), values=((axis % 2, mx.dequantized_values(axis)),))
+        else:
+            out[i] = (mx if len(mx.planes) == 1 and not mx.values
+                      else dataclasses.replace(mx, planes=(mx.plane(axis),), values=()))
+
+
+# On CUDA the modules compute a norm's or an activation's output inside the cast of it (norm_cast,
+# activation_cast): the kernels' fp32 arithmetic is not torch's, so an output can differ from the
+# unfused path by an ulp of its dtype (and then a code); each kernel's codes are bit-exact against the
+# reference cast of its own output. MXTRAIN_FUSE_SOURCES=0 computes the torch op, then casts.
+FUSE_SOURCES = os.environ.get("MXTRAIN_FUSE_SOURCES", "1") != "0"
+
+
+def source_operands(like: torch.Tensor, specs_axes, cast, recipe, at_once: bool = False):
+    """The operands of several uses of a norm's or an activation's output, from one fused source cast.
+
+    ``cast(spec, axes, dequantized, keep_codes) -> MXTensor`` runs the fused kernel
+    (:func:`~mxtrain.kernels.norm_cast.norm_cast`, :func:`~mxtrain.kernels.activation_cast.activation_cast`)
+    on the source, whose output never exists in memory. ``like`` stands in for that output
+    (dtype, device, shape) in the values policy of :func:`quantize_operand`. Returns None where
+    the fusion does not apply, and the caller computes the output and quantizes it: off CUDA
+    (the reference path stays as it is), under an elementwise-precision recipe (the output
+    is rounded before the cast), or unless every use is one MX spec.
+    """
+    if not FUSE_SOURCES or not like.is_cuda or getattr(recipe, "elemwise_format", None) is not None:
+        return None
+    used = [(spec, axis) for spec, axis in specs_axes if spec is not None]
+    specs = {spec for spec, _ in used}
+    if len(specs) != 1:
+        return None
+    (spec,) = specs
+    if isinstance(spec, Float8RoleSpec) or spec.fmt is None:
+        return None
+    axes = tuple(dict.fromkeys(axis for _, axis in used))
+    now = _used_at_once(like, axes, at_once)
+    mx = cast(spec, axes, now, tuple(a for a in axes if a not in now))
+    out: list = [None] * len(specs_axes)
+    _hand_out(mx, [(i, axis) for i, (spec, axis) in enumerate(specs_axes) if spec is not None], now, out)
     return out
 
 
 # On CUDA, planes that a GEMM consumes right away are written by the cast as their dequantized
 # bf16 values, without codes (the GEMM then runs no dequantize pass): every rowwise (axis 1)
-# operand (fprop input and weight, dgrad grad-output: never kept for backward by any module)
-# and a weight's columnwise plane (dgrad weight: quantized in backward, used at once). Other
-# columnwise planes (wgrad operands, which a forward keeps for backward) keep their codes.
+# operand (fprop input and weight, dgrad grad-output: never kept for backward by any module),
+# a weight's columnwise plane (dgrad weight: quantized in backward, used at once) and every plane
+# a backward casts (``at_once``: the gradients' wgrad planes, a recomputed activation's). The
+# columnwise planes a forward keeps for backward (wgrad inputs) keep their codes (1 byte each).
 # Only for bf16 tensors, whose MX values are all exact in bf16 (so the values serve a GEMM in
 # any dtype); elsewhere, and always on the CPU, nothing changes. MXTRAIN_CARRY_VALUES=0 turns it off.
 CARRY_VALUES = os.environ.get("MXTRAIN_CARRY_VALUES", "1") != "0"
 
 
-def _used_at_once(t2d: torch.Tensor, axes) -> tuple[int, ...]:
+def _used_at_once(t2d: torch.Tensor, axes, at_once: bool = False) -> tuple[int, ...]:
     """The axes among ``axes`` whose planes are cast straight to dequantized values (see CARRY_VALUES)."""
     if not CARRY_VALUES or t2d.device.type != "cuda" or t2d.dtype != torch.bfloat16 or t2d.ndim != 2:
         return ()
-    return tuple(a for a in axes if a % 2 == 1 or isinstance(t2d, torch.nn.Parameter))
+    return tuple(a for a in axes if at_once or a % 2 == 1 or isinstance(t2d, torch.nn.Parameter))
 
 
 def _gathered_operand(weight, specs_axes, generator) -> list:

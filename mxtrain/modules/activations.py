@@ -34,8 +34,20 @@ def activation(h: torch.Tensor, name: str) -> torch.Tensor:
     return PLAIN[name](h)
 
 
+# The backward ops autograd itself runs for these (same kernels, same bits), called directly: the
+# activation is not recomputed first (a full read and write of an ffn-wide tensor saved)
+_DIRECT_BACKWARD = {
+    "gelu": lambda h, g: torch.ops.aten.gelu_backward(g, h, approximate="none"),
+    "gelu_tanh": lambda h, g: torch.ops.aten.gelu_backward(g, h, approximate="tanh"),
+    "silu": lambda h, g: torch.ops.aten.silu_backward(g, h),
+}
+
+
 def activation_backward(h: torch.Tensor, grad: torch.Tensor, name: str) -> torch.Tensor:
-    """d act(h) / dh applied to ``grad``, recomputed from ``h`` (cheap, elementwise)."""
+    """d act(h) / dh applied to ``grad`` (from ``h``: elementwise)."""
+    direct = _DIRECT_BACKWARD.get(name)
+    if direct is not None and grad.dtype == h.dtype and grad.shape == h.shape:
+        return direct(h, grad)
     with torch.enable_grad():
         h_ = h.detach().requires_grad_(True)
         (dh,) = torch.autograd.grad(activation(h_, name), h_, grad)

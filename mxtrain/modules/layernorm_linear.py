@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from mxtrain.autocast import get_recipe
+from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
-    check_input, check_mx_operands, recipe_generator, release_mx_operands, round_elemwise,
+    check_input, check_mx_operands, recipe_generator, release_mx_operands, round_elemwise, source_operands,
 )
 from mxtrain.modules._recipe_state import RecipeStateMixin
-from mxtrain.modules.linear import init_linear_, mx_linear_backward, mx_linear_forward
+from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
 from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
 
 
@@ -25,9 +26,22 @@ class _LayerNormLinearFn(torch.autograd.Function):
         normalization, eps, zc, return_ln = cfg
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
-        ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
-        y, ln_col, w_col = mx_linear_forward(ln_out, weight, bias, recipe, gen, ctx.needs_input_grad[3],
-                                             any(ctx.needs_input_grad[:3]))
+        needs_wgrad = ctx.needs_input_grad[3]
+        ln_out = None
+
+        def cast(spec, axes, deq, keep):  # on CUDA the norm runs inside the cast of its output
+            nonlocal ln_out
+            r = norm_cast(x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc,
+                          fmt=spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
+                          rounding=spec.rounding, seed=gen, dequantized=deq, keep_codes=keep,
+                          return_output=return_ln)
+            ln_out = r.out
+            return r.mx
+        ops = source_operands(x2d, linear_input_specs(recipe, needs_wgrad), cast, recipe)
+        if ops is None:
+            ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
+        y, ln_col, w_col = mx_linear_forward(ln_out if ln_out is not None else x2d, weight, bias, recipe, gen,
+                                             needs_wgrad, any(ctx.needs_input_grad[:3]), x_operands=ops)
         ctx.save_for_backward(x2d, ln_weight, ln_bias, weight)
         ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col, ctx.w_col = cfg, recipe, gen, ln_col, w_col
         ctx.x_shape = x.shape

@@ -22,16 +22,36 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxtrain.autocast import get_recipe
+from mxtrain.kernels.activation_cast import activation_cast
 from mxtrain.kernels.dispatch import mx_gemm
+from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
     check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
-    weight_planes,
+    source_operands, weight_planes,
 )
 from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
 from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
 from mxtrain.modules.linear import init_linear_
 from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
+
+
+def _cast_args(spec, axes, deq, keep, gen) -> dict:
+    """A fused source cast's keyword arguments for one MX role spec (see ``source_operands``)."""
+    return dict(fmt=spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
+                rounding=spec.rounding, seed=gen, dequantized=deq, keep_codes=keep)
+
+
+def _activation_operands(h, act, specs_axes, recipe, gen, at_once=False) -> list:
+    """The operands of ``act(h)``: on CUDA from the activation + cast kernel (``act(h)`` never written),
+    else the activation, rounded to the recipe's elementwise precision, then quantized."""
+    like = h if not is_gated(act) else h[:, : h.shape[1] // 2]
+    fused = source_operands(like, specs_axes, lambda spec, axes, deq, keep: activation_cast(
+        h, act, **_cast_args(spec, axes, deq, keep, gen)), recipe, at_once)
+    if fused is not None:
+        return fused
+    a = round_elemwise(activation(h, act), recipe)
+    return quantize_operand(a, specs_axes, gen, at_once)
 
 
 class _LayerNormMLPFn(torch.autograd.Function):
@@ -45,10 +65,17 @@ class _LayerNormMLPFn(torch.autograd.Function):
         role1, role2 = gemm_recipe(recipe, "fc1").role, gemm_recipe(recipe, "fc2").role
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
-        ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
-        ln_row, ln_col = quantize_operand(
-            ln_out, [(role1("fprop_input"), 1), (role1("wgrad_input") if ctx.needs_input_grad[3] else None, 0)], gen)
-        del ln_out
+        ln_specs = [(role1("fprop_input"), 1), (role1("wgrad_input") if ctx.needs_input_grad[3] else None, 0)]
+        # on CUDA the norm runs inside the cast (its output is never written; fc1's operand comes as values)
+        fused_ln = source_operands(x2d, ln_specs, lambda spec, axes, deq, keep: norm_cast(
+            x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc, **_cast_args(
+                spec, axes, deq, keep, gen)).mx, recipe)
+        if fused_ln is not None:
+            ln_row, ln_col = fused_ln
+        else:
+            ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
+            ln_row, ln_col = quantize_operand(ln_out, ln_specs, gen)
+            del ln_out
         # FP8 recipes: one cast writes the weight's fprop plane and its transpose for dgrad (same spec),
         # kept for backward (1 byte per weight element) instead of a second amax pass and cast there
         # fc1's dgrad feeds the norm's gradients; fc2's dgrad feeds those and fc1's
@@ -64,9 +91,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         if fused is not None:
             (a_row, a_col), _ = fused
         else:
-            a = round_elemwise(activation(h, act), recipe)
-            (a_row,) = quantize_operand(a, [(role2("fprop_input"), 1)], gen)
-            del a
+            a_row = _activation_operands(h, act, [(role2("fprop_input"), 1)], recipe, gen)[0]
             a_col = None
         w2_row, w2_col = weight_planes(fc2_weight, role2, any(ctx.needs_input_grad[:5]), gen)
         y = mx_gemm(a_row, w2_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc2_bias)
@@ -97,17 +122,15 @@ class _LayerNormMLPFn(torch.autograd.Function):
             (dy_row, dy_col), db2 = fused
             db2 = db2.to(d2b) if need_b2 else None
         else:
-            dy_row, dy_col = quantize_operand(dy2d, dy_specs, gen)
-            db2 = dy2d.float().sum(0).to(d2b) if need_b2 else None
+            dy_row, dy_col = quantize_operand(dy2d, dy_specs, gen, at_once=True)
+            db2 = dy2d.sum(0, dtype=torch.float32).to(d2b) if need_b2 else None
 
         dw2 = da = None
         if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it (unless fused)
             a_col = ctx.a_col
             release_mx_operands(ctx, "a_col")
             if a_col is None:
-                a = round_elemwise(activation(h, act), recipe)
-                (a_col,) = quantize_operand(a, [(role2("wgrad_input"), 0)], gen)
-                del a
+                (a_col,) = _activation_operands(h, act, [(role2("wgrad_input"), 0)], recipe, gen, at_once=True)
             dw2 = mx_gemm(dy_col, a_col, a_axis=0, b_axis=0, out_dtype=d2)
             del a_col
         del dy_col
@@ -130,8 +153,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 db1 = db1.to(d1b) if need_b1 else None
             else:
                 dh = round_elemwise(activation_backward(h, da, act), recipe)
-                db1 = dh.float().sum(0).to(d1b) if need_b1 else None
-                dh_row, dh_col = quantize_operand(dh, dh_specs, gen)
+                db1 = dh.sum(0, dtype=torch.float32).to(d1b) if need_b1 else None
+                dh_row, dh_col = quantize_operand(dh, dh_specs, gen, at_once=True)
                 del dh
             del da
             if need_w1:

@@ -23,8 +23,12 @@ from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin
 
 
-def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool, needs_dgrad: bool = False):
+def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool, needs_dgrad: bool = False,
+                      x_operands=None):
     """Forward GEMM of a linear layer; returns ``(y, x_for_wgrad, w_for_dgrad)``.
+
+    ``x_operands``: ``(fprop, wgrad)`` operands of the input already made (by a fused norm + cast);
+    ``x2d`` is then only the input's stand-in for its dtype.
 
     MX recipes: only W's rowwise plane is made here (``w_for_dgrad`` is None);
     backward quantizes W columnwise from the (saved, version-checked) parameter,
@@ -33,12 +37,16 @@ def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool, n
     specs agree cast both planes here at once and keep the dgrad one
     (:func:`~mxtrain.modules._common.weight_planes`).
     """
-    x_row, x_col = quantize_operand(
-        x2d, [(recipe.role("fprop_input"), 1), (recipe.role("wgrad_input") if needs_wgrad else None, 0)],
-        generator)
+    x_row, x_col = x_operands if x_operands is not None else quantize_operand(
+        x2d, linear_input_specs(recipe, needs_wgrad), generator)
     w_row, w_col = weight_planes(weight, recipe.role, needs_dgrad, generator)
     y = mx_gemm(x_row, w_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=bias)
     return y, (x_col if needs_wgrad else None), w_col
+
+
+def linear_input_specs(recipe, needs_wgrad: bool) -> list:
+    """The (spec, axis) uses of a linear layer's input: fprop rowwise, wgrad columnwise (if needed)."""
+    return [(recipe.role("fprop_input"), 1), (recipe.role("wgrad_input") if needs_wgrad else None, 0)]
 
 
 def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool, needs_wgrad: bool,
@@ -56,8 +64,8 @@ def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool
     if fused is not None:
         (dy_row, dy_col), db = fused
     else:
-        dy_row, dy_col = quantize_operand(dy2d, specs, generator)
-        db = dy2d.float().sum(0) if bias_dtype is not None else None
+        dy_row, dy_col = quantize_operand(dy2d, specs, generator, at_once=True)
+        db = dy2d.sum(0, dtype=torch.float32) if bias_dtype is not None else None
     dx = dw = None
     if needs_dgrad:
         if w_col is None:

@@ -196,7 +196,12 @@ def test_dispatch_prefers_triton_on_cuda():
 @pytest.mark.parametrize("recipe", ("MXFP8Recipe", "MXFP6Recipe", "MXFP4Recipe", "MXINT8Recipe"))
 @pytest.mark.parametrize("activation,norm", (("gelu", "LayerNorm"), ("swiglu", "RMSNorm")))
 def test_layernorm_mlp_triton_vs_reference_backend(monkeypatch, recipe, activation, norm):
-    """The fused module on GPU gives the same output and grads with the kernels as with the reference."""
+    """The module on GPU gives the same output and grads with the kernel casts as with the reference casts
+    (norm and activation computed by torch: MXTRAIN_FUSE_SOURCES=0; the fused sources are compared in
+    tests/gpu/test_modules_fused_gpu.py)."""
+    from mxtrain.modules import _common
+
+    monkeypatch.setattr(_common, "FUSE_SOURCES", False)
     torch.manual_seed(0)
     m = mxtrain.LayerNormMLP(256, 512, activation=activation, normalization=norm).to(DEV)
     x = torch.randn(4, 96, 256, device=DEV) * 2
@@ -232,9 +237,11 @@ def test_layernorm_mlp_triton_vs_reference_backend(monkeypatch, recipe, activati
 def test_layernorm_mlp_bf16_values_bit_identical(monkeypatch, activation):
     """bf16 LayerNormMLP on the cuBLAS path: operands cast straight to bf16 values (quantize_operand on CUDA)
     give the same output and grads, bit for bit, as casting codes and dequantizing them; with the
-    reference GEMM, the same as the reference casts."""
+    reference GEMM, the same as the reference casts (norm and activation computed by torch, as the
+    reference path does; with the fused sources the values/codes identity is checked too)."""
     from mxtrain.modules import _common
 
+    monkeypatch.setattr(_common, "FUSE_SOURCES", False)
     torch.manual_seed(1)
     m = mxtrain.LayerNormMLP(512, 1024, activation=activation, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(4, 96, 512, device=DEV, dtype=torch.bfloat16) * 2
@@ -256,16 +263,25 @@ def test_layernorm_mlp_bf16_values_bit_identical(monkeypatch, activation):
 
     def spy(*a, **kw):
         out = orig(*a, **kw)
-        seen.append(bool(out.values))
+        seen.append((bool(out.values), bool(out.planes)))
         return out
     monkeypatch.setattr(_common, "quantize", spy)
     run()
-    assert any(seen) and not all(seen)  # rowwise/weight planes as values; wgrad planes as codes
+    # operands used at once as values; the wgrad plane forward keeps (ln_out's) as codes
+    assert any(v for v, _ in seen) and any(c for _, c in seen)
     monkeypatch.setattr(_common, "quantize", orig)
     monkeypatch.setattr(_common, "CARRY_VALUES", False)
     without = run()
     for a, b in zip(with_values, without):
         assert torch.equal(a, b)
+    # norm + cast and activation + cast kernels: values written by the fused cast = its codes dequantized
+    monkeypatch.setattr(_common, "FUSE_SOURCES", True)
+    fused_without = run()
+    monkeypatch.setattr(_common, "CARRY_VALUES", True)
+    fused_with = run()
+    for a, b in zip(fused_with, fused_without):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(_common, "FUSE_SOURCES", False)
     # the reference GEMM both ways (cast kernels + values vs reference casts)
     dispatch._load_kernels()
     monkeypatch.setattr(dispatch, "_GEMM_IMPLS", {})
