@@ -16,6 +16,7 @@ p.add_argument("--ffn", type=int, default=16384)
 p.add_argument("--tokens", type=int, default=8192)
 p.add_argument("--recipe", default="mxfp8")
 p.add_argument("--rows", type=int, default=18)
+p.add_argument("--cpu", action="store_true", help="also profile the host side (ops by self CPU time)")
 args = p.parse_args()
 dev, dt = torch.device("cuda"), torch.bfloat16
 x = torch.randn(args.tokens, args.hidden, device=dev, dtype=dt, requires_grad=True)
@@ -35,8 +36,11 @@ for _ in range(3):
 torch.cuda.synchronize()
 torch.cuda.reset_peak_memory_stats()
 base = torch.cuda.memory_allocated()
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if args.cpu else [])
+with torch.profiler.profile(activities=acts) as prof:
     step()
     torch.cuda.synchronize()
 print(f"peak above base: {(torch.cuda.max_memory_allocated() - base) / 2**20:.0f} MiB")
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=60))
+if args.cpu:
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))

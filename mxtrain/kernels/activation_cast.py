@@ -20,9 +20,15 @@ C++ kernel (``mxtrain/csrc/mx_cast.cu``, ``MXTRAIN_CUDA_FUSED_SOURCES=0`` keeps 
 contract; for bf16 input, gelu / gelu_tanh / silu values come from a table of the kernel's own
 function over the bf16 inputs with 2^-16 <= |x| < 2^8 (exact by construction: the table is that
 function's output), the other inputs from the function itself.
+
+``activation_backward_cast(h, grad, "gelu", ...)`` is the backward counterpart: the MX planes of
+``dh = grad * act'(h)`` (gelu, relu, silu in the kernel; torch's formulas in fp32, rounded to
+the dtype), and optionally the bias gradient (the fp32 sum of ``dh`` over tokens), from one pass.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -32,7 +38,7 @@ from mxtrain.quantization import MXPlane, MXTensor, quantize_mx
 from mxtrain.quantization._validate import normalize_axis
 from mxtrain.quantization.mx import _check_common
 
-__all__ = ["activation_cast", "torch_activation", "ACTIVATION_IDS"]
+__all__ = ["activation_cast", "activation_backward_cast", "ActivationGradCast", "torch_activation", "ACTIVATION_IDS"]
 
 ACTIVATION_IDS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5,
                   "swiglu": 6, "geglu": 7, "reglu": 8}
@@ -119,3 +125,75 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
     mxt = MXTensor(planes=tuple(planes[a] for a in axes), fmt=fmt_.name, block_size=block_size,
                    shape=out_shape, dtype=h.dtype, scale_mode=scale_mode, rounding=rounding, whole_axis=False)
     return finish(mxt, y.reshape(out_shape) if y is not None else None)
+
+
+# activations whose gradient the cast kernel computes (the ids of ACTIVATION_IDS); others: torch, then the cast
+GRAD_FUSED = ("gelu", "relu", "silu")
+
+
+class ActivationGradCast(NamedTuple):
+    mx: MXTensor                # the MX planes of dh
+    out: torch.Tensor | None    # dh in h's dtype, with return_output=True
+    dbias: torch.Tensor | None  # the fp32 sum of dh over every axis but the last, with dbias=True
+
+
+def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: str, fmt, block_size: int = 32,
+                             axis=(-1, 0), scale_mode: str = "floor", rounding: str = "even", seed=None,
+                             pack: bool = True, return_output: bool = False, dbias: bool = False, dequantized=(),
+                             dequantized_dtype: torch.dtype = torch.bfloat16, keep_codes=None) -> ActivationGradCast:
+    """MX planes of the activation's input gradient ``dh = grad * act'(h)`` in one pass over ``h`` and ``grad``.
+
+    ``grad`` has the activation output's shape (half ``h``'s last dimension for gated ones); ``dh`` has ``h``'s.
+
+    ``dh`` is computed in fp32 with torch's backward formulas and rounded to ``h``'s dtype, as
+    torch's backward ops write it (libdevice on the GPU: within one ulp of torch's); its codes
+    and scales are bit-identical to ``quantize_mx`` of that ``dh`` (``return_output=True`` gives
+    it). ``dbias=True`` also returns its fp32 sum over the tokens (the bias gradient of the
+    layer that produced ``h``) from the same pass. gelu, relu and silu run in the kernel (2-D
+    columnwise, or rowwise at any ndim); other activations, gated ones, and what the kernel does
+    not take (see :func:`mxtrain.kernels.cast._fallback_reason`) compute torch's backward, then
+    the cast. ``dequantized`` / ``keep_codes`` as :func:`mxtrain.kernels.dispatch.quantize`.
+    """
+    from mxtrain.kernels.dispatch import quantize, values_request
+    from mxtrain.modules.activations import activation_backward
+
+    name = check_activation(activation)
+    gated = ACTIVATION_IDS[name] >= 6
+    if h.ndim < 1 or (gated and h.shape[-1] % 2):
+        raise ValueError(f"{name} needs an input with {'an even' if gated else 'a'} last dimension, "
+                         f"got {list(h.shape)}")
+    out_shape = tuple(h.shape[:-1]) + ((h.shape[-1] // 2,) if gated else (h.shape[-1],))
+    if not isinstance(grad, torch.Tensor) or tuple(grad.shape) != out_shape or grad.dtype != h.dtype \
+            or grad.device != h.device:
+        raise ValueError(f"grad must match act(h) in shape ({list(out_shape)}), and h in dtype ({h.dtype}) and "
+                         f"device ({h.device}); got {list(getattr(grad, 'shape', []))} "
+                         f"{getattr(grad, 'dtype', type(grad))} on {getattr(grad, 'device', None)}")
+    fmt_, block_size, scale_mode, rounding = _check_common(h, fmt, block_size, scale_mode, rounding)
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    axes = tuple(normalize_axis(a, h.ndim) for a in axes)
+    last = h.ndim - 1
+    want_row, want_col = last in axes, (0 in axes and h.ndim >= 2)
+    deq, keep = values_request(h.ndim, axes, dequantized, keep_codes, dequantized_dtype)
+    reason = _cast._fallback_reason(h, fmt_, block_size, axes, pack)
+    if reason is None and name not in GRAD_FUSED:
+        reason = f"{name}'s gradient is not fused (fused: {', '.join(GRAD_FUSED)})"
+    if reason is None and want_col and (h.ndim > 2 or block_size > _cast.MAX_FUSED_BLOCK_SIZE):
+        reason = "the columnwise plane is fused for a 2-D gradient and block_size <= 128 only"
+    if reason is not None:
+        out = activation_backward(h, grad, name)
+        mxt = quantize(out, fmt_, block_size=block_size, axis=axes, scale_mode=scale_mode, rounding=rounding,
+                       seed=seed, pack=pack, dequantized=deq, dequantized_dtype=dequantized_dtype, keep_codes=keep)
+        db = out.reshape(-1, out.shape[-1]).sum(0, dtype=torch.float32) if dbias else None
+        return ActivationGradCast(mxt, out if return_output else None, db)
+    h2, g2 = h.reshape(-1, h.shape[-1]), grad.reshape(-1, grad.shape[-1])
+    h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
+    g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
+    y = torch.empty_like(h2) if return_output else None
+    seed_t = _cast._philox_seed(seed, h.device) if rounding == "stochastic" else None
+    vdt = dequantized_dtype
+    row, col, *db = _cast._launch(h2, fmt_, block_size, want_row, want_col, scale_mode, rounding, seed_t, pack,
+                                  act=ACTIVATION_IDS[name], y=y, row_codes=last in keep, col_codes=0 in keep,
+                                  row_vals=vdt if last in deq else None, col_vals=vdt if 0 in deq else None,
+                                  grad=g2, dbias=dbias)
+    mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
+    return ActivationGradCast(mxt, y.reshape(h.shape) if y is not None else None, db[0] if dbias else None)

@@ -252,6 +252,19 @@ if HAVE_TRITON:
             return tl.div_rn(x, 1.0 + _exp(-x, TORCH_CUDA))
 
     @triton.jit
+    def _act_bwd(x, g, ACT: tl.constexpr, GPU: tl.constexpr):
+        """``g * act'(x)`` in fp32 as torch's CUDA backward kernels write it: 1 gelu, 3 relu, 5 silu."""
+        if ACT == 1:
+            cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+            pdf = _exp(-0.5 * x * x, GPU) * 0.3989422804014327
+            return g * (cdf + x * pdf)
+        elif ACT == 3:
+            return tl.where(x <= 0.0, 0.0, g)  # threshold_backward: x <= 0 -> 0 (NaN x passes g)
+        else:
+            s = tl.math.div_rn(1.0, 1.0 + _exp(-x, GPU))
+            return g * s * (1.0 + x * (1.0 - s))
+
+    @triton.jit
     def _store_codes(codes, base_ptr, rows, row_stride, row_mask, c0, LP, R: tl.constexpr, C: tl.constexpr,
                      BITS: tl.constexpr):
         """Store int32 codes [R, C] (columns c0.. of a plane whose padded length is LP), packed."""
@@ -297,10 +310,15 @@ if HAVE_TRITON:
         row_val_ptr=None, col_val_ptr=None, stride_vm=0, ROW_CODES: tl.constexpr = True,
         COL_CODES: tl.constexpr = True, ROW_VALS: tl.constexpr = False, COL_VALS: tl.constexpr = False,
         SOFT_BF16: tl.constexpr = False,
+        g_ptr=None, stride_gm=0, GRAD: tl.constexpr = False, GPU: tl.constexpr = False,
+        dbias_ptr=None, DBIAS: tl.constexpr = False,
     ):
         """Cast a [M, K] tile grid; with ACT > 0 the input is first mapped through an activation
         (6 swiglu, 7 geglu, 8 reglu take act(x[:, :K]) * x[:, K:], K = GATE_OFF) and rounded to
         the output dtype (OUT_KIND), optionally written to ``y_ptr``, and that is what gets cast.
+        GRAD: the activation's gradient ``g * act'(x)`` instead (ACT 1 gelu, 3 relu, 5 silu; ``g`` at
+        ``g_ptr``, row stride ``stride_gm``; GPU: libdevice as torch's CUDA kernels); DBIAS: the
+        tile's fp32 column sums of that output go to ``dbias[pm, :]`` (summed over pm after).
 
         Per plane: ``*_CODES`` stores its codes and scale bytes, ``*_VALS`` its dequantized values
         ``code * 2**X`` in the logical [M, K] layout (row stride ``stride_vm``) at ``*_val_ptr``."""
@@ -322,7 +340,10 @@ if HAVE_TRITON:
         x = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=in_mask, other=0),
                    BF16_BITS)
         if ACT != 0:
-            if ACT >= 6:  # gated: act(gate) rounded to the dtype, times up, rounded again (as torch in bf16)
+            if GRAD:
+                g = _widen(tl.load(g_ptr + rm[:, None] * stride_gm + rk[None, :], mask=in_mask, other=0), BF16_BITS)
+                x = _round_to_dtype(_act_bwd(x, g, ACT, GPU), OUT_KIND)
+            elif ACT >= 6:  # gated: act(gate) rounded to the dtype, times up, rounded again (as torch in bf16)
                 up = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + (rk[None, :] + GATE_OFF) * stride_xk,
                                     mask=in_mask, other=0), BF16_BITS)
                 a = _round_to_dtype(_activation(x, 5 if ACT == 6 else (1 if ACT == 7 else 3), False), OUT_KIND)
@@ -332,6 +353,8 @@ if HAVE_TRITON:
             x = tl.where(in_mask, x, 0.0)  # the zero padding of ragged blocks
             if WRITE_Y:
                 _store_out(y_ptr + rm[:, None] * stride_ym + rk[None, :], x, in_mask, OUT_KIND)
+            if DBIAS:
+                tl.store(dbias_ptr + pm * K + rk, tl.sum(x, axis=0), mask=k_in)
         if ROUNDING == 3:
             seed = tl.load(seed_ptr)
         else:
@@ -510,6 +533,10 @@ def _philox_seed(seed, device: torch.device) -> torch.Tensor:
 # measured slower than the tile kernel (0.16-0.33 ms against 0.136 for both MXFP8 planes of
 # 8192^2 bf16; benchmarks/NOTES_kernels.md); kept bit-exact and tested, the benchmark times it
 STRIP_CONFIG: tuple[int, int, int, int] | None = None
+# the activation-gradient cast's tile (two inputs per tile): (BLOCK_M, BLOCK_K, num_warps), None: TILE_CONFIGS.
+# Measured on an H100 (8192x16384 bf16 gelu, both planes as values + bias sums): 528 us; TILE_CONFIGS' (32, 256, 4)
+# 798 us; (32, 32, 2) 523, (64, 64, 4) 569, (128, 128, 8) 1333; torch's gelu_backward + the CUDA cast + sum 688
+GRAD_TILE_CONFIG: tuple[int, int, int] | None = (32, 64, 4)
 if os.environ.get("MXTRAIN_CAST_STRIP"):  # "0": tile kernel only; "REP,J,BK,WARPS": that strip config
     _env = os.environ["MXTRAIN_CAST_STRIP"]
     STRIP_CONFIG = None if _env == "0" else tuple(int(v) for v in _env.split(","))
@@ -557,10 +584,12 @@ def _alloc_values(shape, dtype, device) -> torch.Tensor:
 def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, scale_mode: str, rounding: str,
             seed_t: torch.Tensor | None, pack: bool = True, act: int = 0, y: torch.Tensor | None = None,
             row_codes: bool = True, col_codes: bool = True, row_vals: torch.dtype | None = None,
-            col_vals: torch.dtype | None = None):
+            col_vals: torch.dtype | None = None, grad: torch.Tensor | None = None, dbias: bool = False):
     """Run the cast on a 2-D tensor; returns (row, col), each None or (data | None, scale | None, values | None).
 
     ``act`` > 0 casts ``act(x2)`` instead (gated ones: x2 is [M, 2K]); ``y`` receives that output.
+    With ``grad`` ([M, K], rows contiguous, x2's dtype) it casts ``grad * act'(x2)`` (act 1, 3, 5);
+    ``dbias`` then also returns that output's fp32 column sums: ``(row, col, dbias)``.
     ``row_codes`` / ``col_codes`` False skip a plane's codes and scales; ``row_vals`` / ``col_vals``
     (a dtype) also write its dequantized values, [M, K] in that dtype.
     """
@@ -583,6 +612,8 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
         col += (None if col_vals is None else _alloc_values((M, K), col_vals, dev),)
     strip = _strip_config(rows, cols, bs, act)
     bm, bk, warps = _tile_config(rows, cols, bs) if strip is None else (strip[0] * strip[1], strip[2], strip[3])
+    if grad is not None and GRAD_TILE_CONFIG is not None and bs <= GRAD_TILE_CONFIG[0] and bs <= GRAD_TILE_CONFIG[1]:
+        bm, bk, warps = GRAD_TILE_CONFIG
     m_extent = mp if col_codes else M
     k_extent = kp if row_codes else K
     grid = (triton.cdiv(m_extent, bm) * triton.cdiv(k_extent, bk),)
@@ -594,6 +625,14 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
     if seed_t is None:
         seed_t = torch.zeros(1, dtype=torch.int32, device=dev)
     bf16 = x2.dtype == torch.bfloat16
+    grad_args, parts = {}, None
+    if grad is not None:
+        if act not in (1, 3, 5) or grad.shape != x2.shape or grad.dtype != x2.dtype or grad.stride(1) != 1:
+            raise ValueError("the activation gradient cast takes gelu, relu or silu and a gradient of the "
+                             "input's shape and dtype with contiguous rows")
+        parts = torch.empty(triton.cdiv(m_extent, bm), K, dtype=torch.float32, device=dev) if dbias else None
+        grad_args = dict(g_ptr=grad.view(torch.int16) if bf16 else grad, stride_gm=grad.stride(0), GRAD=True,
+                         GPU=not interpret_mode(), dbias_ptr=parts, DBIAS=dbias)
     if strip is not None:
         vals = _values_args(row if row_vals is not None else None, col if col_vals is not None else None,
                             row_codes, col_codes, K) or dict(ROW_CODES=True, COL_CODES=True, ROW_VALS=False,
@@ -622,11 +661,11 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
         ROW=rows, COL=cols, BLOCK_M=bm, BLOCK_K=bk, BS=bs,
         SCALE_MODE=SCALE_MODE_IDS[scale_mode], ROUNDING=ROUNDING_IDS[rounding], HW_FP8=hw, INDEX64=index64,
         PACK_BITS=fmt.bits if pack else 8, BF16_BITS=bf16, num_warps=warps, **consts, **launch_options(),
-        **_activation_args(x2, act, y, K),
+        **_activation_args(x2, act, y, K), **grad_args,
         **_values_args(row if row_vals is not None else None, col if col_vals is not None else None,
                        row_codes, col_codes, K),
     )
-    return row, col
+    return (row, col, parts.sum(0)) if dbias else (row, col)
 
 
 def _values_args(row, col, row_codes: bool, col_codes: bool, k: int) -> dict:

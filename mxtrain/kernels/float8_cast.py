@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from mxtrain.kernels._triton_utils import interpret_mode
-from mxtrain.kernels.cast import _activation, _exp, _round_to_dtype, _store_out, _widen
+from mxtrain.kernels.cast import _act_bwd, _activation, _exp, _round_to_dtype, _store_out, _widen
 from mxtrain.kernels.dispatch import register_float8_quantize
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
@@ -92,20 +92,6 @@ def _fp8_bytes(v, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, G
             return _saturate(v, FMAX).to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
         return _fp8_code(_saturate(v, FMAX), MBITS, EMIN).to(tl.uint8)
-
-
-@triton.jit
-def _act_bwd(x, g, ACT: tl.constexpr, GPU: tl.constexpr):
-    """``g * act'(x)`` in fp32 as torch's CUDA backward kernels write it: 1 gelu, 3 relu, 5 silu."""
-    if ACT == 1:
-        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-        pdf = _exp(-0.5 * x * x, GPU) * 0.3989422804014327
-        return g * (cdf + x * pdf)
-    elif ACT == 3:
-        return tl.where(x <= 0.0, 0.0, g)  # threshold_backward: x <= 0 -> 0 (NaN x passes g)
-    else:
-        s = tl.math.div_rn(1.0, 1.0 + _exp(-x, GPU))
-        return g * s * (1.0 + x * (1.0 - s))
 
 
 @triton.jit

@@ -27,7 +27,8 @@ def recipe_generator(recipe, device: torch.device) -> torch.Generator | None:
     return gen
 
 
-def quantize_operand(t2d: torch.Tensor, specs_axes, generator, at_once: bool = False) -> list["MXTensor | torch.Tensor"]:
+def quantize_operand(t2d: torch.Tensor, specs_axes, generator,
+                     at_once: bool = False) -> list["MXTensor | torch.Tensor"]:
     """Quantize a 2-D tensor for several (RoleSpec, axis) uses; identical specs share one call.
 
     A role whose format is None gets the tensor itself (high precision). A spec

@@ -8,6 +8,10 @@ columnwise in backward, from the parameters, so no weight plane is held between
 the passes (under FSDP2 each phase gathers only the plane it needs).
 The activation output is *not* kept: backward recomputes ``act(h)`` and its
 columnwise MX plane, which is bit-identical to quantizing the forward value.
+On CUDA under MX recipes the norm, the activation and the activation's gradient are
+computed inside the casts of their outputs (``norm_cast``, ``activation_cast``,
+``activation_backward_cast``: those outputs are never written) and the operands a GEMM
+uses at once come as bf16 values (docs/modules.md, "On the GPU").
 Under the FP8 recipes on the GPU the activation is computed inside its FP8 cast
 (``mxtrain.kernels.float8_cast``), which writes fc2's wgrad plane in the same pass:
 that plane (1 byte per ffn element) is kept instead, and backward recomputes
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxtrain.autocast import get_recipe
-from mxtrain.kernels.activation_cast import activation_cast
+from mxtrain.kernels.activation_cast import activation_backward_cast, activation_cast
 from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
@@ -52,6 +56,23 @@ def _activation_operands(h, act, specs_axes, recipe, gen, at_once=False) -> list
         return fused
     a = round_elemwise(activation(h, act), recipe)
     return quantize_operand(a, specs_axes, gen, at_once)
+
+
+def _activation_grad_operands(h, da, act, specs_axes, recipe, gen, need_bias: bool):
+    """The operands of ``dh = da * act'(h)`` and, if asked, its fp32 sum over tokens (fc1's bias gradient):
+    on CUDA from one pass of the gradient cast kernel (``dh`` never written), else torch's backward,
+    rounded to the recipe's elementwise precision, then quantized."""
+    sums = []
+
+    def cast(spec, axes, deq, keep):
+        r = activation_backward_cast(h, da, act, **_cast_args(spec, axes, deq, keep, gen), dbias=need_bias)
+        sums.append(r.dbias)
+        return r.mx
+    fused = source_operands(h, specs_axes, cast, recipe, at_once=True)
+    if fused is not None:
+        return fused, sums[0]
+    dh = round_elemwise(activation_backward(h, da, act), recipe)
+    return quantize_operand(dh, specs_axes, gen, at_once=True), (dh.sum(0, dtype=torch.float32) if need_bias else None)
 
 
 class _LayerNormMLPFn(torch.autograd.Function):
@@ -152,10 +173,9 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 (dh_row, dh_col), db1 = fused
                 db1 = db1.to(d1b) if need_b1 else None
             else:
-                dh = round_elemwise(activation_backward(h, da, act), recipe)
-                db1 = dh.sum(0, dtype=torch.float32).to(d1b) if need_b1 else None
-                dh_row, dh_col = quantize_operand(dh, dh_specs, gen, at_once=True)
-                del dh
+                dh_ops, db1 = _activation_grad_operands(h, da, act, dh_specs, recipe, gen, need_b1)
+                dh_row, dh_col = dh_ops
+                db1 = db1.to(d1b) if need_b1 else None
             del da
             if need_w1:
                 dw1 = mx_gemm(dh_col, ctx.ln_col, a_axis=0, b_axis=0, out_dtype=d1)

@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.gpu,
 pytest.importorskip("triton", reason="triton is not installed")
 
 import mxtrain  # noqa: E402
-from mxtrain.kernels import cuda_cast  # noqa: E402
+from mxtrain.kernels import cast, cuda_cast  # noqa: E402
+from mxtrain.kernels.activation_cast import GRAD_FUSED  # noqa: E402
 from mxtrain.modules import _common  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -71,8 +72,17 @@ def test_layernorm_mlp_fused_sources_match_unfused(monkeypatch, recipe, activati
     rec = getattr(mxtrain, recipe)()
     cuda_norm = _count_calls(monkeypatch, cuda_cast, "norm_cast")
     cuda_act = _count_calls(monkeypatch, cuda_cast, "activation_cast")
+    grad_launches = []
+    orig_launch = cast._launch
+
+    def launch(*a, **kw):
+        grad_launches.append(kw.get("grad") is not None)
+        return orig_launch(*a, **kw)
+    monkeypatch.setattr(cast, "_launch", launch)
     monkeypatch.setattr(_common, "FUSE_SOURCES", True)
     fused = _run(m, x, dy, rec)
+    if activation in GRAD_FUSED:
+        assert sum(grad_launches) == 1, "dh = dy * act'(h) and its cast: one kernel"
     kernel_path = recipe == "MXFP8Recipe" and dtype == torch.bfloat16 and cuda_cast.library() is not None
     if kernel_path and cuda_cast.fused_sources_selected(DEV):
         assert any(cuda_norm), "the CUDA norm + cast kernel did not run"

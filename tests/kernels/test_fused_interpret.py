@@ -8,7 +8,10 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from kernel_helpers import planes_equal  # noqa: E402
 
-from mxtrain.kernels.activation_cast import ACTIVATION_IDS, activation_cast, torch_activation  # noqa: E402
+from mxtrain.kernels.activation_cast import (  # noqa: E402
+    ACTIVATION_IDS, GRAD_FUSED, activation_backward_cast, activation_cast, torch_activation,
+)
+from mxtrain.modules.activations import activation_backward  # noqa: E402
 from mxtrain.kernels.norm_cast import norm_cast, torch_norm  # noqa: E402
 from mxtrain.quantization import quantize_mx  # noqa: E402
 
@@ -96,3 +99,47 @@ def test_activation_cast_nd_and_errors(kdevice):
         activation_cast(torch.randn(4, 7).to(kdevice), "swiglu", "fp8_e4m3")
     with pytest.raises(ValueError):
         activation_cast(h, "tanh", "fp8_e4m3")
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("act", ("gelu", "relu", "silu", "gelu_tanh", "swiglu"))
+def test_activation_backward_cast(kdevice, act, dtype):
+    """dh = grad * act'(h): codes bit-exact vs the reference cast of the kernel's own dh, dh within an
+    ulp of torch's backward, the fused bias sum that dh's, and values = codes dequantized."""
+    g = torch.Generator().manual_seed(5)
+    h = (torch.randn(70, 96, generator=g) * 3).to(dtype)  # 70 rows: a ragged columnwise block
+    grad = torch.randn(70, 48 if act == "swiglu" else 96, generator=g).to(dtype)
+    h[3, 5], h[7, 0], grad[9, 9] = float("nan"), 0.0, float("inf")
+    h, grad = h.to(kdevice), grad.to(kdevice)
+    want = activation_backward(h.cpu(), grad.cpu(), act)
+    for fmt, axis, mode in (("fp8_e4m3", (-1, 0), "rceil"), ("fp4_e2m1", (0, 1), "floor")):
+        r = activation_backward_cast(h, grad, act, fmt, axis=axis, scale_mode=mode, return_output=True, dbias=True)
+        assert r.out.shape == h.shape and r.dbias.shape == (96,) and r.dbias.dtype == torch.float32
+        assert_codes_match_own_output(r.mx, r.out, fmt, axis=axis, scale_mode=mode)
+        tol = dict(TOL[dtype], atol=2e-5) if dtype == torch.float32 else TOL[dtype]
+        torch.testing.assert_close(r.out.cpu().float(), want.float(), equal_nan=True, **tol)
+        if act == "relu":  # an exact op: bit-identical to torch
+            assert torch.equal(r.out.cpu().nan_to_num(), want.nan_to_num())
+        torch.testing.assert_close(r.dbias.cpu(), r.out.cpu().float().sum(0), rtol=1e-5, atol=1e-5, equal_nan=True)
+    # values and codes from one pass: the values are the codes dequantized
+    r = activation_backward_cast(h, grad, act, "fp8_e5m2", axis=(-1, 0), dequantized=(-1, 0), keep_codes=0)
+    ref = activation_backward_cast(h, grad, act, "fp8_e5m2", axis=(-1, 0))
+    assert [p.axis for p in r.mx.planes] == [0] and r.dbias is None and r.out is None
+    for axis in (1, 0):
+        assert torch.equal(r.mx.dequantized_values(axis).cpu().float().nan_to_num(),
+                           ref.mx.dequantize(torch.bfloat16, axis).cpu().float().nan_to_num())
+
+
+def test_activation_backward_cast_nd_and_errors(kdevice):
+    h, grad = torch.randn(2, 10, 64).to(kdevice), torch.randn(2, 10, 64).to(kdevice)
+    r = activation_backward_cast(h, grad, "silu", "fp6_e2m3", axis=-1, return_output=True, dbias=True)
+    assert r.mx.shape == (2, 10, 64)
+    assert_codes_match_own_output(r.mx, r.out, "fp6_e2m3", axis=-1)
+    torch.testing.assert_close(r.dbias.cpu(), r.out.cpu().reshape(-1, 64).sum(0), rtol=1e-5, atol=1e-5)
+    assert set(GRAD_FUSED) <= set(ACTIVATION_IDS)
+    with pytest.raises(ValueError, match="grad must match act"):
+        activation_backward_cast(h, grad[:, :5], "gelu", "fp8_e4m3")
+    with pytest.raises(ValueError, match="grad must match act"):
+        activation_backward_cast(h, grad.double(), "gelu", "fp8_e4m3")
+    with pytest.raises(ValueError, match="unknown activation"):
+        activation_backward_cast(h, grad, "tanh", "fp8_e4m3")
