@@ -6,6 +6,9 @@ storages that the autograd graph of one forward keeps alive, parameters excluded
 (both sides hold the same parameters): for torch nodes their ``_saved_*`` tensors,
 for mxtrain's autograd functions their saved tensors and the MX planes on their ctx.
 On CUDA the script also reports the allocator's peak during forward+backward.
+Two times: "step" is the median of single steps, each followed by a sync, so it includes the
+host latency until the device has work; "steady" runs the steps back to back with one sync at the
+end, as a training loop over many layers runs them.
 
     python benchmarks/bench_modules.py --hidden 1024 --ffn 4096 --tokens 4096          # CPU
     python benchmarks/bench_modules.py --hidden 4096 --ffn 16384 --tokens 8192 --device cuda --compile
@@ -97,6 +100,21 @@ def time_step(fn, device, repeats):
     return sorted(times)[len(times) // 2]
 
 
+def time_steady(fn, device, steps):
+    """Per-step time of ``steps`` steps run back to back with one sync at the end, as a training
+    loop over many layers runs them: the host's launch latency hides behind the device's work."""
+    for _ in range(2):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=1024)
@@ -140,7 +158,8 @@ def main():
             torch.cuda.synchronize()
             peak = (torch.cuda.max_memory_allocated() - base) / 2**20
         t = None if args.no_time else time_step(step, device, args.repeats)
-        rows.append((name, held / 2**20, peak, t))
+        steady = None if args.no_time else time_steady(step, device, max(args.repeats, 5))
+        rows.append((name, held / 2**20, peak, t, steady))
 
     measure(f"torch block ({args.dtype})", ref)
     if args.compile:
@@ -148,14 +167,18 @@ def main():
     for name in args.recipes.split(","):
         measure(f"mxtrain.LayerNormMLP {name}", mx, mxtrain.recipe_from_string(name))
 
-    base_held, base_t = rows[0][1], rows[0][3]
+    base_held, base_t, base_s = rows[0][1], rows[0][3], rows[0][4]
     lines = [f"LayerNormMLP hidden {args.hidden}, ffn {args.ffn}, {args.tokens} tokens, {args.dtype}, gelu, "
              f"device {device.type}", "",
-             "| module | saved for backward (MiB) | ratio | peak fwd+bwd (MiB) | step (ms) | time ratio |",
-             "|---|---|---|---|---|---|"]
-    for name, held, peak, t in rows:
+             "| module | saved for backward (MiB) | ratio | peak fwd+bwd (MiB) | step (ms) | time ratio "
+             "| steady step (ms) | steady ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def ms(v, base):
+        return ("", "") if v is None else (f"{v * 1e3:.2f}", f"{v / base:.3f}")
+    for name, held, peak, t, steady in rows:
         lines.append(f"| {name} | {held:.1f} | {held / base_held:.2f} | {'' if peak is None else f'{peak:.0f}'} | "
-                     f"{'' if t is None else f'{t * 1e3:.1f}'} | {'' if t is None else f'{t / base_t:.2f}'} |")
+                     + " | ".join(ms(t, base_t)) + " | " + " | ".join(ms(steady, base_s)) + " |")
     table = "\n".join(lines)
     print(table)
     if args.record:
