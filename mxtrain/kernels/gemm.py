@@ -11,9 +11,16 @@ logical layout and handed over as a transposed view (cuBLAS takes either).
 
 Measured figures for this path and for the alternatives are in
 benchmarks/RESULTS.md and benchmarks/NOTES_gemm.md.
+
+On sm_100+ (block-scaled tensor cores) MXFP8 operands given as codes go to ``torch._scaled_mm``
+with 1x32 E8M0 scales instead (:func:`scaled_mm_mx_gemm`; untested on such hardware here: the
+tests emulate cuBLAS's documented semantics), and the modules then keep codes for every plane.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -64,4 +71,95 @@ def cublas_mx_gemm(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.d
     return _mm(av, bv.t(), bias, out_dtype)
 
 
-register_gemm("cuda", cublas_mx_gemm)
+# ---- sm_100+ (Blackwell): block-scaled tensor cores through torch._scaled_mm ------------------------
+# Untested here (the lent GPUs are Hopper): tests/kernels/test_gemm_scaled_mm.py checks the argument
+# preparation against an emulation of cuBLAS's documented semantics. MXTRAIN_MX_SCALED_MM=0 turns it off.
+SCALED_MM_MX = os.environ.get("MXTRAIN_MX_SCALED_MM", "1") != "0"
+_FP8_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_SCALED_MM_BROKEN: dict[int, str] = {}  # device index -> why torch._scaled_mm failed there once
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def native_mx_gemm(device: torch.device) -> bool:
+    """Whether MXFP8 GEMMs on ``device`` go to block-scaled tensor cores (sm_100+ through
+    ``torch._scaled_mm``): then the casts keep codes for every plane (no bf16 values are needed)."""
+    if not SCALED_MM_MX or device.type != "cuda" or not hasattr(torch, "float8_e8m0fnu"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index not in _SCALED_MM_BROKEN and _capability(index) >= (10, 0)
+
+
+def blocked_scales(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale bytes ``[rows, nblocks]`` (uint8) in cuBLAS's block-scaling-factor layout, as
+    ``torch._scaled_mm`` takes them for 1x32 blocks: zero-padded to 128-row x 4-block tiles, tiles
+    row-major, and inside a tile the scale of (row r, block c) at ``(r % 32) * 16 + (r // 32) * 4 + c``.
+    Returned flat, viewed as ``torch.float8_e8m0fnu``."""
+    if scale.dtype != torch.uint8 or scale.ndim != 2:
+        raise ValueError(f"blocked_scales takes 2-D uint8 E8M0 bytes, got {scale.dtype} of shape {list(scale.shape)}")
+    rows, cols = scale.shape
+    nr, nc = -(-rows // 128), -(-cols // 4)
+    padded = scale
+    if (rows, cols) != (nr * 128, nc * 4):
+        padded = scale.new_zeros(nr * 128, nc * 4)
+        padded[:rows, :cols] = scale
+    tiles = padded.view(nr, 128, nc, 4).permute(0, 2, 1, 3)           # [tile row, tile col, r, c]
+    inner = tiles.reshape(nr * nc, 4, 32, 4).transpose(1, 2)          # r = 32 * i + j -> [j, i, c]
+    return inner.reshape(-1).view(torch.float8_e8m0fnu)
+
+
+def _codes_plane(t: MXTensor, axis: int):
+    return next((p for p in t.planes if p.axis == axis % len(t.shape)), None)
+
+
+def scaled_mm_unsupported(a, b, a_axis: int, b_axis: int) -> str | None:
+    """Why :func:`scaled_mm_mx_gemm` does not take these operands, or None."""
+    if not (isinstance(a, MXTensor) and isinstance(b, MXTensor)):
+        return "both operands must be MXTensors"
+    if a.fmt not in _FP8_DTYPES or b.fmt not in _FP8_DTYPES or a.fmt == b.fmt == "fp8_e5m2":
+        return f"formats {a.fmt} x {b.fmt} (block-scaled MMA: MXFP8, not e5m2 x e5m2)"
+    if a.block_size != 32 or b.block_size != 32 or len(a.shape) != 2 or len(b.shape) != 2:
+        return "2-D operands with block size 32 only"
+    pa, pb = _codes_plane(a, a_axis), _codes_plane(b, b_axis)
+    if pa is None or pb is None:
+        return "an operand carries no codes for its GEMM axis"
+    if pa.data.shape[1] != pb.data.shape[1] or pa.data.shape[0] % 16 or pb.data.shape[0] % 16:
+        return f"plane shapes {list(pa.data.shape)} x {list(pb.data.shape)} (same padded K, rows % 16 == 0)"
+    return None
+
+
+def scaled_mm_mx_gemm(a: MXTensor, b: MXTensor, *, a_axis: int = 1, b_axis: int = 1,
+                      out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``A @ B.T (+ bias)`` of two MXFP8 planes on block-scaled tensor cores (``torch._scaled_mm``).
+
+    The planes are used as stored: codes ``[rows, K padded to 32]`` viewed as fp8 (the zero
+    padding contributes nothing), their E8M0 bytes rearranged by :func:`blocked_scales`.
+    """
+    reason = scaled_mm_unsupported(a, b, a_axis, b_axis)
+    if reason is not None:
+        raise ValueError(f"scaled_mm_mx_gemm: {reason}")
+    pa, pb = a.plane(a_axis), b.plane(b_axis)
+    da = pa.data.view(getattr(torch, _FP8_DTYPES[a.fmt]))
+    db = pb.data.view(getattr(torch, _FP8_DTYPES[b.fmt]))
+    out = torch._scaled_mm(da, db.t(), blocked_scales(pa.scale), blocked_scales(pb.scale), out_dtype=out_dtype)
+    return out if bias is None else out.add_(bias.to(out_dtype))
+
+
+def mx_gemm_cuda(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dtype = torch.float32,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The CUDA MX GEMM: block-scaled tensor cores where the device has them (sm_100+) and the
+    operands are MXFP8 codes, else exact bf16 operands into cuBLAS (:func:`cublas_mx_gemm`)."""
+    device = a.device if isinstance(a, (MXTensor, torch.Tensor)) else torch.device("cuda")
+    if native_mx_gemm(device) and scaled_mm_unsupported(a, b, a_axis, b_axis) is None:
+        try:
+            return scaled_mm_mx_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+        except (RuntimeError, NotImplementedError) as e:  # no kernel for this case here: remember, fall back
+            _SCALED_MM_BROKEN[device.index if device.index is not None else torch.cuda.current_device()] = \
+                f"{type(e).__name__}: {e}"
+    return cublas_mx_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+
+
+register_gemm("cuda", mx_gemm_cuda)

@@ -126,6 +126,10 @@ def _used_at_once(t2d: torch.Tensor, axes, at_once: bool = False) -> tuple[int, 
     """The axes among ``axes`` whose planes are cast straight to dequantized values (see CARRY_VALUES)."""
     if not CARRY_VALUES or t2d.device.type != "cuda" or t2d.dtype != torch.bfloat16 or t2d.ndim != 2:
         return ()
+    from mxtrain.kernels.gemm import native_mx_gemm
+
+    if native_mx_gemm(t2d.device):  # sm_100+: the GEMM reads the codes on block-scaled tensor cores
+        return ()
     return tuple(a for a in axes if at_once or a % 2 == 1 or isinstance(t2d, torch.nn.Parameter))
 
 
