@@ -20,6 +20,11 @@ implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
   would lay them out, and ``quantize_operand`` (mxtrain/modules/_common.py)
   hands them to the GEMMs without quantizing again. A shard's blocks are the
   full weight's blocks, so the bytes are identical to single-process MX training.
+  On GPUs whose MX GEMM multiplies bf16 values (Hopper, see mxtrain/kernels/gemm.py)
+  with bf16 params, each rank's codes are dequantized straight from the gather
+  buffer into the full weight's bf16 values instead (:data:`GATHER_VALUES`): the
+  values of quantizing the full weight, bit for bit, with no copy of the codes
+  and no dequantize pass before each GEMM.
 * Outside ``mx_autocast`` (and for roles that must see high precision: a role
   with no format, stochastic rounding) the gather sends the high-precision shard.
 * Gradients (reduce-scatter) stay in high precision; nothing changes there.
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -368,6 +374,10 @@ class _GatheredState:
             return
         self.hp = None
         per_rank = buf.view(world, -1)
+        if _gather_values(buf.device, meta["dtype"]):
+            self._fill_values(per_rank, meta)
+            _free(buf)
+            return
         sizes = []
         for p in meta["planes"]:
             sizes += [math.prod(p["data_shape"]), math.prod(p["scale_shape"])]
@@ -399,6 +409,55 @@ class _GatheredState:
         # The planes are copied out: give the all-gather output's memory back now rather than
         # at reshard (FSDP reallocates it before the next all-gather).
         _free(buf)
+
+    def _fill_values(self, per_rank: torch.Tensor, meta: dict) -> None:
+        """Each gathered plane as the full weight's dequantized values (bf16 for bf16 params), written
+        rank by rank straight from the gather buffer: rank r's codes are rows r*n/world.. of the full
+        weight in either orientation (the columnwise plane's blocks never cross a shard: checked
+        before the gather), so the result is the dequantized plane of the full weight, bit for bit."""
+        from mxtrain.kernels.dequantize import triton_dequantize
+
+        world, shape, dtype = meta["world"], tuple(meta["shape"]), meta["dtype"]
+        rows = shape[0] // world
+        numel = math.prod(shape)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        total = numel * itemsize * len(meta["planes"])
+        arena = self.inner[0]
+        if arena.numel() != total:
+            _free(arena)
+            arena = self.inner[0] = torch.empty(total, dtype=torch.uint8, device=per_rank.device)
+        planes, src_off = {}, 0
+        for i, p in enumerate(meta["planes"]):
+            full = arena[i * numel * itemsize:(i + 1) * numel * itemsize].view(dtype).view(shape)
+            nd, ns = math.prod(p["data_shape"]), math.prod(p["scale_shape"])
+            for r in range(world):
+                plane = MXPlane(data=per_rank[r, src_off:src_off + nd].view(p["data_shape"]),
+                                scale=per_rank[r, src_off + nd:src_off + nd + ns].view(p["scale_shape"]),
+                                axis=p["axis"], packed=p["packed"])
+                shard = MXTensor(planes=(plane,), fmt=p["fmt"], block_size=p["block_size"],
+                                 shape=(rows, *shape[1:]), dtype=dtype, scale_mode=p["scale_mode"],
+                                 rounding=p["rounding"], whole_axis=p["whole_axis"])
+                triton_dequantize(shard, dtype, p["axis"], out=full[r * rows:(r + 1) * rows])
+            src_off += nd + ns
+            planes[p["axis"]] = (p["spec"], MXTensor(
+                planes=(), values=((p["axis"], full),), fmt=p["fmt"], block_size=p["block_size"], shape=shape,
+                dtype=dtype, scale_mode=p["scale_mode"], rounding=p["rounding"], whole_axis=p["whole_axis"]))
+        self.planes = planes
+
+
+# "auto": gathered planes become bf16 values where the GEMM would dequantize them anyway (CUDA, bf16
+# params, the values policy of mxtrain.modules._common, no block-scaled tensor cores); True / False
+# force it (tests run the values path on the CPU). MXTRAIN_GATHER_VALUES=0 / 1 / auto.
+GATHER_VALUES: bool | str = {"0": False, "1": True}.get(os.environ.get("MXTRAIN_GATHER_VALUES", "auto"), "auto")
+
+
+def _gather_values(device: torch.device, dtype: torch.dtype) -> bool:
+    if GATHER_VALUES != "auto":
+        return bool(GATHER_VALUES)
+    from mxtrain.kernels.gemm import native_mx_gemm
+    from mxtrain.modules import _common
+
+    return device.type == "cuda" and dtype == torch.bfloat16 and _common.CARRY_VALUES and not native_mx_gemm(device)
 
 
 def _free(t: torch.Tensor) -> None:

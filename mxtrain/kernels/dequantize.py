@@ -160,12 +160,21 @@ def _fallback_reason(mxt: MXTensor, plane, dtype) -> str | None:
     return None
 
 
-def triton_dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None = None) -> torch.Tensor:
-    """:meth:`MXTensor.dequantize` on the fused unpack + dequantize kernel (same values, same bits)."""
+def triton_dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`MXTensor.dequantize` on the fused unpack + dequantize kernel (same values, same bits).
+
+    ``out``: write into this tensor (the logical shape, ``dtype``, any strides) instead of a new one,
+    e.g. a slice of a larger buffer; returned."""
     dtype = dtype or mxt.dtype
     plane = mxt.plane(axis)
-    if _fallback_reason(mxt, plane, dtype) is not None:
-        return mxt.dequantize(dtype, axis)
+    if out is not None and (tuple(out.shape) != tuple(mxt.shape) or out.dtype != dtype
+                            or out.device != plane.data.device):
+        raise ValueError(f"out must be a {dtype} tensor of shape {list(mxt.shape)} on {plane.data.device}, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
+    if _fallback_reason(mxt, plane, dtype) is not None or (out is not None and out.ndim != 2):
+        values = mxt.dequantize(dtype, axis)
+        return values if out is None else out.copy_(values)
     fmt = mxt.format
     shape = tuple(mxt.shape)
     length = shape[plane.axis]
@@ -178,20 +187,25 @@ def triton_dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int
     scale = plane.scale.reshape(rows, plane.scale.shape[-1])
     nb = scale.shape[-1]
     lp = nb * bs
-    if POISON_OUTPUTS:
-        out = torch.full(shape, -7.75, dtype=dtype, device=plane.data.device)
+    if out is not None:  # 2-D: plane rows run along the other axis
+        last = plane.axis == mxt.ndim - 1
+        out_stride_r, out_stride_l = (out.stride(0), out.stride(1)) if last else (out.stride(1), out.stride(0))
     else:
-        out = torch.empty(shape, dtype=dtype, device=plane.data.device)
-    if plane.axis == mxt.ndim - 1 or mxt.ndim == 1:
-        out_stride_r, out_stride_l = length, 1
-    else:  # axis 0: plane row r = flattened trailing index, plane column = index along axis 0
-        out_stride_r, out_stride_l = 1, rows
+        if POISON_OUTPUTS:
+            out = torch.full(shape, -7.75, dtype=dtype, device=plane.data.device)
+        else:
+            out = torch.empty(shape, dtype=dtype, device=plane.data.device)
+        if plane.axis == mxt.ndim - 1 or mxt.ndim == 1:
+            out_stride_r, out_stride_l = length, 1
+        else:  # axis 0: plane row r = flattened trailing index, plane column = index along axis 0
+            out_stride_r, out_stride_l = 1, rows
     br, bl, warps = TILE_CONFIG
     if out_stride_r == 1:  # transposed write: square-ish tiles keep both sides coalesced
         br, bl = 64, 64
     bl = max(bl, min(bs, 256))
     grid = (triton.cdiv(rows, br) * triton.cdiv(length, bl),)
-    index64 = max(rows * length, data.numel()) >= 2**31 - 1
+    index64 = max(rows * length, data.numel(), (rows - 1) * abs(out_stride_r) + (length - 1) * abs(out_stride_l) + 1) \
+        >= 2**31 - 1
     _mx_dequantize_kernel[grid](
         data, scale, out, rows, length, lp, nb, data.stride(0), scale.stride(0), out_stride_r, out_stride_l,
         BLOCK_R=br, BLOCK_L=bl, BS=bs, PACK_BITS=fmt.bits if plane.packed else 8, INDEX64=index64,

@@ -33,6 +33,7 @@ from torch import nn
 import mxtrain
 import mxtrain.distributed as mxdist
 from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mxtrain.distributed import fsdp as mxfsdp
 from mxtrain.distributed.fsdp import MXGatheredWeight
 from mxtrain.kernels.dispatch import quantize
 
@@ -191,9 +192,13 @@ class PlaneRecorder:
             if spec is not None and spec.fmt is not None:
                 d = rec.hits if mx is not None else rec.misses
                 d[key] = d.get(key, 0) + 1
-            if mx is not None:
-                p = mx.plane(axis)
-                rec.planes[key] = (spec, mx, p.data.clone(), p.scale.clone())
+            if mx is not None:  # codes + scales, or (gathered as values) the dequantized values
+                vals = mx.dequantized_values(axis)
+                if vals is not None:
+                    rec.planes[key] = (spec, mx, vals.clone(), None)
+                else:
+                    p = mx.plane(axis)
+                    rec.planes[key] = (spec, mx, p.data.clone(), p.scale.clone())
             return mx
 
         MXGatheredWeight.mx_gathered_plane = wrapped
@@ -225,13 +230,19 @@ def check_gathered_planes(rank, world, device, recipe, mp, reshard_after_forward
         ref = quantize(full, spec.fmt, block_size=spec.block_size, axis=int(axis), scale_mode=spec.scale_mode,
                        rounding=spec.rounding)
         p = ref.plane(int(axis))
-        ok = (torch.equal(p.data, data) and torch.equal(p.scale, scale) and ref.shape == mx.shape
-              and ref.dtype == mx.dtype and ref.fmt == mx.fmt and ref.block_size == mx.block_size
-              and p.packed == mx.plane(int(axis)).packed)
+        same = ref.shape == mx.shape and ref.dtype == mx.dtype and ref.fmt == mx.fmt and ref.block_size == mx.block_size
+        if scale is None:  # gathered as values: those of the full weight's plane, bit for bit
+            want = ref.dequantize(data.dtype, int(axis))
+            ok = same and torch.equal(want.view(torch.int16 if want.element_size() == 2 else torch.int32),
+                                      data.view(torch.int16 if data.element_size() == 2 else torch.int32))
+        else:
+            ok = (same and torch.equal(p.data, data) and torch.equal(p.scale, scale)
+                  and p.packed == mx.plane(int(axis)).packed)
         checked += 1
         if not ok:
             bad.append(key)
-    return {"checked": checked, "bad": bad, "hits": rec.hits, "misses": rec.misses}
+    values = sum(scale is None for _, _, _, scale in rec.planes.values())
+    return {"checked": checked, "bad": bad, "hits": rec.hits, "misses": rec.misses, "values": values}
 
 
 def count_all_gather_bytes(rank, world, device, recipe, mx: bool, mp):
@@ -306,6 +317,15 @@ def scenario_core(rank, world, device, out):
             rank, world, device, mxtrain.MXFP6Recipe(scale_mode="floor", rounding="nearest"), None),
         "mxfp8_no_reshard": check_gathered_planes(rank, world, device, fp8, None, reshard_after_forward=False),
     }
+    # the planes dequantized straight from the gather buffer (the default on Hopper with bf16 params)
+    saved, mxfsdp.GATHER_VALUES = mxfsdp.GATHER_VALUES, True
+    try:
+        res["planes"]["mxfp8_bf16_params_values"] = check_gathered_planes(rank, world, device, fp8, torch.bfloat16)
+        res["planes"]["mxfp4_bf16_params_values"] = check_gathered_planes(
+            rank, world, device, mxtrain.MXFP4Recipe(), torch.bfloat16)
+        res["parity_values"] = parity(rank, world, device, fp8)
+    finally:
+        mxfsdp.GATHER_VALUES = saved
     res["bytes"] = {
         "mxfp8": count_all_gather_bytes(rank, world, device, fp8, True, torch.bfloat16),
         "mxfp4": count_all_gather_bytes(rank, world, device, mxtrain.MXFP4Recipe(), True, torch.bfloat16),

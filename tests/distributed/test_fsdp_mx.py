@@ -62,7 +62,10 @@ def ckpt(tmp_path_factory):
 
 # ---------------------------------------------------------------------------- gathered bytes
 
-@pytest.mark.parametrize("case", ["mxfp8", "mxfp8_bf16_params", "mxfp4", "mxfp6_floor_nearest", "mxfp8_no_reshard"])
+@pytest.mark.parametrize("case", ["mxfp8", "mxfp8_bf16_params", "mxfp4", "mxfp6_floor_nearest", "mxfp8_no_reshard",
+                                  # dequantized straight from the gather buffer (GATHER_VALUES): the values
+                                  # of the full weight's plane, bit for bit
+                                  "mxfp8_bf16_params_values", "mxfp4_bf16_params_values"])
 def test_gathered_planes_bit_identical_to_one_process(core, case):
     r = core["planes"][case]
     # 2 blocks x 5 mxtrain weights (one with K=80, padded rowwise), rowwise and columnwise each
@@ -70,6 +73,8 @@ def test_gathered_planes_bit_identical_to_one_process(core, case):
     assert r["bad"] == [], f"planes differing from one-process quantization: {r['bad']}"
     assert r["misses"] == {}, "a GEMM asked for a plane the all-gather did not bring"
     assert len(r["hits"]) == 20
+    if case.endswith("_values"):
+        assert r["values"] == 20, "the values path did not run"
 
 
 def test_all_gather_bytes_per_element(core):
@@ -99,6 +104,13 @@ def test_training_matches_one_process(core, case):
     assert r["rel"] <= rtol, f"FSDP2 {r['dist']} vs one process {r['ref']}"
     if not case.startswith("fp8_"):  # FP8 recipes cast the high-precision gathered weight themselves
         assert r["misses"] == {}
+
+
+def test_training_with_gathered_values_matches_one_process(core):
+    r = core["parity_values"]
+    assert len(r["dist"]) == len(r["ref"]) >= 2
+    assert r["rel"] <= PARITY_RTOL, f"FSDP2 {r['dist']} vs one process {r['ref']}"
+    assert r["misses"] == {}
 
 
 def test_mx_really_quantizes(core):

@@ -74,3 +74,20 @@ def test_dispatch_dequantize(kdevice):
     mxt = quantize_mx(x, "fp6_e2m3", axis=(-1, 0)).to(kdevice)
     got = dequantize(mxt, torch.bfloat16, 0, backend="triton")
     assert values_equal(got, dequantize(mxt.cpu(), torch.bfloat16, 0, backend="reference"))
+
+
+@pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp4_e2m1", "fp6_e3m2"))
+def test_dequantize_into_a_slice(kdevice, fmt):
+    """``out=``: each plane written into rows of a larger buffer (as the FSDP all-gather fills a weight
+    rank by rank); the values are the reference's bit for bit and nothing outside the slice changes."""
+    x = adversarial_matrix(64, 96, seed=3).to(kdevice)
+    mxt = quantize_mx(x, fmt, block_size=32, axis=(-1, 0))
+    for axis in (1, 0):
+        for dtype in (torch.bfloat16, torch.float32):
+            buf = torch.full((160, 96), -3.5, dtype=dtype, device=kdevice)
+            got = dq.triton_dequantize(mxt, dtype, axis, out=buf[40:104])
+            assert got.data_ptr() == buf[40:104].data_ptr()
+            assert values_equal(buf[40:104], mxt.dequantize(dtype, axis))
+            assert (buf[:40] == -3.5).all() and (buf[104:] == -3.5).all()
+    with pytest.raises(ValueError, match="out must be"):
+        dq.triton_dequantize(mxt, torch.bfloat16, 1, out=torch.empty(64, 95, dtype=torch.bfloat16, device=kdevice))
