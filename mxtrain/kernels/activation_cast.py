@@ -140,8 +140,7 @@ class ActivationGradCast(NamedTuple):
 def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: str, fmt, block_size: int = 32,
                              axis=(-1, 0), scale_mode: str = "floor", rounding: str = "even", seed=None,
                              pack: bool = True, return_output: bool = False, dbias: bool = False, dequantized=(),
-                             dequantized_dtype: torch.dtype = torch.bfloat16, keep_codes=None,
-                             reuse_grad: bool = False) -> ActivationGradCast:
+                             dequantized_dtype: torch.dtype = torch.bfloat16, keep_codes=None) -> ActivationGradCast:
     """MX planes of the activation's input gradient ``dh = grad * act'(h)`` in one pass over ``h`` and ``grad``.
 
     ``grad`` has the activation output's shape (half ``h``'s last dimension for gated ones); ``dh`` has ``h``'s.
@@ -154,8 +153,6 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     columnwise, or rowwise at any ndim); other activations, gated ones, and what the kernel does
     not take (see :func:`mxtrain.kernels.cast._fallback_reason`) compute torch's backward, then
     the cast. ``dequantized`` / ``keep_codes`` as :func:`mxtrain.kernels.dispatch.quantize`.
-    ``reuse_grad=True`` lets the kernel write the rowwise values over ``grad`` (the caller gives it up:
-    one tensor of ``h``'s size less at the peak of a backward) where it can: contiguous, same dtype.
     """
     from mxtrain.kernels.dispatch import quantize, values_request
     from mxtrain.modules.activations import activation_backward
@@ -194,10 +191,9 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     y = torch.empty_like(h2) if return_output else None
     seed_t = _cast._philox_seed(seed, h.device) if rounding == "stochastic" else None
     vdt = dequantized_dtype
-    into_grad = reuse_grad and last in deq and g2.dtype == vdt and g2.is_contiguous() and g2.data_ptr() != h2.data_ptr()
     row, col, *db = _cast._launch(h2, fmt_, block_size, want_row, want_col, scale_mode, rounding, seed_t, pack,
                                   act=ACTIVATION_IDS[name], y=y, row_codes=last in keep, col_codes=0 in keep,
                                   row_vals=vdt if last in deq else None, col_vals=vdt if 0 in deq else None,
-                                  grad=g2, dbias=dbias, row_vals_into_grad=into_grad)
+                                  grad=g2, dbias=dbias)
     mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
     return ActivationGradCast(mxt, y.reshape(h.shape) if y is not None else None, db[0] if dbias else None)

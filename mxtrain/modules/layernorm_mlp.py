@@ -65,10 +65,7 @@ def _activation_grad_operands(h, da, act, specs_axes, recipe, gen, need_bias: bo
     sums = []
 
     def cast(spec, axes, deq, keep):
-        # da is this backward's own temporary: dh's rowwise values take its memory (one [tokens, ffn]
-        # tensor less at the backward's peak)
-        r = activation_backward_cast(h, da, act, **_cast_args(spec, axes, deq, keep, gen), dbias=need_bias,
-                                     reuse_grad=True)
+        r = activation_backward_cast(h, da, act, **_cast_args(spec, axes, deq, keep, gen), dbias=need_bias)
         sums.append(r.dbias)
         return r.mx
     fused = source_operands(h, specs_axes, cast, recipe, at_once=True)
