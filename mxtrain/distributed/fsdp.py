@@ -420,7 +420,7 @@ class _GatheredState:
         world, shape, dtype = meta["world"], tuple(meta["shape"]), meta["dtype"]
         rows = shape[0] // world
         numel = math.prod(shape)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         total = numel * itemsize * len(meta["planes"])
         arena = self.inner[0]
         if arena.numel() != total:

@@ -34,7 +34,7 @@ import torch
 
 from mxtrain.kernels import cast as _cast
 from mxtrain.modules.activations import ACTIVATIONS, activation as torch_activation_impl, check_activation
-from mxtrain.quantization import MXPlane, MXTensor, quantize_mx
+from mxtrain.quantization import MXTensor, quantize_mx
 from mxtrain.quantization._validate import normalize_axis
 from mxtrain.quantization.mx import _check_common
 
@@ -99,10 +99,9 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
 
     if h.is_cuda and not gated and (len(out_shape) == 2 or not want_col) and cuda_cast.fused_sources_selected(h.device):
         native = dequantized_dtype == torch.bfloat16  # the kernel writes bf16 values itself
-        to2d = {0: 0, last: 1}  # the launch's axes: 1 rowwise, 0 columnwise
-        res = cuda_cast.activation_cast(h2, name, fmt_, block_size, scale_mode, rounding, pack, want_row, want_col,
-                                        return_output, deq=tuple(to2d[a] for a in deq) if native else (),
-                                        keep=tuple(to2d[a] for a in keep) if native else None)
+        res = cuda_cast.activation_cast(
+            h2, name, fmt_, block_size, scale_mode, rounding, pack, want_row, want_col, return_output,
+            outputs=_cast.plane_outputs(last, keep, deq, dequantized_dtype) if native else None)
         if res is not None:  # the CUDA C++ cast with the activation as its prologue
             row, col, y = res
             mxt = _cast.assemble_mxtensor(probe, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
@@ -114,17 +113,10 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
     y = torch.empty(h2.shape[0], n_out, dtype=h.dtype, device=h.device) if return_output else None
     seed_t = _cast._philox_seed(seed, h.device) if rounding == "stochastic" else None
     row, col = _cast._launch(h2, fmt_, block_size, want_row, want_col, scale_mode, rounding, seed_t, pack,
-                             act=act, y=y)
-    planes = {}
-    lead = out_shape[:-1]
-    if row is not None:
-        planes[last] = MXPlane(data=row[0].reshape(*lead, row[0].shape[-1]),
-                               scale=row[1].reshape(*lead, row[1].shape[-1]), axis=last, packed=pack)
-    if col is not None:
-        planes[0] = MXPlane(data=col[0], scale=col[1], axis=0, packed=pack)
-    mxt = MXTensor(planes=tuple(planes[a] for a in axes), fmt=fmt_.name, block_size=block_size,
-                   shape=out_shape, dtype=h.dtype, scale_mode=scale_mode, rounding=rounding, whole_axis=False)
-    return finish(mxt, y.reshape(out_shape) if y is not None else None)
+                             act=act, y=y, **_cast.plane_outputs(last, keep, deq, dequantized_dtype))
+    mxt = _cast.assemble_mxtensor(probe, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
+    y = y.reshape(out_shape) if y is not None else None
+    return (mxt, y) if return_output else mxt
 
 
 # activations whose gradient the cast kernel computes (the ids of ACTIVATION_IDS); others: torch, then the cast
@@ -190,10 +182,8 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
     y = torch.empty_like(h2) if return_output else None
     seed_t = _cast._philox_seed(seed, h.device) if rounding == "stochastic" else None
-    vdt = dequantized_dtype
     row, col, *db = _cast._launch(h2, fmt_, block_size, want_row, want_col, scale_mode, rounding, seed_t, pack,
-                                  act=ACTIVATION_IDS[name], y=y, row_codes=last in keep, col_codes=0 in keep,
-                                  row_vals=vdt if last in deq else None, col_vals=vdt if 0 in deq else None,
-                                  grad=g2, dbias=dbias)
+                                  act=ACTIVATION_IDS[name], y=y, grad=g2, dbias=dbias,
+                                  **_cast.plane_outputs(last, keep, deq, dequantized_dtype))
     mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
     return ActivationGradCast(mxt, y.reshape(h.shape) if y is not None else None, db[0] if dbias else None)

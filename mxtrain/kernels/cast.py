@@ -693,6 +693,14 @@ def _activation_args(x2, act, y, k):
                 WRITE_Y=y is not None)
 
 
+def plane_outputs(last: int, keep: tuple[int, ...], deq: tuple[int, ...], dtype: torch.dtype) -> dict:
+    """A cast launch's output switches (``_launch`` here, ``cuda_cast._launch``): the codes + scales of the
+    ``keep`` axes and the dequantized values (in ``dtype``) of the ``deq`` axes; ``last`` is the rowwise
+    axis, 0 the columnwise one (as :func:`mxtrain.kernels.dispatch.values_request` normalizes them)."""
+    return dict(row_codes=last in keep, col_codes=0 in keep, row_vals=dtype if last in deq else None,
+                col_vals=dtype if 0 in deq else None)
+
+
 def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: str = "floor",
                     rounding: str = "even", seed=None, pack: bool = True, dequantized=(),
                     dequantized_dtype: torch.dtype = torch.bfloat16, keep_codes=None) -> MXTensor:
@@ -723,9 +731,7 @@ def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_m
     seed_t = _philox_seed(seed, x.device) if rounding == "stochastic" else None
     last = x.ndim - 1
     want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
-    vdt = dequantized_dtype
-    opts = dict(row_codes=last in keep, col_codes=0 in keep, row_vals=vdt if last in deq else None,
-                col_vals=vdt if 0 in deq else None)
+    opts = plane_outputs(last, keep, deq, dequantized_dtype)
     if x.ndim == 2 and want_row and want_col and block_size <= MAX_FUSED_BLOCK_SIZE:
         row, col = _launch(x, fmt, block_size, True, True, scale_mode, rounding, seed_t, pack, **opts)
     else:

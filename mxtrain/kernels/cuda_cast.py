@@ -185,7 +185,7 @@ def _alloc(shape, device) -> torch.Tensor:
 
 
 def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str, rows: bool, cols: bool,
-            row_codes: bool, row_vals: bool, col_codes: bool, col_vals: bool, pre: int = 0, act: int = 0,
+            row_codes: bool = True, row_vals=None, col_codes: bool = True, col_vals=None, pre: int = 0, act: int = 0,
             mean=None, rstd=None, gamma=None, beta=None, y=None, eps: float = 0.0):
     """One kernel launch on a 2-D view; returns (row, col) as the Triton ``_launch`` does.
 
@@ -195,8 +195,8 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
     M, K = x2.shape
     dev = x2.device
     kp, mp = -(-K // 32) * 32, -(-M // 32) * 32
-    row_codes, row_vals = rows and row_codes, rows and row_vals
-    col_codes, col_vals = cols and col_codes, cols and col_vals
+    row_codes, row_vals = rows and row_codes, rows and bool(row_vals)  # values: a dtype (bf16) or a flag
+    col_codes, col_vals = cols and col_codes, cols and bool(col_vals)
     row = col = None
     if rows:
         row = ((_alloc((M, kp), dev), _alloc((M, kp // 32), dev)) if row_codes else (None, None))
@@ -272,38 +272,27 @@ def _fused_unsupported(x2: torch.Tensor, fmt: ElemFormat, block_size: int, scale
     return unsupported_reason(x2, fmt, block_size, (1, 0), scale_mode, rounding, (), torch.bfloat16)
 
 
-def _plane_opts(rows: bool, cols: bool, deq: tuple[int, ...], keep: tuple[int, ...] | None) -> dict:
-    """The launch's codes / values switches of a 2-D cast: ``deq`` the axes (1 rowwise, 0 columnwise)
-    whose dequantized bf16 values are written, ``keep`` those whose codes+scales are (None: all)."""
-    keep = (0, 1) if keep is None else keep
-    return dict(row_codes=rows and 1 in keep, row_vals=rows and 1 in deq,
-                col_codes=cols and 0 in keep, col_vals=cols and 0 in deq)
-
-
 def activation_cast(h2: torch.Tensor, act: str, fmt: ElemFormat, block_size: int, scale_mode: str, rounding: str,
-                    pack: bool, rows: bool, cols: bool, return_output: bool, deq: tuple[int, ...] = (),
-                    keep: tuple[int, ...] | None = None):
+                    pack: bool, rows: bool, cols: bool, return_output: bool, outputs: dict | None = None):
     """``act(h2)`` cast to MXFP8 in one pass on the CUDA kernel: ``(row, col, y)`` as the Triton
     ``_launch`` returns them (plus the activation output when asked for), or None where it does not apply.
-    ``deq`` / ``keep``: see :func:`_plane_opts` (the default writes the codes of both planes)."""
+    ``outputs``: :func:`mxtrain.kernels.cast.plane_outputs` (values in bf16); None writes both planes' codes."""
     if act not in CUDA_ACTIVATIONS or _fused_unsupported(h2, fmt, block_size, scale_mode, rounding, pack):
         return None
     lib = library()
     if lib is None:
         return None
     y = torch.empty_like(h2) if return_output else None
-    row, col = _launch(lib, h2, fmt, scale_mode, rows, cols, **_plane_opts(rows, cols, deq, keep),
-                       pre=CUDA_ACTIVATIONS[act], y=y)
+    row, col = _launch(lib, h2, fmt, scale_mode, rows, cols, **(outputs or {}), pre=CUDA_ACTIVATIONS[act], y=y)
     return row, col, y
 
 
 def norm_cast(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float,
               zero_centered_gamma: bool, fmt: ElemFormat, block_size: int, scale_mode: str, rounding: str,
-              pack: bool, rows: bool, cols: bool, return_output: bool, deq: tuple[int, ...] = (),
-              keep: tuple[int, ...] | None = None):
+              pack: bool, rows: bool, cols: bool, return_output: bool, outputs: dict | None = None):
     """LayerNorm / RMSNorm of ``x2`` [M, K] cast to MXFP8 in one CUDA kernel that also computes the row
     statistics (fp32 mean, then the mean of squared deviations; see ``mx_source_cast_kernel``).
-    Returns ``(row, col, mean, rstd, y)`` or None where it does not apply. ``deq`` / ``keep`` as
+    Returns ``(row, col, mean, rstd, y)`` or None where it does not apply. ``outputs`` as
     :func:`activation_cast`."""
     if _fused_unsupported(x2, fmt, block_size, scale_mode, rounding, pack):
         return None
@@ -320,7 +309,7 @@ def norm_cast(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     rstd = torch.empty(M, dtype=torch.float32, device=dev)
     mean = torch.empty(M, dtype=torch.float32, device=dev) if kind == "LayerNorm" else None
     y = torch.empty_like(x2) if return_output else None
-    row, col = _launch(lib, x2, fmt, scale_mode, rows, cols, **_plane_opts(rows, cols, deq, keep),
+    row, col = _launch(lib, x2, fmt, scale_mode, rows, cols, **(outputs or {}),
                        pre=6 if kind == "LayerNorm" else 7, mean=mean, rstd=rstd, gamma=gamma, beta=beta, y=y,
                        eps=eps)
     return row, col, mean, rstd, y
@@ -348,7 +337,7 @@ def cuda_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mod
     writes both planes from one read; ``dequantized`` / ``keep_codes`` as
     :func:`mxtrain.kernels.dispatch.quantize`.
     """
-    from mxtrain.kernels.cast import assemble_mxtensor
+    from mxtrain.kernels.cast import assemble_mxtensor, plane_outputs
     from mxtrain.kernels.dispatch import values_request
 
     kw = dict(block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding, seed=seed, pack=pack,
@@ -363,7 +352,7 @@ def cuda_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mod
         return _fallback(x, fmt, **kw)
     last = x.ndim - 1
     want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
-    opts = dict(row_codes=last in keep, row_vals=last in deq, col_codes=0 in keep, col_vals=0 in deq)
+    opts = plane_outputs(last, keep, deq, dequantized_dtype)
     if x.ndim == 2 and want_row and want_col:
         row, col = _launch(lib, x, fmt, scale_mode, True, True, **opts)
     else:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from mxtrain.kernels._triton_utils import interpret_mode
-from mxtrain.kernels.cast import _act_bwd, _activation, _exp, _round_to_dtype, _store_out, _widen
+from mxtrain.kernels.cast import _act_bwd, _activation, _round_to_dtype, _store_out, _widen
 from mxtrain.kernels.dispatch import register_float8_quantize
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,

@@ -205,7 +205,7 @@ def float8_gemm(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dtyp
     if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
         pa, pb = a.plane(a_axis), b.plane(b_axis)
         if pa.block is None and pb.block is None:
-            (M, K), N = pa.data.shape, pb.data.shape[0]
+            K, N = pa.data.shape[1], pb.data.shape[0]
             if K % 16 == 0 and N % 16 == 0 and not (a.fmt == b.fmt == "fp8_e5m2") and K == pb.data.shape[1]:
                 return scaled_mm_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
         elif pa.block is not None and pb.block is not None and pa.block[0] == 1:

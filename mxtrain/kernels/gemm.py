@@ -152,7 +152,7 @@ def mx_gemm_cuda(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dty
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """The CUDA MX GEMM: block-scaled tensor cores where the device has them (sm_100+) and the
     operands are MXFP8 codes, else exact bf16 operands into cuBLAS (:func:`cublas_mx_gemm`)."""
-    device = a.device if isinstance(a, (MXTensor, torch.Tensor)) else torch.device("cuda")
+    device = a.device
     if native_mx_gemm(device) and scaled_mm_unsupported(a, b, a_axis, b_axis) is None:
         try:
             return scaled_mm_mx_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)

@@ -230,11 +230,9 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
     if x.is_cuda and cuda_cast.fused_sources_selected(x.device):  # a statistics pass, then the cast
         native = dequantized_dtype == torch.bfloat16  # the kernel writes bf16 values itself
-        to2d = {0: 0, last: 1}  # the launch's axes: 1 rowwise, 0 columnwise
         res = cuda_cast.norm_cast(x2, weight, bias, kind, eps, zero_centered_gamma, fmt_, block_size, scale_mode,
                                   rounding, pack, want_row, want_col, return_output,
-                                  deq=tuple(to2d[a] for a in deq) if native else (),
-                                  keep=tuple(to2d[a] for a in keep) if native else None)
+                                  outputs=_cast.plane_outputs(last, keep, deq, dequantized_dtype) if native else None)
         if res is not None:
             row, col, mean, rstd, y = res
             mxt = _cast.assemble_mxtensor(x, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
