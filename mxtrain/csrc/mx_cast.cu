@@ -317,6 +317,32 @@ __device__ __noinline__ float act_rounded(float x) {
 // outside the table run act_rounded itself.
 constexpr int kLutLo = 111 << 7, kLutSpan = 24 << 7, kLutEntries = 2 * kLutSpan;
 
+// A chunk of 8 bf16 inputs with at least one outside the table: each from the table, kept (zeros), or
+// computed (out of line: the unrolled walk keeps one call site per chunk, not eight)
+template <typename T, int PRE>
+__device__ __noinline__ uint4 lut_chunk(uint4 raw, const uint16_t* lut) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t half[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const uint32_t b = (w[j] >> (16 * k)) & 0xFFFFu;
+      const int e = (int)(b & 0x7FFFu) - kLutLo;
+      if ((unsigned)e < (unsigned)kLutSpan) {
+        half[k] = lut[e + (b >> 15) * kLutSpan];
+      } else if ((b & 0x7FFFu) == 0u) {
+        half[k] = b;
+      } else {
+        half[k] = bf16_bits(act_rounded<T, PRE>(__uint_as_float(b << 16)));
+      }
+    }
+    o[j] = half[0] | (half[1] << 16);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // ---- work items of the source kernel ----------------------------------------------------------
 
 constexpr int kStatRows = 8;                        // rows of one statistics item (1 per warp)
@@ -344,6 +370,14 @@ __device__ __forceinline__ Item decode_item(long long i, bool norm, long long nt
   }
   const long long j2 = j - full * gs;
   return Item{false, full + j2 / ntk, j2 % ntk};
+}
+
+// A strong load with no ordering (no L1 invalidation, no stall of the issuing warp until its value is
+// used): the early look at a band's counter; load_acquire confirms a count that was not yet reached.
+__device__ __forceinline__ int load_relaxed(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ int load_acquire(const int* p) {
@@ -406,8 +440,11 @@ __device__ __forceinline__ RowStats warp_combine(RowStats st) {
   return st;
 }
 
-// One statistics item: rows band * kTileM + sub * kStatRows + [0, 8), a warp per row (one pass, 8
-// loads in flight per lane). rstd = 1 / sqrt(m2 / K + eps); LayerNorm also writes the mean.
+// One statistics item: rows band * kTileM + sub * kStatRows + [0, 8), a warp per row (one pass,
+// kStatBatch 16-byte loads in flight per lane, L2-only: the row's tiles read x again from L2, and L1
+// is left to the tiles). rstd = 1 / sqrt(m2 / K + eps); LayerNorm also writes the mean.
+constexpr int kStatBatch = 16;
+
 template <typename T, bool RMS>
 __device__ __forceinline__ void stats_item(const CastArgs& a, long long band, long long sub, int tid) {
   const int warp = tid / 32, lane = tid % 32;
@@ -415,12 +452,21 @@ __device__ __forceinline__ void stats_item(const CastArgs& a, long long band, lo
   if (row < a.M) {
     const T* xr = static_cast<const T*>(a.x) + row * a.ldx;
     RowStats st{0.0f, 0.0f, 0.0f};
-#pragma unroll 8
-    for (long long c = lane * 8; c < a.K; c += 256) {
-      const uint4 w = __ldg(reinterpret_cast<const uint4*>(xr + c));
-      float v[8];
-      widen8<T>(&w, v);
-      add_chunk<RMS>(st, v);
+    for (long long c0 = lane * 8; c0 < a.K; c0 += 256 * kStatBatch) {
+      uint4 w[kStatBatch];
+#pragma unroll
+      for (int b = 0; b < kStatBatch; ++b) {
+        const long long c = c0 + b * 256;
+        w[b] = c < a.K ? __ldcg(reinterpret_cast<const uint4*>(xr + c)) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int b = 0; b < kStatBatch; ++b) {  // the chunks in the order of the column (as one at a time)
+        if (c0 + b * 256 < a.K) {
+          float v[8];
+          widen8<T>(&w[b], v);
+          add_chunk<RMS>(st, v);
+        }
+      }
     }
     st = warp_combine<RMS>(st);
     if (lane == 0) {
@@ -468,74 +514,22 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
   const long long nitems = ntm * ntk + (kNorm ? ntm * kStatItems : 0);
   const int cc = (tid % 16) * 8;
 
-  long long fetched = 0;  // items fetched by this CTA
-  auto fetch = [&]() -> long long {
-    if constexpr (!kNorm) {
-      return blockIdx.x + (fetched++) * (long long)gridDim.x;
-    } else {
-      const int slot = (int)(fetched++ & 1);
-      if (tid == 0) next_item[slot] = atomicAdd(a.work, 1);
-      __syncthreads();
-      return next_item[slot];
-    }
-  };
-  auto prefetch = [&](const Item& it, bool valid, int buf) {  // the tile's copies (an empty group otherwise)
-    if (valid && !it.stats) {
-      const long long m0 = it.tm * kTileM, col = it.tk * kTileK + cc;
-#pragma unroll
-      for (int c = 0; c < kChunks; ++c) {
-        const long long row = m0 + c * 16 + tid / 16;
-        const bool in = row < a.M && col < a.K;
-        const T* src = static_cast<const T*>(a.x) + (in ? row * a.ldx + col : 0);
-        cp_async16(&tiles[buf][c * 16 + tid / 16][cc], src, in);
-      }
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
-  };
-
-  long long cur = fetch();
-  Item it = decode_item(cur, kNorm, ntm, ntk, L);
-  prefetch(it, cur < nitems, 0);
-  if constexpr (kLut) {
-    for (int e = tid; e < kLutEntries; e += kThreads) {
-      const uint32_t bits = (uint32_t)(kLutLo + e % kLutSpan) | (e >= kLutSpan ? 0x8000u : 0u);
-      lut[e] = (uint16_t)bf16_bits(act_rounded<T, PRE>(__uint_as_float(bits << 16)));
-    }
-    __syncthreads();
-  }
-  long long nxt = 0;
-  Item nxt_it{};
-  for (int buf = 0; cur < nitems; cur = nxt, it = nxt_it, buf ^= 1) {
-    nxt = fetch();
-    nxt_it = decode_item(nxt, kNorm, ntm, ntk, L);
-    prefetch(nxt_it, nxt < nitems, buf ^ 1);
-    if (kNorm && it.stats) {
-      stats_item<T, PRE == 7>(a, it.tm, it.tk, tid);
-      continue;
-    }
+  float mu[kChunks], rs[kChunks];  // norms: the statistics of the current tile's rows (this thread's 8)
+  // One tile: its source, rowwise plane and columnwise plane (norms: mu / rs already hold its rows'
+  // statistics)
+  auto tile_item = [&](const Item& it, int buf) {
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this tile's copies (this thread's) are in
     const long long m0 = it.tm * kTileM, k0 = it.tk * kTileK;
     const long long col = k0 + cc;
     const bool col_in = col < a.K;
     const bool word_scales = (nbk % 4 == 0) && (k0 / 32 + 4 <= nbk);
     float gw[8], bw[8];  // the norm's gamma / beta of this thread's 8 columns (the same in every chunk)
-    float mu[kChunks], rs[kChunks];  // the norm's statistics of this thread's 8 rows
     if constexpr (kNorm) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const bool in = col_in && col + j < a.K;
         gw[j] = in ? __ldg(a.gamma + col + j) : 0.0f;
         bw[j] = (in && a.beta) ? __ldg(a.beta + col + j) : 0.0f;
-      }
-      if (tid == 0) {  // this band's statistics, from other CTAs of this launch
-        while (load_acquire(a.work + 1 + it.tm) < kStatItems) __nanosleep(100);
-      }
-      __syncthreads();
-#pragma unroll
-      for (int i = 0; i < kChunks; ++i) {  // written during this launch: read from L2 (__ldcg), not __ldg
-        const long long row = m0 + i * 16 + tid / 16;
-        rs[i] = row < a.M ? __ldcg(a.rstd + row) : 0.0f;
-        mu[i] = (PRE == 6 && row < a.M) ? __ldcg(a.mean + row) : 0.0f;
       }
     }
     // Unrolled (independent chunks interleave: a rolled loop left each warp waiting on one chain of
@@ -550,27 +544,25 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
       uint4 raw = *cell;
       float v[8];
       if constexpr (kLut) {
+        // the common case first: all 8 inputs inside the table, 8 lookups and no per-element branch
         const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-        uint32_t o[4];
+        uint32_t e[8];
+        bool inside = true;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          uint32_t half[2];
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const uint32_t b = (w[j] >> (16 * k)) & 0xFFFFu;
-            const int e = (int)(b & 0x7FFFu) - kLutLo;
-            if ((unsigned)e < (unsigned)kLutSpan) {
-              half[k] = lut[e + (b >> 15) * kLutSpan];
-            } else if ((b & 0x7FFFu) == 0u) {
-              half[k] = b;
-            } else {
-              half[k] = bf16_bits(act_rounded<T, PRE>(__uint_as_float(b << 16)));
-            }
-            v[2 * j + k] = __uint_as_float(half[k] << 16);
-          }
-          o[j] = half[0] | (half[1] << 16);
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t b = (w[j / 2] >> (16 * (j % 2))) & 0xFFFFu;
+          e[j] = (b & 0x7FFFu) - (uint32_t)kLutLo + (b >> 15) * (uint32_t)kLutSpan;
+          inside &= ((b & 0x7FFFu) - (uint32_t)kLutLo) < (uint32_t)kLutSpan;
         }
-        raw = make_uint4(o[0], o[1], o[2], o[3]);
+        if (inside) {
+          uint32_t o[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) o[j] = (uint32_t)lut[e[2 * j]] | ((uint32_t)lut[e[2 * j + 1]] << 16);
+          raw = make_uint4(o[0], o[1], o[2], o[3]);
+        } else {
+          raw = lut_chunk<T, PRE>(raw, lut);
+        }
+        widen8<T>(&raw, v);
       } else {
         widen8<T>(&raw, v);
 #pragma unroll
@@ -599,6 +591,100 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
     } else {
       __syncthreads();  // every thread is done with tiles[buf] before the next prefetch refills it
     }
+  };
+  // The walk. Activations: item t of CTA c is c + t * grid. Norms: items come from the counter, two
+  // ahead: while an item runs, thread 0's atomic already takes the item after the next one and its
+  // relaxed load already looks at the next tile's statistics counter; the end of the item publishes
+  // both (one barrier), and every thread then loads the next tile's mean / rstd, whose L2 latency
+  // overlaps the next item's start. (Fetched one at a time, each tile began with the atomic, a
+  // barrier, an acquire load, a second barrier and the statistics loads, one after the other.) An
+  // item's wait is still only on items with smaller numbers: no deadlock.
+  long long fetched = 0;  // items fetched by this CTA
+  auto fetch_static = [&]() -> long long { return blockIdx.x + (fetched++) * (long long)gridDim.x; };
+  auto fetch_sync = [&]() -> long long {  // norms, before the walk
+    const int slot = (int)(fetched++ & 1);
+    if (tid == 0) next_item[slot] = atomicAdd(a.work, 1);
+    __syncthreads();
+    return next_item[slot];
+  };
+  auto prefetch = [&](const Item& it, bool valid, int buf) {  // the tile's copies (an empty group otherwise)
+    if (valid && !it.stats) {
+      const long long m0 = it.tm * kTileM, col = it.tk * kTileK + cc;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const long long row = m0 + c * 16 + tid / 16;
+        const bool in = row < a.M && col < a.K;
+        const T* src = static_cast<const T*>(a.x) + (in ? row * a.ldx + col : 0);
+        cp_async16(&tiles[buf][c * 16 + tid / 16][cc], src, in);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  // norms: the statistics of a tile's rows (this thread's 8), written during this launch by other
+  // CTAs: read from L2 (__ldcg, never L1) after thread 0 saw the band's count (a barrier between).
+  // The producers store them, __threadfence, then count; L2 is the point of coherence of both.
+  auto load_stats = [&](const Item& t) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const long long row = t.tm * kTileM + i * 16 + tid / 16;
+      rs[i] = row < a.M ? __ldcg(a.rstd + row) : 0.0f;
+      mu[i] = (PRE == 6 && row < a.M) ? __ldcg(a.mean + row) : 0.0f;
+    }
+  };
+
+  long long cur = kNorm ? fetch_sync() : fetch_static();
+  Item it = decode_item(cur, kNorm, ntm, ntk, L);
+  prefetch(it, cur < nitems, 0);
+  long long nxt = kNorm ? fetch_sync() : 0;
+  if constexpr (kLut) {
+    for (int e = tid; e < kLutEntries; e += kThreads) {
+      const uint32_t bits = (uint32_t)(kLutLo + e % kLutSpan) | (e >= kLutSpan ? 0x8000u : 0u);
+      lut[e] = (uint16_t)bf16_bits(act_rounded<T, PRE>(__uint_as_float(bits << 16)));
+    }
+    __syncthreads();
+  }
+  if constexpr (kNorm) {
+    if (cur < nitems && !it.stats) {
+      if (tid == 0) {
+        while (load_acquire(a.work + 1 + it.tm) < kStatItems) __nanosleep(100);
+      }
+      __syncthreads();
+      load_stats(it);
+    }
+  }
+  for (int buf = 0; cur < nitems; buf ^= 1) {
+    long long after = 0;  // norms: thread 0's fetch of the item after nxt
+    int ready = kStatItems;  // norms: thread 0's early look at nxt's band
+    if constexpr (!kNorm) nxt = fetch_static();
+    const Item nxt_it = decode_item(nxt, kNorm, ntm, ntk, L);
+    const bool nxt_tile = nxt < nitems && !nxt_it.stats;
+    if constexpr (kNorm) {
+      if (tid == 0) {
+        after = atomicAdd(a.work, 1);
+        if (nxt_tile) ready = load_relaxed(a.work + 1 + nxt_it.tm);
+      }
+    }
+    prefetch(nxt_it, nxt < nitems, buf ^ 1);
+    if (kNorm && it.stats) {
+      stats_item<T, PRE == 7>(a, it.tm, it.tk, tid);
+    } else {
+      tile_item(it, buf);
+    }
+    if constexpr (kNorm) {
+      const int slot = (int)(fetched++ & 1);
+      if (tid == 0) {
+        if (nxt_tile && ready < kStatItems) {
+          while (load_acquire(a.work + 1 + nxt_it.tm) < kStatItems) __nanosleep(64);
+        }
+        next_item[slot] = after;
+      }
+      __syncthreads();
+      after = next_item[slot];
+      if (nxt_tile) load_stats(nxt_it);
+    }
+    cur = nxt;
+    it = nxt_it;
+    if constexpr (kNorm) nxt = after;
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
