@@ -61,7 +61,7 @@ struct CastArgs {
   uint32_t inv_max_bits;  // fp32 bits of fp32(1 / max_norm)
   int flags;
   // the source (the kernel's PRE template argument): 0 x; 1-5 act(x) (cast_common.cuh's act_fwd ids);
-  // 6 LayerNorm ((x - mean) * rstd) * gamma (+ beta), 7 RMSNorm (x * rstd) * gamma; rounded to x's
+  // 6 LayerNorm fma(fma(x, rstd, -(mean * rstd)), gamma, beta or 0), 7 RMSNorm (x * rstd) * gamma; rounded to x's
   // dtype, and written to y when y is not null. The source is a compile-time choice: a run-time switch
   // over five inlined activations in the unrolled loops made the kernel big enough to thrash the
   // instruction cache (gelu + cast ran at 0.36x of the unfused ops)

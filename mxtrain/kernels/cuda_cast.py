@@ -189,9 +189,10 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
             mean=None, rstd=None, gamma=None, beta=None, y=None, eps: float = 0.0):
     """One kernel launch on a 2-D view; returns (row, col) as the Triton ``_launch`` does.
 
-    ``pre`` 1-5: cast ``act(x2)`` (the ids of :data:`CUDA_ACTIVATIONS`); 6: LayerNorm ``((x2 - mean) * rstd)
-    * gamma (+ beta)``; 7: RMSNorm ``(x2 * rstd) * gamma``, the kernel computing ``mean`` / ``rstd`` (fp32
-    [M] outputs) itself; rounded to x2's dtype (bf16 / fp16 only) and written to ``y`` if given."""
+    ``pre`` 1-5: cast ``act(x2)`` (the ids of :data:`CUDA_ACTIVATIONS`); 6: LayerNorm
+    ``fma(fma(x2, rstd, -(mean * rstd)), gamma, beta or 0)``; 7: RMSNorm ``(x2 * rstd) * gamma``, the
+    kernel computing ``mean`` / ``rstd`` (fp32 [M] outputs) itself; rounded to x2's dtype (bf16 / fp16
+    only) and written to ``y`` if given."""
     M, K = x2.shape
     dev = x2.device
     kp, mp = -(-K // 32) * 32, -(-M // 32) * 32
