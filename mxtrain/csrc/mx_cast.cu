@@ -318,6 +318,12 @@ __device__ __noinline__ float act_rounded(float x) {
 // outside the table run act_rounded itself.
 constexpr int kLutLo = 111 << 7, kLutSpan = 24 << 7, kLutEntries = 2 * kLutSpan;
 
+// a bf16 input's place in the table (valid when lut_holds(b)), and whether the table holds it
+__device__ __forceinline__ uint32_t lut_slot(uint32_t b) {
+  return (b & 0x7FFFu) - (uint32_t)kLutLo + (b >> 15) * (uint32_t)kLutSpan;
+}
+__device__ __forceinline__ bool lut_holds(uint32_t b) { return (b & 0x7FFFu) - (uint32_t)kLutLo < (uint32_t)kLutSpan; }
+
 // A chunk of 8 bf16 inputs with at least one outside the table: each from the table, kept (zeros), or
 // computed (out of line: the unrolled walk keeps one call site per chunk, not eight)
 template <typename T, int PRE>
@@ -330,9 +336,8 @@ __device__ __noinline__ uint4 lut_chunk(uint4 raw, const uint16_t* lut) {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const uint32_t b = (w[j] >> (16 * k)) & 0xFFFFu;
-      const int e = (int)(b & 0x7FFFu) - kLutLo;
-      if ((unsigned)e < (unsigned)kLutSpan) {
-        half[k] = lut[e + (b >> 15) * kLutSpan];
+      if (lut_holds(b)) {
+        half[k] = lut[lut_slot(b)];
       } else if ((b & 0x7FFFu) == 0u) {
         half[k] = b;
       } else {
@@ -351,7 +356,7 @@ constexpr int kStatItems = kTileM / kStatRows;      // statistics items per band
 
 struct Item {
   bool stats;
-  long long tm, tk;  // cast: the tile; statistics: band tm, rows tm * kTileM + tk * kStatRows + [0, 16)
+  long long tm, tk;  // cast: the tile; statistics: band tm, rows tm * kTileM + tk * kStatRows + [0, kStatRows)
 };
 
 // Activations: item t is tile t (M fastest). Norms: the items of band b are its kStatItems statistics
@@ -567,7 +572,7 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
     }
     // Unrolled (independent chunks interleave: a rolled loop left each warp waiting on one chain of
     // shared-memory loads and shuffles at a time); the source's code stays small: a table lookup, the
-    // norm's four operations, relu, or a call. The thread reads only what its own cp.async wrote: no
+    // norm's two fused operations, relu, or a call. The thread reads only what its own cp.async wrote: no
     // barrier before col_tile's.
 #pragma unroll
     for (int i = 0; i < kChunks; ++i) {
@@ -584,8 +589,8 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const uint32_t b = (w[j / 2] >> (16 * (j % 2))) & 0xFFFFu;
-          e[j] = (b & 0x7FFFu) - (uint32_t)kLutLo + (b >> 15) * (uint32_t)kLutSpan;
-          inside &= ((b & 0x7FFFu) - (uint32_t)kLutLo) < (uint32_t)kLutSpan;
+          e[j] = lut_slot(b);
+          inside &= lut_holds(b);
         }
         if (inside) {
           uint32_t o[4];
@@ -677,11 +682,12 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
     }
     __syncthreads();
   }
+  auto wait_stats = [&](long long band, unsigned sleep_ns) {  // thread 0: until the band's items are all counted
+    while (load_acquire(a.work + 1 + band) < kStatItems) __nanosleep(sleep_ns);
+  };
   if constexpr (kNorm) {
     if (cur < nitems && !it.stats) {
-      if (tid == 0) {
-        while (load_acquire(a.work + 1 + it.tm) < kStatItems) __nanosleep(100);
-      }
+      if (tid == 0) wait_stats(it.tm, 100);
       __syncthreads();
       load_stats(it);
     }
@@ -707,9 +713,7 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
     if constexpr (kNorm) {
       const int slot = (int)(fetched++ & 1);
       if (tid == 0) {
-        if (nxt_tile && ready < kStatItems) {
-          while (load_acquire(a.work + 1 + nxt_it.tm) < kStatItems) __nanosleep(64);
-        }
+        if (nxt_tile && ready < kStatItems) wait_stats(nxt_it.tm, 64);
         next_item[slot] = after;
       }
       __syncthreads();
