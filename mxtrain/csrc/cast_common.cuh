@@ -176,6 +176,28 @@ __device__ __forceinline__ float round_to(float v) {
   }
 }
 
+// 8 fp32 results of fp32 arithmetic rounded to 16-bit T (ties to even), one conversion per pair: the raw T
+// bits. For such results this is round_to's value, bit for bit: the GPU's fp32 arithmetic returns the
+// canonical NaN (0x7FFFFFFF), whose top half is bf16's canonical NaN 0x7FFF, and fp16's conversion
+// is canonical anyway. (round_to with narrow8 took a NaN test, a conversion and a shift per value and a
+// merge per pair.) Not for values passed through unchanged (relu's NaN keeps its payload in round_to).
+template <typename T>
+__device__ __forceinline__ uint4 round_pack8(const float s[8]) {
+  static_assert(Elem<T>::kWords == 1, "16-bit element types only");
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (Elem<T>::kIsHalf) {
+      const __half2 h = __floats2half2_rn(s[2 * j], s[2 * j + 1]);
+      w[j] = *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(s[2 * j], s[2 * j + 1]);
+      w[j] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // fp32 values -> raw T bits of one 8-element chunk (exact: the values are already rounded to T)
 template <typename T>
 __device__ __forceinline__ void narrow8(const float v[8], uint4* raw) {

@@ -395,68 +395,63 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   return v;
 }
 
-// Running statistics of a row: RMSNorm the sum of squares (in m2, with q[1..3] three more partial
-// sums: four independent chains of fused multiply-adds); LayerNorm the count, mean and sum of squared
-// deviations, combined chunk by chunk (Chan et al.: no E[x^2] - E[x]^2 cancellation, one pass)
+// Running statistics of a row, per lane in four independent chains (a lane's values never wait on one
+// long chain of dependent operations). RMSNorm: partial sums of squares q[0..3]. LayerNorm: partial sums
+// of d = x - k and of d^2 around the lane's shift k, the mean of its first 8 values; a lane's mean and
+// squared deviations follow as k + S/n and Q - S^2/n, and the lanes combine by Chan et al. Shifted sums
+// need 3 operations per value where a Chan step per chunk needs 3.6 in two dependent chains. Their
+// cancellation is bounded: (k - the lane's mean)^2 <= (n/8) * the lane's variance, so Q - S^2/n loses at
+// most log2(1 + n/8) bits (5 for a lane's 256 values of an 8192-wide row; typically well under 1).
 struct RowStats {
-  float n, mean, m2;
-  float q[3];
+  float n, k;  // LayerNorm: the lane's count of values and its shift
+  float s[4], q[4];
 };
 
 template <bool RMS, int N>
 __device__ __forceinline__ void add_chunk(RowStats& st, const float v[N]) {
-  if constexpr (RMS) {
 #pragma unroll
-    for (int j = 0; j < N; j += 4) {
-      st.m2 = __fmaf_rn(v[j], v[j], st.m2);
-      st.q[0] = __fmaf_rn(v[j + 1], v[j + 1], st.q[0]);
-      st.q[1] = __fmaf_rn(v[j + 2], v[j + 2], st.q[1]);
-      st.q[2] = __fmaf_rn(v[j + 3], v[j + 3], st.q[2]);
+  for (int j = 0; j < N; j += 4) {
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      if constexpr (RMS) {
+        st.q[t] = __fmaf_rn(v[j + t], v[j + t], st.q[t]);
+      } else {
+        const float d = __fsub_rn(v[j + t], st.k);
+        st.s[t] = __fadd_rn(st.s[t], d);
+        st.q[t] = __fmaf_rn(d, d, st.q[t]);
+      }
     }
-  } else {
-    // (plain chains here: the pairwise sum and four partial sums of squares, as RMSNorm's, measured
-    // 0.31 against 0.185 ms for the 8192^2 LayerNorm cast on the H100)
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < N; ++j) sum = __fadd_rn(sum, v[j]);
-    const float cm = __fmul_rn(sum, 1.0f / N);
-    float cm2 = 0.0f;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const float d = __fsub_rn(v[j], cm);
-      cm2 = __fmaf_rn(d, d, cm2);
-    }
-    // the weights by the fast reciprocal (2 ulp; a correctly rounded division per chunk made the
-    // statistics items slow enough that tiles waited on them); still one fixed order of operations
-    const float n_new = __fadd_rn(st.n, (float)N);
-    const float delta = __fsub_rn(cm, st.mean);
-    const float w = __fdividef((float)N, n_new);
-    st.mean = __fmaf_rn(delta, w, st.mean);
-    st.m2 = __fmaf_rn(__fmul_rn(delta, delta), __fmul_rn(st.n, w), __fadd_rn(st.m2, cm2));
-    st.n = n_new;
   }
+  if constexpr (!RMS) st.n = __fadd_rn(st.n, (float)N);
 }
 
-// The row's statistics from its lanes' partial ones, in every lane (xor butterflies: a fixed tree, the
-// same bits in every run and lane). LayerNorm: the mean from the lanes' sums, then the lanes' m2 plus
-// n * (their mean - the mean)^2 summed: two reductions of one value each, no division per level.
+// The row's mean (LayerNorm) and sum of squared deviations (RMSNorm: of squares) from its lanes' partial
+// sums, in every lane (xor butterflies: a fixed tree, the same bits in every run and lane). LayerNorm: the
+// mean from the lanes' sums, then the lanes' m2 plus n * (their mean - the mean)^2 summed.
 template <bool RMS>
-__device__ __forceinline__ RowStats warp_combine(RowStats st, long long K) {
+__device__ __forceinline__ float2 warp_combine(const RowStats& st, long long K) {
+  float q = __fadd_rn(__fadd_rn(st.q[0], st.q[1]), __fadd_rn(st.q[2], st.q[3]));
   if constexpr (RMS) {
-    st.m2 = __fadd_rn(__fadd_rn(st.m2, st.q[0]), __fadd_rn(st.q[1], st.q[2]));
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) st.m2 = __fadd_rn(st.m2, __shfl_xor_sync(0xFFFFFFFFu, st.m2, o));
-    return st;
+    for (int o = 16; o > 0; o >>= 1) q = __fadd_rn(q, __shfl_xor_sync(0xFFFFFFFFu, q, o));
+    return make_float2(0.0f, q);
   } else {
-    float sum = __fmul_rn(st.n, st.mean);
+    const float s = __fadd_rn(__fadd_rn(st.s[0], st.s[1]), __fadd_rn(st.s[2], st.s[3]));
+    float lmean = 0.0f, lm2 = 0.0f;  // a lane without values: n = 0, and it adds nothing below
+    if (st.n > 0.0f) {
+      const float a = __fdiv_rn(s, st.n);
+      lmean = __fadd_rn(st.k, a);
+      lm2 = fmaxf(__fmaf_rn(-s, a, q), 0.0f);
+    }
+    float sum = __fmul_rn(st.n, lmean);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xFFFFFFFFu, sum, o));
     const float mean = __fdiv_rn(sum, (float)K);
-    const float d = __fsub_rn(st.mean, mean);
-    float m2 = __fmaf_rn(__fmul_rn(d, d), st.n, st.m2);  // 0 for a lane without values (n = m2 = 0)
+    const float d = __fsub_rn(lmean, mean);
+    float m2 = __fmaf_rn(__fmul_rn(d, d), st.n, lm2);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m2 = __fadd_rn(m2, __shfl_xor_sync(0xFFFFFFFFu, m2, o));
-    return RowStats{(float)K, mean, m2, {0.0f, 0.0f, 0.0f}};
+    return make_float2(mean, m2);
   }
 }
 
@@ -473,13 +468,19 @@ __device__ __forceinline__ void stats_item(const CastArgs& a, long long band, lo
   const long long row = band * kTileM + sub * kStatRows + warp;
   if (row < a.M) {
     const T* xr = static_cast<const T*>(a.x) + row * a.ldx;
-    RowStats st{0.0f, 0.0f, 0.0f, {0.0f, 0.0f, 0.0f}};
+    RowStats st{0.0f, 0.0f, {0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     for (long long c0 = lane * 8; c0 < a.K; c0 += 256 * kStatBatch) {
       uint4 w[kStatBatch];
 #pragma unroll
       for (int b = 0; b < kStatBatch; ++b) {
         const long long c = c0 + b * 256;
         w[b] = c < a.K ? __ldcg(reinterpret_cast<const uint4*>(xr + c)) : make_uint4(0u, 0u, 0u, 0u);
+      }
+      if (!RMS && c0 == lane * 8) {  // the lane's first batch (w[0] is inside the row): its shift
+        float f[8];
+        widen8<T>(&w[0], f);
+        st.k = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(f[0], f[1]), __fadd_rn(f[2], f[3])),
+                                   __fadd_rn(__fadd_rn(f[4], f[5]), __fadd_rn(f[6], f[7]))), 0.125f);
       }
 #pragma unroll
       for (int b = 0; b < kStatBatch; b += 2) {  // two chunks (16 values) per step, in column order
@@ -493,10 +494,10 @@ __device__ __forceinline__ void stats_item(const CastArgs& a, long long band, lo
         }
       }
     }
-    st = warp_combine<RMS>(st, a.K);
+    const float2 mm2 = warp_combine<RMS>(st, a.K);
     if (lane == 0) {
-      a.rstd[row] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(st.m2, (float)a.K), a.eps)));
-      if (!RMS) a.mean[row] = st.mean;
+      a.rstd[row] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(mm2.y, (float)a.K), a.eps)));
+      if (!RMS) a.mean[row] = mm2.x;
     }
   }
   __syncthreads();  // every row of the item written
@@ -504,6 +505,13 @@ __device__ __forceinline__ void stats_item(const CastArgs& a, long long band, lo
     __threadfence();
     atomicAdd(a.work + 1 + band, 1);
   }
+}
+
+// One 16-byte global store (the launch checks that y's rows keep 16-byte alignment). Written as a plain
+// uint4 store, the compiler split y's into four 32-bit stores.
+__device__ __forceinline__ void store16(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
 }
 
 // 8 consecutive fp32 parameters from column col (zeros when p is null or the columns are outside):
@@ -601,28 +609,37 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
           raw = lut_chunk<T, PRE>(raw, lut);
         }
         widen8<T>(&raw, v);
+      } else if constexpr (kNorm) {
+        // LayerNorm: x * rstd - mean * rstd in one fused operation (-(mean * rstd) rounded once per row),
+        // then * gamma + beta in another (beta 0 without one); RMSNorm (x * rstd) * gamma. Rounded to T
+        // a pair at a time (round_pack8: every value here is an fp32 result), then widened back.
+        widen8<T>(&raw, v);
+        float s[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          s[j] = PRE == 6 ? __fmaf_rn(__fmaf_rn(v[j], rs[i], -__fmul_rn(mu[i], rs[i])), gw[j], bw[j])
+                          : __fmul_rn(__fmul_rn(v[j], rs[i]), gw[j]);
+        }
+        raw = in ? round_pack8<T>(s) : make_uint4(0u, 0u, 0u, 0u);
+        widen8<T>(&raw, v);
       } else {
         widen8<T>(&raw, v);
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           float s;
-          if constexpr (PRE == 3 || PRE == 4) {
+          if constexpr (PRE == 3) {
+            s = act_fwd(v[j], PRE);  // relu: the 16-bit input or 0, already in T (NaN kept)
+          } else if constexpr (PRE == 4) {
             s = round_to<T>(act_fwd(v[j], PRE));
-          } else if constexpr (PRE < 6) {  // fp16 gelu / gelu_tanh / silu: no table, one copy of the code
+          } else {  // fp16 gelu / gelu_tanh / silu: no table, one copy of the code
             s = act_rounded<T, PRE>(v[j]);
-          } else {
-            // LayerNorm: x * rstd - mean * rstd in one fused operation (-(mean * rstd) rounded once per
-            // row), then * gamma + beta in another (beta 0 without one); RMSNorm (x * rstd) * gamma
-            s = PRE == 6 ? __fmaf_rn(__fmaf_rn(v[j], rs[i], -__fmul_rn(mu[i], rs[i])), gw[j], bw[j])
-                         : __fmul_rn(__fmul_rn(v[j], rs[i]), gw[j]);
-            s = round_to<T>(s);
           }
           v[j] = in ? s : 0.0f;
         }
         narrow8<T>(v, &raw);
       }
       if (col_plane) *cell = raw;
-      if (a.y && in) *reinterpret_cast<uint4*>(static_cast<T*>(a.y) + row * a.ld_y + col) = raw;
+      if (a.y && in) store16(static_cast<T*>(a.y) + row * a.ld_y + col, raw);
       if (row_plane) row_chunk<FMT>(a, v, row, col, k0, tid, word_scales, nbk);
     }
     if (col_plane) {

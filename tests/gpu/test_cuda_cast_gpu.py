@@ -306,6 +306,62 @@ def test_activation_table_every_bf16_input(fused_sources, act):
     assert torch.equal(out2.view(torch.int16), out.reshape(-1)[perm][: 200 * 320].reshape(200, 320).view(torch.int16))
 
 
+@pytest.mark.parametrize("case", ["offset", "tiny_spread", "shift_outliers", "lane_outliers", "narrow"])
+def test_layernorm_statistics_adversarial(fused_sources, case):
+    """LayerNorm's statistics use per-lane shifted sums (the shift: the mean of the lane's first 8 values).
+    Rows built against that: a mean 1000 standard deviations away, a spread of 1e-3 around 1, outliers
+    exactly where every lane takes its shift, outliers at each lane's first value, and rows narrower than
+    a warp's 256 values. Mean and variance against float64."""
+    from mxtrain.kernels.norm_cast import norm_cast
+
+    g = torch.Generator(device=DEV).manual_seed(41)
+    k = 136 if case == "narrow" else 8192
+    x = torch.randn(64, k, generator=g, device=DEV)
+    if case == "offset":
+        x = x + 1000.0
+    elif case == "tiny_spread":
+        x = x * 1e-3 + 1.0
+    elif case == "shift_outliers":
+        x[:, :256] = 1000.0  # the first 8 values of every lane: every shift is 1000
+    elif case == "lane_outliers":
+        x[:, 0::8] = -3000.0
+    x = x.to(torch.bfloat16)
+    w = torch.ones(k, device=DEV, dtype=torch.bfloat16)
+    r = norm_cast(x, w, torch.zeros_like(w), kind="LayerNorm", fmt="fp8_e4m3", axis=(-1, 0), return_output=True)
+    xd = x.double()
+    var = xd.var(-1, unbiased=False)
+    torch.testing.assert_close(r.rstd.double(), torch.rsqrt(var + 1e-5), rtol=1e-5, atol=0)
+    torch.testing.assert_close(r.mean.double(), xd.mean(-1), rtol=1e-6, atol=1e-6 * var.sqrt().max().item())
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_norm_cast_special_rows(fused_sources, kind, dtype):
+    """Rows holding a NaN, +Inf or -Inf follow torch: LayerNorm makes the whole row NaN; RMSNorm makes a
+    NaN row NaN and an Inf row 0 (rstd 0) but NaN where the Inf was. Every NaN written is T's canonical
+    NaN 0x7FFF (the kernel rounds fp32 results a pair at a time); rstd as torch computes it; the codes
+    and scale bytes those of the reference cast of the output; the other rows untouched."""
+    from mxtrain.kernels.norm_cast import norm_cast, torch_norm
+
+    g = torch.Generator(device=DEV).manual_seed(43)
+    x = torch.randn(96, 520, generator=g, device=DEV).to(dtype)
+    x[3, 17], x[40, 0], x[77, 519] = float("nan"), float("inf"), float("-inf")
+    w = (torch.randn(520, generator=g, device=DEV) * 0.5 + 1).to(dtype)
+    b = (torch.randn(520, generator=g, device=DEV) * 0.2).to(dtype) if kind == "LayerNorm" else None
+    r = norm_cast(x, w, b, kind=kind, fmt="fp8_e4m3", axis=(-1, 0), return_output=True)
+    ref = torch_norm(x, w, b, kind)
+    assert torch.equal(r.out.isnan(), ref.isnan())
+    # LayerNorm: the 3 rows; RMSNorm: the NaN row and the places of the two Infs
+    assert int(r.out.isnan().sum()) == (520 + 2 if kind == "RMSNorm" else 3 * 520)
+    assert bool((r.out[r.out.isnan()].view(torch.int16) == 0x7FFF).all())
+    torch.testing.assert_close(r.out.float(), ref.float(), rtol=2**-7 if dtype == torch.bfloat16 else 2**-9,
+                               atol=1e-5, equal_nan=True)
+    xf = x.float()
+    var = xf.var(-1, unbiased=False) if kind == "LayerNorm" else xf.square().mean(-1)
+    torch.testing.assert_close(r.rstd, torch.rsqrt(var + 1e-5), rtol=1e-5, atol=0, equal_nan=True)
+    assert not helpers.planes_equal(r.mx, quantize_mx(r.out, "fp8_e4m3", axis=(-1, 0)))
+
+
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
 def test_norm_statistics_in_kernel_many_bands(monkeypatch, fused_sources, kind):
     """The norm's statistics are work items of the same kernel, run ahead of the tiles that wait on them:
