@@ -22,8 +22,9 @@ function over the bf16 inputs with 2^-16 <= |x| < 2^8 (exact by construction: th
 function's output), the other inputs from the function itself.
 
 ``activation_backward_cast(h, grad, "gelu", ...)`` is the backward counterpart: the MX planes of
-``dh = grad * act'(h)`` (gelu, relu, silu in the kernel; torch's formulas in fp32, rounded to
-the dtype), and optionally the bias gradient (the fp32 sum of ``dh`` over tokens), from one pass.
+``dh = grad * act'(h)`` (every activation, gated ones included; torch's formulas in fp32, rounded to
+the dtype where torch rounds), and optionally the bias gradient (the fp32 sum of ``dh`` over tokens),
+from one pass.
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
     return (mxt, y) if return_output else mxt
 
 
-# activations whose gradient the cast kernel computes (the ids of ACTIVATION_IDS); others: torch, then the cast
-GRAD_FUSED = ("gelu", "relu", "silu")
+# activations whose gradient the cast kernels compute: all of them (the fused modules and tests read this)
+GRAD_FUSED = tuple(ACTIVATION_IDS)
 
 
 class ActivationGradCast(NamedTuple):
@@ -141,10 +142,12 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     torch's backward ops write it (libdevice on the GPU: within one ulp of torch's); its codes
     and scales are bit-identical to ``quantize_mx`` of that ``dh`` (``return_output=True`` gives
     it). ``dbias=True`` also returns its fp32 sum over the tokens (the bias gradient of the
-    layer that produced ``h``) from the same pass. gelu, relu and silu run in the kernel (2-D
-    columnwise, or rowwise at any ndim); other activations, gated ones, and what the kernel does
-    not take (see :func:`mxtrain.kernels.cast._fallback_reason`) compute torch's backward, then
-    the cast. ``dequantized`` / ``keep_codes`` as :func:`mxtrain.kernels.dispatch.quantize`.
+    layer that produced ``h``) from the same pass. Every activation runs in the kernel (2-D
+    columnwise, or rowwise at any ndim); a gated one's ``dh`` is ``[d_gate, d_up]`` as autograd of
+    ``act(gate) * up`` writes it in ``h``'s dtype (``d_up = grad * act(gate)``, ``d_gate = act'(gate)``
+    applied to ``grad * up``, each rounded where torch rounds). What the kernel does not take (see
+    :func:`mxtrain.kernels.cast._fallback_reason`) computes torch's backward, then the cast.
+    ``dequantized`` / ``keep_codes`` as :func:`mxtrain.kernels.dispatch.quantize`.
     """
     from mxtrain.kernels.dispatch import quantize, values_request
     from mxtrain.modules.activations import activation_backward
@@ -167,8 +170,6 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     want_row, want_col = last in axes, (0 in axes and h.ndim >= 2)
     deq, keep = values_request(h.ndim, axes, dequantized, keep_codes, dequantized_dtype)
     reason = _cast._fallback_reason(h, fmt_, block_size, axes, pack)
-    if reason is None and name not in GRAD_FUSED:
-        reason = f"{name}'s gradient is not fused (fused: {', '.join(GRAD_FUSED)})"
     if reason is None and want_col and (h.ndim > 2 or block_size > _cast.MAX_FUSED_BLOCK_SIZE):
         reason = "the columnwise plane is fused for a 2-D gradient and block_size <= 128 only"
     if reason is not None:

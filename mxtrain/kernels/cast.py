@@ -253,13 +253,28 @@ if HAVE_TRITON:
 
     @triton.jit
     def _act_bwd(x, g, ACT: tl.constexpr, GPU: tl.constexpr):
-        """``g * act'(x)`` in fp32 as torch's CUDA backward kernels write it: 1 gelu, 3 relu, 5 silu."""
+        """``g * act'(x)`` in fp32 as torch's CUDA backward kernels write it: 1 gelu, 2 gelu_tanh, 3 relu,
+        4 squared_relu (autograd of ``square(relu(x))``: ``g * (2 * r)``, then relu's threshold), 5 silu."""
         if ACT == 1:
             cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
             pdf = _exp(-0.5 * x * x, GPU) * 0.3989422804014327
             return g * (cdf + x * pdf)
+        elif ACT == 2:  # gelu_backward(approximate="tanh"), term by term
+            x_sq = x * x
+            inner = 0.7978845608028654 * (x + 0.044715 * (x_sq * x))
+            if GPU:
+                t = libdevice.tanh(inner)
+            else:
+                t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+            left_derivative = 0.5 * (1.0 + t)
+            inner_derivative = 0.7978845608028654 * (1.0 + 0.134145 * x_sq)
+            right_derivative = (0.5 * x) * (1.0 - t * t) * inner_derivative
+            return g * (left_derivative + right_derivative)
         elif ACT == 3:
             return tl.where(x <= 0.0, 0.0, g)  # threshold_backward: x <= 0 -> 0 (NaN x passes g)
+        elif ACT == 4:
+            r = _activation(x, 3, GPU)
+            return tl.where(r <= 0.0, 0.0, g * (2.0 * r))
         else:
             s = tl.math.div_rn(1.0, 1.0 + _exp(-x, GPU))
             return g * s * (1.0 + x * (1.0 - s))
@@ -316,8 +331,9 @@ if HAVE_TRITON:
         """Cast a [M, K] tile grid; with ACT > 0 the input is first mapped through an activation
         (6 swiglu, 7 geglu, 8 reglu take act(x[:, :K]) * x[:, K:], K = GATE_OFF) and rounded to
         the output dtype (OUT_KIND), optionally written to ``y_ptr``, and that is what gets cast.
-        GRAD: the activation's gradient ``g * act'(x)`` instead (ACT 1 gelu, 3 relu, 5 silu; ``g`` at
-        ``g_ptr``, row stride ``stride_gm``; GPU: libdevice as torch's CUDA kernels); DBIAS: the
+        GRAD: the activation's gradient ``g * act'(x)`` instead (every ACT; ``g`` at ``g_ptr``, row stride
+        ``stride_gm``; gated: the output is [M, 2N] with GATE_OFF = N, ``g`` [M, N]; GPU: libdevice as
+        torch's CUDA kernels); DBIAS: the
         tile's fp32 column sums of that output go to ``dbias[pm, :]`` (summed over pm after).
 
         Per plane: ``*_CODES`` stores its codes and scale bytes, ``*_VALS`` its dequantized values
@@ -337,10 +353,27 @@ if HAVE_TRITON:
         m_in = rm < M
         k_in = rk < K
         in_mask = m_in[:, None] & k_in[None, :]
-        x = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=in_mask, other=0),
-                   BF16_BITS)
+        if GRAD and ACT >= 6:
+            # gated gradient: columns [0, N) of dh are the gate's, [N, 2N) the up half's (N = GATE_OFF); each
+            # column reads its gate a, its up value and its g. As autograd of act(a) * up in h's dtype:
+            # d_up = g * act(a) (act(a) rounded), d_a = act'(a) applied to g * up (rounded)
+            first = rk < GATE_OFF
+            cg = tl.where(first, rk, rk - GATE_OFF)
+            a = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + cg[None, :] * stride_xk, mask=in_mask, other=0),
+                       BF16_BITS)
+            up = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + (cg[None, :] + GATE_OFF) * stride_xk,
+                                mask=in_mask, other=0), BF16_BITS)
+            g = _widen(tl.load(g_ptr + rm[:, None] * stride_gm + cg[None, :], mask=in_mask, other=0), BF16_BITS)
+            act_a = _round_to_dtype(_activation(a, 5 if ACT == 6 else (1 if ACT == 7 else 3), GPU), OUT_KIND)
+            d_a = _act_bwd(a, _round_to_dtype(g * up, OUT_KIND), 5 if ACT == 6 else (1 if ACT == 7 else 3), GPU)
+            x = tl.where(first[None, :], d_a, g * act_a)
+        else:
+            x = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=in_mask, other=0),
+                       BF16_BITS)
         if ACT != 0:
-            if GRAD:
+            if GRAD and ACT >= 6:
+                x = _round_to_dtype(x, OUT_KIND)
+            elif GRAD:
                 g = _widen(tl.load(g_ptr + rm[:, None] * stride_gm + rk[None, :], mask=in_mask, other=0), BF16_BITS)
                 x = _round_to_dtype(_act_bwd(x, g, ACT, GPU), OUT_KIND)
             elif ACT >= 6:  # gated: act(gate) rounded to the dtype, times up, rounded again (as torch in bf16)
@@ -588,13 +621,14 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
     """Run the cast on a 2-D tensor; returns (row, col), each None or (data | None, scale | None, values | None).
 
     ``act`` > 0 casts ``act(x2)`` instead (gated ones: x2 is [M, 2K]); ``y`` receives that output.
-    With ``grad`` ([M, K], rows contiguous, x2's dtype) it casts ``grad * act'(x2)`` (act 1, 3, 5);
+    With ``grad`` (the activation output's shape: [M, K], or [M, K/2] for gated ones; rows contiguous,
+    x2's dtype) it casts the input gradient ``grad * act'(x2)`` ([M, K], any act);
     ``dbias`` then also returns that output's fp32 column sums: ``(row, col, dbias)``.
     ``row_codes`` / ``col_codes`` False skip a plane's codes and scales; ``row_vals`` / ``col_vals``
     (a dtype) also write its dequantized values, [M, K] in that dtype.
     """
     M, K = x2.shape
-    if act >= 6:
+    if act >= 6 and grad is None:  # a gated forward's output is half as wide; its gradient is x2's width
         K //= 2
     dev = x2.device
     nbk, nbm = -(-K // bs), -(-M // bs)
@@ -627,9 +661,12 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
     bf16 = x2.dtype == torch.bfloat16
     grad_args, parts = {}, None
     if grad is not None:
-        if act not in (1, 3, 5) or grad.shape != x2.shape or grad.dtype != x2.dtype or grad.stride(1) != 1:
-            raise ValueError("the activation gradient cast takes gelu, relu or silu and a gradient of the "
-                             "input's shape and dtype with contiguous rows")
+        g_shape = (M, K // 2) if act >= 6 else (M, K)
+        if not 1 <= act <= 8 or (act >= 6 and K % 2) or tuple(grad.shape) != g_shape or grad.dtype != x2.dtype \
+                or grad.stride(1) != 1:
+            raise ValueError(f"the activation gradient cast takes an activation id 1-8 and a gradient of shape "
+                             f"{list(g_shape)} (the activation output's) in the input's dtype with contiguous "
+                             f"rows; got act {act}, {list(grad.shape)} {grad.dtype}, strides {grad.stride()}")
         parts = torch.empty(triton.cdiv(m_extent, bm), K, dtype=torch.float32, device=dev) if dbias else None
         grad_args = dict(g_ptr=grad.view(torch.int16) if bf16 else grad, stride_gm=grad.stride(0), GRAD=True,
                          GPU=not interpret_mode(), dbias_ptr=parts, DBIAS=dbias)
@@ -661,7 +698,7 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
         ROW=rows, COL=cols, BLOCK_M=bm, BLOCK_K=bk, BS=bs,
         SCALE_MODE=SCALE_MODE_IDS[scale_mode], ROUNDING=ROUNDING_IDS[rounding], HW_FP8=hw, INDEX64=index64,
         PACK_BITS=fmt.bits if pack else 8, BF16_BITS=bf16, num_warps=warps, **consts, **launch_options(),
-        **_activation_args(x2, act, y, K), **grad_args,
+        **_activation_args(x2, act, y, K // 2 if grad is not None and act >= 6 else K), **grad_args,
         **_values_args(row if row_vals is not None else None, col if col_vals is not None else None,
                        row_codes, col_codes, K),
     )

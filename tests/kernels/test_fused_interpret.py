@@ -102,14 +102,21 @@ def test_activation_cast_nd_and_errors(kdevice):
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("act", ("gelu", "relu", "silu", "gelu_tanh", "swiglu"))
-def test_activation_backward_cast(kdevice, act, dtype):
-    """dh = grad * act'(h): codes bit-exact vs the reference cast of the kernel's own dh, dh within an
-    ulp of torch's backward, the fused bias sum that dh's, and values = codes dequantized."""
+@pytest.mark.parametrize("act", tuple(ACTIVATION_IDS))
+def test_activation_backward_cast(kdevice, monkeypatch, act, dtype):
+    """dh = grad * act'(h), every activation in the kernel (gated: [d_gate, d_up] over 2N columns, a
+    columnwise tile straddling the halves): codes bit-exact vs the reference cast of the kernel's own dh,
+    dh within an ulp of torch's backward, the fused bias sum that dh's, and values = codes dequantized."""
+    import mxtrain.modules.activations as acts
+
+    assert act in GRAD_FUSED
+    monkeypatch.setattr(acts, "activation_backward", lambda *a: pytest.fail("fell back to torch's backward"))
+    gated = act in ("swiglu", "geglu", "reglu")
     g = torch.Generator().manual_seed(5)
     h = (torch.randn(70, 96, generator=g) * 3).to(dtype)  # 70 rows: a ragged columnwise block
-    grad = torch.randn(70, 48 if act == "swiglu" else 96, generator=g).to(dtype)
+    grad = torch.randn(70, 48 if gated else 96, generator=g).to(dtype)
     h[3, 5], h[7, 0], grad[9, 9] = float("nan"), 0.0, float("inf")
+    h[11, 40], h[11, 88], h[12, 0] = -0.0, 2.5, -0.0  # gated: gate -0 in row 11 (its up at 88), relu's -0
     h, grad = h.to(kdevice), grad.to(kdevice)
     want = activation_backward(h.cpu(), grad.cpu(), act)
     for fmt, axis, mode in (("fp8_e4m3", (-1, 0), "rceil"), ("fp4_e2m1", (0, 1), "floor")):
