@@ -267,7 +267,7 @@ if HAVE_TRITON:
             else:
                 t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
             left_derivative = 0.5 * (1.0 + t)
-            inner_derivative = 0.7978845608028654 * (1.0 + 0.134145 * x_sq)
+            inner_derivative = 0.7978845608028654 * (1.0 + 0.13414499163627625 * x_sq)  # fp32(3) * fp32(0.044715)
             right_derivative = (0.5 * x) * (1.0 - t * t) * inner_derivative
             return g * (left_derivative + right_derivative)
         elif ACT == 3:
