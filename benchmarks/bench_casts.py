@@ -47,6 +47,8 @@ def main(argv=None):
                     help="time the strip kernel configs and the module's cast+dequantize operations (tile vs strip, "
                          "cast writing the dequantized operand vs cast then dequantize), round-robin")
     ap.add_argument("--fused-only", action="store_true", help="time the copy and the fused norm/activation casts only")
+    ap.add_argument("--dequant-only", action="store_true",
+                    help="time the copy and the unpack+dequantize kernels only, eager and graph-replayed")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_casts needs a CUDA GPU", file=sys.stderr)
@@ -75,6 +77,10 @@ def main(argv=None):
     rows.append(("copy bf16 (baseline)", copy_bytes, copy_ms, None))
     if args.fused_only:
         return _report(rows + fused_rows(x, n), [], copy_bw, n, args.out)
+    if args.dequant_only:
+        copy_gms = graph_bench(lambda: dst.copy_(x))
+        rows.append(("copy bf16, CUDA graph (baseline of the graph rows)", copy_bytes, copy_gms, None))
+        return _report(rows + dequant_graph_rows(x, n), [], copy_bw, n, args.out, gbps(copy_bytes, copy_gms))
 
     # ---- cast: rowwise + columnwise MXFP8 from one read
     def cast_bytes(fmt_bits, planes):
@@ -144,7 +150,26 @@ def main(argv=None):
     return _report(rows, extra, copy_bw, n, args.out)
 
 
-def _report(rows, extra, copy_bw, n, out):
+def dequant_graph_rows(x, n) -> list:
+    """Unpack + dequantize of each packed format to bf16, eager (against the eager copy) and replayed from a
+    CUDA graph (kernel time, against the graph-replayed copy); each checked bit for bit first."""
+    from mxtrain.kernels import dequantize as dq
+    from mxtrain.quantization import quantize_mx
+
+    out = []
+    for fmt, bits, axis in (("fp6_e2m3", 6, -1), ("fp4_e2m1", 4, -1), ("fp8_e4m3", 8, -1), ("fp4_e2m1", 4, 0)):
+        mxt = quantize_mx(x, fmt, axis=axis)
+        nbytes = n * n * bits // 8 + n * (n // 32) + n * n * 2
+        ok = torch.equal(dq.triton_dequantize(mxt, torch.bfloat16, axis % 2).view(torch.int16),
+                         mxt.dequantize(torch.bfloat16, axis % 2).view(torch.int16))
+        fn = (lambda m=mxt, a=axis % 2: dq.triton_dequantize(m, torch.bfloat16, a))
+        name = f"unpack+dequantize {fmt} {'rowwise' if axis == -1 else 'columnwise'} -> bf16" + ("" if ok else " MISMATCH")
+        out.append((name, nbytes, bench(fn), "copy"))
+        out.append((name + ", CUDA graph (kernel time)", nbytes, graph_bench(fn), "copy_graph"))
+    return out
+
+
+def _report(rows, extra, copy_bw, n, out, copy_graph_bw=None):
     import triton
 
     dev_name = torch.cuda.get_device_name()
@@ -153,7 +178,9 @@ def _report(rows, extra, copy_bw, n, out):
              "| kernel | ms (median) | GB/s | ratio |", "|---|---|---|---|"]
     for name, nbytes, ms, base in rows + extra:
         ratio = "" if base is None else f"{gbps(nbytes, ms) / copy_bw:.2f} of copy"
-        if base is not None and base != "copy":
+        if base == "copy_graph":
+            ratio = f"{gbps(nbytes, ms) / copy_graph_bw:.2f} of the graph-replayed copy"
+        elif base is not None and base != "copy":
             ratio = f"{base / ms:.2f}x vs the baseline in the name"
         lines.append(f"| {name} | {ms:.4f} | {gbps(nbytes, ms):.0f} | {ratio} |")
     text = "\n".join(lines) + "\n"
