@@ -566,10 +566,16 @@ def _philox_seed(seed, device: torch.device) -> torch.Tensor:
 # measured slower than the tile kernel (0.16-0.33 ms against 0.136 for both MXFP8 planes of
 # 8192^2 bf16; benchmarks/NOTES_kernels.md); kept bit-exact and tested, the benchmark times it
 STRIP_CONFIG: tuple[int, int, int, int] | None = None
-# the activation-gradient cast's tile (two inputs per tile): (BLOCK_M, BLOCK_K, num_warps), None: TILE_CONFIGS.
-# Measured on an H100 (8192x16384 bf16 gelu, both planes as values + bias sums): 528 us; TILE_CONFIGS' (32, 256, 4)
-# 798 us; (32, 32, 2) 523, (64, 64, 4) 569, (128, 128, 8) 1333; torch's gelu_backward + the CUDA cast + sum 688
+# the activation-gradient cast's tile (two or three inputs per tile): (BLOCK_M, BLOCK_K, num_warps), None:
+# TILE_CONFIGS; one for launches that write a plane's dequantized values (what LayerNormMLP asks for), one for
+# codes only. Values, measured on an H100 (8192x16384 bf16 gelu, both planes as values + bias sums): 528 us;
+# TILE_CONFIGS' (32, 256, 4) 798 us; (32, 32, 2) 523, (64, 64, 4) 569, (128, 128, 8) 1333; torch's
+# gelu_backward + the CUDA cast + sum 688. Codes (H100, both planes' codes + bias sums, session 7), us for
+# (32, 64, 4) / (32, 128, 4) / (64, 64, 4) / (128, 64, 8), unfused torch backward + CUDA cast + sum first:
+# gelu 8192^2 307: 318 / 305 / 331 / 339; gelu 8192x16384 585: 620 / 591 / 651 / 667; silu 8192^2 303:
+# 310 / 257 / 255 / 283; swiglu (grad 8192^2) 1423: 747 / 651 / 661 / 676. The same bytes from every tile.
 GRAD_TILE_CONFIG: tuple[int, int, int] | None = (32, 64, 4)
+GRAD_TILE_CONFIG_CODES: tuple[int, int, int] | None = (32, 128, 4)
 if os.environ.get("MXTRAIN_CAST_STRIP"):  # "0": tile kernel only; "REP,J,BK,WARPS": that strip config
     _env = os.environ["MXTRAIN_CAST_STRIP"]
     STRIP_CONFIG = None if _env == "0" else tuple(int(v) for v in _env.split(","))
@@ -646,8 +652,9 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
         col += (None if col_vals is None else _alloc_values((M, K), col_vals, dev),)
     strip = _strip_config(rows, cols, bs, act)
     bm, bk, warps = _tile_config(rows, cols, bs) if strip is None else (strip[0] * strip[1], strip[2], strip[3])
-    if grad is not None and GRAD_TILE_CONFIG is not None and bs <= GRAD_TILE_CONFIG[0] and bs <= GRAD_TILE_CONFIG[1]:
-        bm, bk, warps = GRAD_TILE_CONFIG
+    grad_cfg = GRAD_TILE_CONFIG if (row_vals is not None or col_vals is not None) else GRAD_TILE_CONFIG_CODES
+    if grad is not None and grad_cfg is not None and bs <= grad_cfg[0] and bs <= grad_cfg[1]:
+        bm, bk, warps = grad_cfg
     m_extent = mp if col_codes else M
     k_extent = kp if row_codes else K
     grid = (triton.cdiv(m_extent, bm) * triton.cdiv(k_extent, bk),)
