@@ -83,6 +83,13 @@ def _hand_out(mx: MXTensor, uses, now: tuple[int, ...], out: list) -> None:
 FUSE_SOURCES = os.environ.get("MXTRAIN_FUSE_SOURCES", "1") != "0"
 
 
+def source_cast_args(spec, axes, deq, keep, generator) -> dict:
+    """A fused source cast's keyword arguments (``norm_cast``, ``activation_cast``,
+    ``activation_backward_cast``) for one MX role spec, as :func:`source_operands` hands them over."""
+    return dict(fmt=spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
+                rounding=spec.rounding, seed=generator, dequantized=deq, keep_codes=keep)
+
+
 def source_operands(like: torch.Tensor, specs_axes, cast, recipe, at_once: bool = False):
     """The operands of several uses of a norm's or an activation's output, from one fused source cast.
 

@@ -13,7 +13,8 @@ from torch import nn
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
-    check_input, check_mx_operands, recipe_generator, release_mx_operands, round_elemwise, source_operands,
+    check_input, check_mx_operands, recipe_generator, release_mx_operands, round_elemwise, source_cast_args,
+    source_operands,
 )
 from mxtrain.modules._recipe_state import RecipeStateMixin
 from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
@@ -32,9 +33,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         def cast(spec, axes, deq, keep):  # on CUDA the norm runs inside the cast of its output
             nonlocal ln_out
             r = norm_cast(x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc,
-                          fmt=spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
-                          rounding=spec.rounding, seed=gen, dequantized=deq, keep_codes=keep,
-                          return_output=return_ln)
+                          return_output=return_ln, **source_cast_args(spec, axes, deq, keep, gen))
             ln_out = r.out
             return r.mx
         ops = source_operands(x2d, linear_input_specs(recipe, needs_wgrad), cast, recipe)

@@ -31,7 +31,7 @@ from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
     check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
-    source_operands, weight_planes,
+    source_cast_args, source_operands, weight_planes,
 )
 from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
@@ -40,18 +40,12 @@ from mxtrain.modules.linear import init_linear_
 from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
 
 
-def _cast_args(spec, axes, deq, keep, gen) -> dict:
-    """A fused source cast's keyword arguments for one MX role spec (see ``source_operands``)."""
-    return dict(fmt=spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
-                rounding=spec.rounding, seed=gen, dequantized=deq, keep_codes=keep)
-
-
 def _activation_operands(h, act, specs_axes, recipe, gen, at_once=False) -> list:
     """The operands of ``act(h)``: on CUDA from the activation + cast kernel (``act(h)`` never written),
     else the activation, rounded to the recipe's elementwise precision, then quantized."""
     like = h if not is_gated(act) else h[:, : h.shape[1] // 2]
     fused = source_operands(like, specs_axes, lambda spec, axes, deq, keep: activation_cast(
-        h, act, **_cast_args(spec, axes, deq, keep, gen)), recipe, at_once)
+        h, act, **source_cast_args(spec, axes, deq, keep, gen)), recipe, at_once)
     if fused is not None:
         return fused
     a = round_elemwise(activation(h, act), recipe)
@@ -65,7 +59,7 @@ def _activation_grad_operands(h, da, act, specs_axes, recipe, gen, need_bias: bo
     sums = []
 
     def cast(spec, axes, deq, keep):
-        r = activation_backward_cast(h, da, act, **_cast_args(spec, axes, deq, keep, gen), dbias=need_bias)
+        r = activation_backward_cast(h, da, act, **source_cast_args(spec, axes, deq, keep, gen), dbias=need_bias)
         sums.append(r.dbias)
         return r.mx
     fused = source_operands(h, specs_axes, cast, recipe, at_once=True)
@@ -89,7 +83,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         ln_specs = [(role1("fprop_input"), 1), (role1("wgrad_input") if ctx.needs_input_grad[3] else None, 0)]
         # on CUDA the norm runs inside the cast (its output is never written; fc1's operand comes as values)
         fused_ln = source_operands(x2d, ln_specs, lambda spec, axes, deq, keep: norm_cast(
-            x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc, **_cast_args(
+            x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc, **source_cast_args(
                 spec, axes, deq, keep, gen)).mx, recipe)
         if fused_ln is not None:
             ln_row, ln_col = fused_ln
