@@ -1,6 +1,7 @@
 """LayerNormLinear: a norm (LayerNorm or RMSNorm) followed by an MX linear, fused.
 
-Saves for backward the block input (the norm recomputes from it) and the MX
+Saves for backward the block input and the norm's row statistics (its backward needs
+them, not its output) and the MX
 columnwise plane of the norm output (the wgrad operand), not the norm output;
 the weight's columnwise plane is made in backward from the parameter.
 """
@@ -18,7 +19,9 @@ from mxtrain.modules._common import (
 )
 from mxtrain.modules._recipe_state import RecipeStateMixin
 from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
-from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
+from mxtrain.modules.normalization import (
+    check_normalization, norm_backward, norm_forward, norm_forward_stats,
+)
 
 
 class _LayerNormLinearFn(torch.autograd.Function):
@@ -28,20 +31,22 @@ class _LayerNormLinearFn(torch.autograd.Function):
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
         needs_wgrad = ctx.needs_input_grad[3]
-        ln_out = None
+        ln_out = stats = None
 
         def cast(spec, axes, deq, keep):  # on CUDA the norm runs inside the cast of its output
-            nonlocal ln_out
+            nonlocal ln_out, stats
             r = norm_cast(x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc,
                           return_output=return_ln, **source_cast_args(spec, axes, deq, keep, gen))
-            ln_out = r.out
+            ln_out, stats = r.out, (r.mean, r.rstd)
             return r.mx
         ops = source_operands(x2d, linear_input_specs(recipe, needs_wgrad), cast, recipe)
         if ops is None:
-            ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
+            ln_out, stats = norm_forward_stats(x2d, ln_weight, ln_bias, normalization, eps, zc)
+            ln_out = round_elemwise(ln_out, recipe)
         y, ln_col, w_col = mx_linear_forward(ln_out if ln_out is not None else x2d, weight, bias, recipe, gen,
                                              needs_wgrad, any(ctx.needs_input_grad[:3]), x_operands=ops)
-        ctx.save_for_backward(x2d, ln_weight, ln_bias, weight)
+        ctx.has_stats = stats is not None  # the norm's mean / rstd: backward recomputes nothing
+        ctx.save_for_backward(x2d, ln_weight, ln_bias, weight, *(stats or ()))
         ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col, ctx.w_col = cfg, recipe, gen, ln_col, w_col
         ctx.x_shape = x.shape
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -53,7 +58,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dln_extra=None):
         check_mx_operands(ctx, "LayerNormLinear")
-        x2d, ln_weight, ln_bias, weight = ctx.saved_tensors
+        x2d, ln_weight, ln_bias, weight, *stats = ctx.saved_tensors
         normalization, eps, zc, _ = ctx.cfg
         need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
         need_ln = need_x or need_lnw or need_lnb
@@ -67,7 +72,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             if dln_extra is not None:
                 dln = dln + dln_extra.reshape(dln.shape).float()
             dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln.to(x2d.dtype), normalization, eps, zc,
-                                           (need_x, need_lnw, need_lnb))
+                                           (need_x, need_lnw, need_lnb), stats if ctx.has_stats else None)
             if dx is not None:
                 dx = round_elemwise(dx, ctx.recipe).reshape(ctx.x_shape)
         return dx, dlnw, dlnb, dw, db, None, None

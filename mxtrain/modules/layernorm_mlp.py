@@ -1,7 +1,7 @@
 """LayerNormMLP: norm -> fc1 -> activation -> fc2 with MX GEMMs, in one autograd function.
 
 What backward keeps (per token, hidden H, ffn F; MXFP8 about 1.03 bytes/element):
-the block input (the norm recomputes from it), the MX columnwise plane of the
+the block input and the norm's row statistics (mean / rstd: its backward recomputes nothing), the MX columnwise plane of the
 norm output (fc1's wgrad operand) and the fc1 output ``h`` in the input dtype (the
 activation derivative needs it). Weights are quantized rowwise in forward and
 columnwise in backward, from the parameters, so no weight plane is held between
@@ -37,7 +37,9 @@ from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
 from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
 from mxtrain.modules.linear import init_linear_
-from mxtrain.modules.normalization import check_normalization, norm_backward, norm_forward
+from mxtrain.modules.normalization import (
+    check_normalization, norm_backward, norm_forward, norm_forward_stats,
+)
 
 
 def _activation_operands(h, act, specs_axes, recipe, gen, at_once=False) -> list:
@@ -82,14 +84,20 @@ class _LayerNormMLPFn(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         ln_specs = [(role1("fprop_input"), 1), (role1("wgrad_input") if ctx.needs_input_grad[3] else None, 0)]
         # on CUDA the norm runs inside the cast (its output is never written; fc1's operand comes as values)
-        fused_ln = source_operands(x2d, ln_specs, lambda spec, axes, deq, keep: norm_cast(
-            x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc, **source_cast_args(
-                spec, axes, deq, keep, gen)).mx, recipe)
+        stats = []  # the norm's mean / rstd, for its backward (which then recomputes nothing)
+
+        def ln_cast(spec, axes, deq, keep):
+            r = norm_cast(x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc,
+                          **source_cast_args(spec, axes, deq, keep, gen))
+            stats.append((r.mean, r.rstd))
+            return r.mx
+        fused_ln = source_operands(x2d, ln_specs, ln_cast, recipe)
         if fused_ln is not None:
             ln_row, ln_col = fused_ln
         else:
-            ln_out = round_elemwise(norm_forward(x2d, ln_weight, ln_bias, normalization, eps, zc), recipe)
-            ln_row, ln_col = quantize_operand(ln_out, ln_specs, gen)
+            ln_out, ln_stats = norm_forward_stats(x2d, ln_weight, ln_bias, normalization, eps, zc)
+            stats.append(ln_stats)
+            ln_row, ln_col = quantize_operand(round_elemwise(ln_out, recipe), ln_specs, gen)
             del ln_out
         # FP8 recipes: one cast writes the weight's fprop plane and its transpose for dgrad (same spec),
         # kept for backward (1 byte per weight element) instead of a second amax pass and cast there
@@ -111,7 +119,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
         w2_row, w2_col = weight_planes(fc2_weight, role2, any(ctx.needs_input_grad[:5]), gen)
         y = mx_gemm(a_row, w2_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc2_bias)
         del a_row, w2_row
-        ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight)
+        ctx.has_stats = stats[0] is not None
+        ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight, *(stats[0] or ()))
         ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col = cfg, recipe, gen, ln_col
         ctx.fuse, ctx.a_col, ctx.w1_col, ctx.w2_col = fuse, a_col, w1_col, w2_col
         ctx.x_shape = x.shape
@@ -121,7 +130,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         check_mx_operands(ctx, "LayerNormMLP")
-        x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight = ctx.saved_tensors
+        x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight, *stats = ctx.saved_tensors
         normalization, eps, zc, act = ctx.cfg
         recipe, gen = ctx.recipe, ctx.gen
         role1, role2 = gemm_recipe(recipe, "fc1").role, gemm_recipe(recipe, "fc2").role
@@ -182,7 +191,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 dln = mx_gemm(dh_row, w1_col, a_axis=1, b_axis=0, out_dtype=x2d.dtype)
                 del dh_row, w1_col
                 dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln, normalization, eps, zc,
-                                               (need_x, need_lnw, need_lnb))
+                                               (need_x, need_lnw, need_lnb), stats if ctx.has_stats else None)
                 if dx is not None:
                     dx = round_elemwise(dx, recipe).reshape(ctx.x_shape)
         release_mx_operands(ctx, "ln_col", "a_col", "w1_col", "w2_col")

@@ -1,8 +1,11 @@
 """LayerNorm and RMSNorm: drop-in torch norms that honour the recipe's elementwise precision.
 
-The fused modules reuse :func:`norm_forward` / :func:`norm_backward`; backward
-recomputes the (cheap, memory-bound) norm from its saved input instead of
-keeping its output, which is what lets the fused modules save only MX bytes.
+The fused modules reuse :func:`norm_forward_stats` / :func:`norm_backward`: backward
+needs the saved input and the per-row statistics (mean and rstd, 8 bytes a row), not
+the norm output, which is what lets the fused modules save only MX bytes. Given the
+statistics, backward runs torch's native norm backward and recomputes nothing; without
+them (RMSNorm where torch has no fused backward kernel for the device) it recomputes the
+(cheap, memory-bound) forward from the input.
 """
 
 from __future__ import annotations
@@ -31,8 +34,44 @@ def norm_forward(x, weight, bias, normalization: str, eps: float, zero_centered_
     return F.rms_norm(x, (x.shape[-1],), gamma, eps)
 
 
-def norm_backward(x, weight, bias, grad, normalization, eps, zero_centered_gamma, needs):
-    """Gradients (dx, dweight, dbias) of the norm at ``x`` for output gradient ``grad``."""
+def _has_kernel(op: str, device_type: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op, torch._C._dispatch_key_for_device(device_type))
+    except (AttributeError, RuntimeError):  # no such op or key in this torch
+        return False
+
+
+# Whether torch has a fused RMSNorm backward kernel (aten::_fused_rms_norm_backward) for a device type:
+# CUDA in recent torch, not the CPU. Looked up once (a plain dict, so torch.compile traces it as a constant).
+_FUSED_RMS_BACKWARD = {t: _has_kernel("aten::_fused_rms_norm_backward", t) for t in ("cpu", "cuda")}
+
+
+def _fused_rms_backward(device: torch.device) -> bool:
+    return _FUSED_RMS_BACKWARD.get(device.type, False)
+
+
+def norm_forward_stats(x, weight, bias, normalization: str, eps: float, zero_centered_gamma: bool):
+    """``(output, stats)``: the norm of ``x`` (the same bits as :func:`norm_forward`) and the row statistics
+    :func:`norm_backward` takes, ``(mean, rstd)`` as torch's native forward returns them (``mean`` None for
+    RMSNorm). ``stats`` is None where backward would recompute anyway (RMSNorm without a fused backward)."""
+    gamma = weight + 1 if zero_centered_gamma and weight is not None else weight
+    if normalization == "LayerNorm":
+        out, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), gamma, bias, eps)
+        return out, (mean, rstd)
+    if _fused_rms_backward(x.device):
+        out, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], gamma, eps)
+        return out, (None, rstd)
+    return F.rms_norm(x, (x.shape[-1],), gamma, eps), None
+
+
+def norm_backward(x, weight, bias, grad, normalization, eps, zero_centered_gamma, needs, stats=None):
+    """Gradients (dx, dweight, dbias) of the norm at ``x`` for output gradient ``grad``.
+
+    ``stats``: the forward's ``(mean, rstd)`` (:func:`norm_forward_stats`, or a fused norm + cast kernel's,
+    fp32 per row); then torch's native backward runs on them and nothing is recomputed. Without them the
+    forward is recomputed from ``x`` under autograd."""
+    if stats is not None and (normalization == "LayerNorm" or _fused_rms_backward(x.device)):
+        return _native_norm_backward(x, weight, bias, grad, normalization, zero_centered_gamma, needs, stats)
     with torch.enable_grad():
         leaves = [x.detach().requires_grad_(needs[0])]
         w = weight.detach().requires_grad_(needs[1]) if weight is not None else None
@@ -43,18 +82,35 @@ def norm_backward(x, weight, bias, grad, normalization, eps, zero_centered_gamma
     return tuple(next(grads) if (t is not None and n) else None for t, n in zip((x, weight, bias), needs))
 
 
+def _native_norm_backward(x, weight, bias, grad, normalization, zero_centered_gamma, needs, stats):
+    mean, rstd = stats
+    k, stat_shape = x.shape[-1], (*x.shape[:-1], 1)
+    gamma = weight + 1 if zero_centered_gamma and weight is not None else weight
+    need_w, need_b = needs[1] and weight is not None, needs[2] and bias is not None
+    x, grad, rstd = x.contiguous(), grad.contiguous(), rstd.reshape(stat_shape)
+    if normalization == "LayerNorm":
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            grad, x, [k], mean.reshape(stat_shape), rstd, gamma, bias, [needs[0], need_w, need_b])
+    else:
+        (dx, dw), db = torch.ops.aten._fused_rms_norm_backward(grad, x, [k], rstd, gamma, [needs[0], need_w]), None
+    return (dx if needs[0] else None), (dw if need_w else None), (db if need_b else None)
+
+
 class _NormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, normalization, eps, zero_centered_gamma, recipe):
         ctx.cfg = (normalization, eps, zero_centered_gamma, recipe)
-        ctx.save_for_backward(x, weight, bias)
-        return round_elemwise(norm_forward(x, weight, bias, normalization, eps, zero_centered_gamma), recipe)
+        out, stats = norm_forward_stats(x, weight, bias, normalization, eps, zero_centered_gamma)
+        ctx.has_stats = stats is not None
+        ctx.save_for_backward(x, weight, bias, *(stats or ()))
+        return round_elemwise(out, recipe)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias = ctx.saved_tensors
+        x, weight, bias, *stats = ctx.saved_tensors
         normalization, eps, zc, recipe = ctx.cfg
-        dx, dw, db = norm_backward(x, weight, bias, grad, normalization, eps, zc, ctx.needs_input_grad[:3])
+        dx, dw, db = norm_backward(x, weight, bias, grad, normalization, eps, zc, ctx.needs_input_grad[:3],
+                                   stats if ctx.has_stats else None)
         return (round_elemwise(dx, recipe) if dx is not None else None), dw, db, None, None, None, None
 
 

@@ -127,3 +127,40 @@ def test_layernorm_linear_fused_norm_returns_its_output(monkeypatch, norm):
         yu, lnu = m(xu)
     assert _rel(y.float(), yu.float()) < 2e-3
     assert _rel(ln_out.float(), lnu.float()) < 2e-3
+
+
+@pytest.mark.parametrize("norm", ("LayerNorm", "RMSNorm"))
+def test_norm_backward_runs_on_the_cast_kernels_statistics(monkeypatch, norm):
+    """The fused modules keep the norm + cast kernel's mean / rstd and run torch's native norm backward on
+    them: no forward is recomputed in backward, and the gradients are as close to a float64 oracle as
+    those of recomputing torch's forward."""
+    from mxtrain.kernels.norm_cast import norm_cast
+    from mxtrain.modules import normalization
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(512, 1024, device=DEV, generator=g).mul(3).add(1).bfloat16()
+    w = torch.randn(1024, device=DEV, generator=g).bfloat16()
+    b = torch.randn(1024, device=DEV, generator=g).bfloat16() if norm == "LayerNorm" else None
+    dy = torch.randn(512, 1024, device=DEV, generator=g).bfloat16()
+    needs = (True, True, b is not None)
+    r = norm_cast(x, w, b, kind=norm, fmt="fp8_e4m3", axis=(1, 0))
+    recomputed = normalization.norm_backward(x, w, b, dy, norm, 1e-5, False, needs)
+
+    leaves = [t.double().requires_grad_() for t in (x, w) + ((b,) if b is not None else ())]
+    ref = normalization.norm_forward(*leaves[:2], leaves[2] if b is not None else None, norm, 1e-5, False)
+    oracle = torch.autograd.grad(ref, leaves, dy.double())
+
+    def fail(*a, **kw):
+        raise AssertionError("the norm's forward was recomputed in backward")
+    monkeypatch.setattr(normalization, "norm_forward", fail)
+    got = normalization.norm_backward(x, w, b, dy, norm, 1e-5, False, needs, (r.mean, r.rstd))
+    for name, a, e, o in zip(("dx", "dweight", "dbias"), got, recomputed, oracle):
+        assert a.dtype == e.dtype == x.dtype, name
+        assert _rel(a.double(), o) <= 1.5 * _rel(e.double(), o) + 1e-6, (name, _rel(a.double(), o), _rel(e.double(), o))
+
+    m = mxtrain.LayerNormMLP(1024, 2048, normalization=norm, device=DEV, dtype=torch.bfloat16)
+    xi = x.clone().requires_grad_(True)
+    with mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()):
+        y = m(xi)
+    y.backward(dy)  # LayerNormMLP's forward runs the fused cast; its backward must not call norm_forward
+    assert torch.isfinite(xi.grad).all() and torch.isfinite(m.layer_norm_weight.grad).all()

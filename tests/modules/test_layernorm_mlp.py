@@ -165,9 +165,10 @@ def test_backward_uses_forward_recipe():
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_saved_for_backward_under_mxfp8(activation):
-    """Backward keeps the block input, the norm parameters, h (the one high-precision fc1-output tensor),
-    the two weight parameters (quantized columnwise in backward, not held as planes) and one single-plane
-    (columnwise) MXFP8 tensor: ln_out, fc1's wgrad operand."""
+    """Backward keeps the block input, the norm parameters, the norm's per-row mean and rstd (its backward
+    then recomputes nothing), h (the one high-precision fc1-output tensor), the two weight parameters
+    (quantized columnwise in backward, not held as planes) and one single-plane (columnwise) MXFP8 tensor:
+    ln_out, fc1's wgrad operand."""
     tokens, hidden, ffn = 96, 64, 128
     fc1_out = 2 * ffn if activation in GATED_ACTIVATIONS else ffn
     m = _make(hidden, ffn, activation=activation)
@@ -183,7 +184,7 @@ def test_saved_for_backward_under_mxfp8(activation):
             y = m(x)
     shapes = sorted(tuple(t.shape) for t in saved)
     assert shapes == sorted([(tokens, hidden), (hidden,), (hidden,), (tokens, fc1_out), (fc1_out, hidden),
-                             (hidden, ffn)]), shapes
+                             (hidden, ffn), (tokens, 1), (tokens, 1)]), shapes
     params = {id(p) for p in m.parameters()}
     activations = [t for t in saved if id(t) not in params]
     high_precision_ffn = [t for t in activations if t.dim() == 2 and t.shape[1] in (ffn, fc1_out)]

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import mxtrain
+from mxtrain.modules.normalization import norm_backward, norm_forward, norm_forward_stats
 
 from .reference import elem, ref_norm, run_module
 
@@ -121,3 +122,30 @@ def test_bad_inputs_raise_clear_errors(kind, autocast):
             m(torch.ones(3, 16, dtype=torch.long))
         with pytest.raises(TypeError, match="float64"):
             m(torch.randn(3, 16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(37, 96), (3, 5, 64)], ids=["2d", "3d"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("affine", ["plain", "zero_centered", "no_weight"])
+@pytest.mark.parametrize("kind", list(NORMS))
+def test_backward_from_saved_stats_matches_recompute(kind, affine, dtype, shape):
+    """norm_backward on the forward's saved (mean, rstd) gives the bits of recomputing the forward under
+    autograd (the same native kernels), where the device has a fused backward; else it recomputes."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(shape, generator=g) * 4 + 2).to(dtype)
+    k = shape[-1]
+    w = None if affine == "no_weight" else (torch.randn(k, generator=g) * 0.5).to(dtype)
+    b = (torch.randn(k, generator=g).to(dtype) if kind == "LayerNorm" and w is not None else None)
+    zc = affine == "zero_centered"
+    out, stats = norm_forward_stats(x, w, b, kind, 1e-5, zc)
+    assert torch.equal(out, norm_forward(x, w, b, kind, 1e-5, zc))
+    if kind == "LayerNorm":  # RMSNorm on the CPU: torch has no fused backward, so backward recomputes
+        assert stats is not None and stats[1].shape == (*shape[:-1], 1)
+    dy = torch.randn(shape, generator=g).to(dtype)
+    needs = (True, w is not None, b is not None)
+    got = norm_backward(x, w, b, dy, kind, 1e-5, zc, needs, stats)
+    want = norm_backward(x, w, b, dy, kind, 1e-5, zc, needs)
+    for name, a, e in zip(("dx", "dweight", "dbias"), got, want):
+        assert (a is None) == (e is None), name
+        if a is not None:
+            assert a.dtype == e.dtype and torch.equal(a, e), name
