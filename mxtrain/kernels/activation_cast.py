@@ -133,7 +133,8 @@ class ActivationGradCast(NamedTuple):
 def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: str, fmt, block_size: int = 32,
                              axis=(-1, 0), scale_mode: str = "floor", rounding: str = "even", seed=None,
                              pack: bool = True, return_output: bool = False, dbias: bool = False, dequantized=(),
-                             dequantized_dtype: torch.dtype = torch.bfloat16, keep_codes=None) -> ActivationGradCast:
+                             dequantized_dtype: torch.dtype = torch.bfloat16, keep_codes=None,
+                             reuse_grad: bool = False) -> ActivationGradCast:
     """MX planes of the activation's input gradient ``dh = grad * act'(h)`` in one pass over ``h`` and ``grad``.
 
     ``grad`` has the activation output's shape (half ``h``'s last dimension for gated ones); ``dh`` has ``h``'s.
@@ -148,6 +149,9 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     applied to ``grad * up``, each rounded where torch rounds). What the kernel does not take (see
     :func:`mxtrain.kernels.cast._fallback_reason`) computes torch's backward, then the cast.
     ``dequantized`` / ``keep_codes`` as :func:`mxtrain.kernels.dispatch.quantize`.
+    ``reuse_grad=True`` lets the kernel write the rowwise values over ``grad`` (the caller gives it up:
+    one tensor of ``h``'s size less at the peak of a backward) where it can: not gated (``grad`` is then
+    ``dh``'s shape), contiguous, of the values' dtype.
     """
     from mxtrain.kernels.dispatch import quantize, values_request
     from mxtrain.modules.activations import activation_backward
@@ -183,8 +187,11 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
     y = torch.empty_like(h2) if return_output else None
     seed_t = _cast._philox_seed(seed, h.device) if rounding == "stochastic" else None
+    outs = _cast.plane_outputs(last, keep, deq, dequantized_dtype)
+    into_grad = (reuse_grad and not gated and outs["row_vals"] is not None and g2.dtype == outs["row_vals"]
+                 and g2.is_contiguous() and g2.data_ptr() != h2.data_ptr())
     row, col, *db = _cast._launch(h2, fmt_, block_size, want_row, want_col, scale_mode, rounding, seed_t, pack,
-                                  act=ACTIVATION_IDS[name], y=y, grad=g2, dbias=dbias,
-                                  **_cast.plane_outputs(last, keep, deq, dequantized_dtype))
+                                  act=ACTIVATION_IDS[name], y=y, grad=g2, dbias=dbias, row_vals_into_grad=into_grad,
+                                  **outs)
     mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
     return ActivationGradCast(mxt, y.reshape(h.shape) if y is not None else None, db[0] if dbias else None)

@@ -623,13 +623,16 @@ def _alloc_values(shape, dtype, device) -> torch.Tensor:
 def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, scale_mode: str, rounding: str,
             seed_t: torch.Tensor | None, pack: bool = True, act: int = 0, y: torch.Tensor | None = None,
             row_codes: bool = True, col_codes: bool = True, row_vals: torch.dtype | None = None,
-            col_vals: torch.dtype | None = None, grad: torch.Tensor | None = None, dbias: bool = False):
+            col_vals: torch.dtype | None = None, grad: torch.Tensor | None = None, dbias: bool = False,
+            row_vals_into_grad: bool = False):
     """Run the cast on a 2-D tensor; returns (row, col), each None or (data | None, scale | None, values | None).
 
     ``act`` > 0 casts ``act(x2)`` instead (gated ones: x2 is [M, 2K]); ``y`` receives that output.
     With ``grad`` (the activation output's shape: [M, K], or [M, K/2] for gated ones; rows contiguous,
     x2's dtype) it casts the input gradient ``grad * act'(x2)`` ([M, K], any act);
-    ``dbias`` then also returns that output's fp32 column sums: ``(row, col, dbias)``.
+    ``dbias`` then also returns that output's fp32 column sums: ``(row, col, dbias)``;
+    ``row_vals_into_grad`` writes the rowwise values over ``grad`` (contiguous, [M, K], of the values' dtype):
+    each tile reads its gradient before it writes its values there, and tiles are disjoint.
     ``row_codes`` / ``col_codes`` False skip a plane's codes and scales; ``row_vals`` / ``col_vals``
     (a dtype) also write its dequantized values, [M, K] in that dtype.
     """
@@ -646,7 +649,13 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
     plen = (lambda n: packed_length(n, fmt)) if pack else (lambda n: n)
     if rows:
         row = ((_alloc((M, plen(kp)), device=dev), _alloc((M, nbk), device=dev)) if row_codes else (None, None))
-        row += (None if row_vals is None else _alloc_values((M, K), row_vals, dev),)
+        if row_vals_into_grad:
+            if (grad is None or row_vals is None or grad.dtype != row_vals or grad.shape != (M, K)
+                    or not grad.is_contiguous()):
+                raise ValueError("row_vals_into_grad needs a contiguous gradient of the rowwise values' dtype")
+            row += (grad,)
+        else:
+            row += (None if row_vals is None else _alloc_values((M, K), row_vals, dev),)
     if cols:
         col = ((_alloc((K, plen(mp)), device=dev), _alloc((K, nbm), device=dev)) if col_codes else (None, None))
         col += (None if col_vals is None else _alloc_values((M, K), col_vals, dev),)

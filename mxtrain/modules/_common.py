@@ -173,6 +173,22 @@ def release_mx_operands(ctx, *names: str) -> None:
     ctx.mx_operands_released = True
 
 
+def free_saved(*tensors: torch.Tensor | None) -> None:
+    """Free, mid-backward, the memory of intermediates a forward saved and this backward has used for the
+    last time (LayerNormMLP's fc1 output ``h`` once the activation gradient is cast): their storage
+    shrinks to nothing, as Transformer Engine's backward does with its saved activations. Autograd
+    would otherwise keep them until the whole backward returns, through the peak that follows.
+
+    Only for tensors the forward made itself (never a caller's input or an output); a second backward
+    through the same graph raises first (:func:`check_mx_operands`). Under ``torch.compile`` nothing is
+    freed (the compiled graph owns its buffers)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is not None and t._base is None and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            t.untyped_storage().resize_(0)
+
+
 def check_mx_operands(ctx, module: str) -> None:
     if getattr(ctx, "mx_operands_released", False):
         raise RuntimeError(

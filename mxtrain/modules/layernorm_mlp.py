@@ -30,8 +30,8 @@ from mxtrain.kernels.activation_cast import activation_backward_cast, activation
 from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
-    check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
-    source_cast_args, source_operands, weight_planes,
+    check_input, check_mx_operands, free_saved, quantize_operand, recipe_generator, release_mx_operands,
+    round_elemwise, source_cast_args, source_operands, weight_planes,
 )
 from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
@@ -61,7 +61,10 @@ def _activation_grad_operands(h, da, act, specs_axes, recipe, gen, need_bias: bo
     sums = []
 
     def cast(spec, axes, deq, keep):
-        r = activation_backward_cast(h, da, act, **source_cast_args(spec, axes, deq, keep, gen), dbias=need_bias)
+        # da is this backward's own temporary: dh's rowwise values take its memory (one [tokens, ffn]
+        # tensor less at the backward's peak)
+        r = activation_backward_cast(h, da, act, **source_cast_args(spec, axes, deq, keep, gen), dbias=need_bias,
+                                     reuse_grad=True)
         sums.append(r.dbias)
         return r.mx
     fused = source_operands(h, specs_axes, cast, recipe, at_once=True)
@@ -180,6 +183,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 dh_row, dh_col = dh_ops
                 db1 = db1.to(d1b) if need_b1 else None
             del da
+            free_saved(h)  # its last use: the fc1 wgrad and dgrad GEMMs that follow run without it
             if need_w1:
                 dw1 = mx_gemm(dh_col, ctx.ln_col, a_axis=0, b_axis=0, out_dtype=d1)
             del dh_col

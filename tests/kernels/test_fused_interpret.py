@@ -137,6 +137,27 @@ def test_activation_backward_cast(kdevice, monkeypatch, act, dtype):
                            ref.mx.dequantize(torch.bfloat16, axis).cpu().float().nan_to_num())
 
 
+def test_activation_backward_cast_reuses_the_gradient(kdevice):
+    """reuse_grad: dh's rowwise values overwrite grad (the caller's temporary), same bits as a fresh buffer."""
+    g = torch.Generator().manual_seed(6)
+    h = (torch.randn(96, 128, generator=g) * 3).to(torch.bfloat16).to(kdevice)
+    grad = torch.randn(96, 128, generator=g).to(torch.bfloat16).to(kdevice)
+    kw = dict(axis=(-1, 0), dequantized=(-1, 0), keep_codes=(), dbias=True)
+    ref = activation_backward_cast(h, grad.clone(), "gelu", "fp8_e4m3", **kw)
+    g2 = grad.clone()
+    r = activation_backward_cast(h, g2, "gelu", "fp8_e4m3", reuse_grad=True, **kw)
+    row = r.mx.dequantized_values(1)
+    assert row.data_ptr() == g2.data_ptr()  # the values live in the gradient's memory
+    for axis in (1, 0):
+        got, want = r.mx.dequantized_values(axis), ref.mx.dequantized_values(axis)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(r.dbias, ref.dbias)
+    # nothing to reuse when the rowwise plane is not asked for as values: grad is left alone
+    g3 = grad.clone()
+    activation_backward_cast(h, g3, "gelu", "fp8_e4m3", axis=0, dequantized=0, reuse_grad=True)
+    assert torch.equal(g3, grad)
+
+
 def test_activation_backward_cast_nd_and_errors(kdevice):
     h, grad = torch.randn(2, 10, 64).to(kdevice), torch.randn(2, 10, 64).to(kdevice)
     r = activation_backward_cast(h, grad, "silu", "fp6_e2m3", axis=-1, return_output=True, dbias=True)

@@ -254,3 +254,36 @@ def test_gemm_operands_are_the_roles_in_their_block_directions(recipe):
     assert find_gemm(gemms, fq(dy, recipe, "wgrad_grad_output", 0).t(), None), "fc2 wgrad"
     assert find_gemm(gemms, None, fq(w1, recipe, "dgrad_weight", 0).t()), "fc1 dgrad"
     assert find_gemm(gemms, None, fq(ln, recipe, "wgrad_input", 0).t()), "fc1 wgrad"
+
+
+def test_backward_frees_the_fc1_output_after_its_last_use():
+    """h (the saved fc1 output, the largest tensor backward keeps) is freed once the activation gradient is
+    cast, before the fc1 GEMMs: its storage is empty after backward, and the gradients are unchanged, also
+    through activation checkpointing (whose recomputed h is the one freed)."""
+    from torch.utils.checkpoint import checkpoint
+
+    m = _make(64, 128)
+    x = torch.randn(48, 64)
+    recipe = mxtrain.MXFP8Recipe()
+    saved = []
+    grads = []
+    for mode in ("hooks", "checkpoint"):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        if mode == "hooks":
+            with mxtrain.mx_autocast(recipe=recipe), torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: saved.append(t) or t, lambda t: t):
+                y = m(xi)
+        else:  # the recompute must see the recipe: mx_autocast inside the checkpointed function
+            y = checkpoint(lambda t: _under(recipe, m, t), xi, use_reentrant=False)
+        y.square().sum().backward()
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+    (h,) = [t for t in saved if tuple(t.shape) == (48, 128)]
+    assert h.untyped_storage().nbytes() == 0
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def _under(recipe, m, x):
+    with mxtrain.mx_autocast(recipe=recipe):
+        return m(x)
