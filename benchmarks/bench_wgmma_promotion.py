@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(128 * WGS, 1) ceiling_kernel(float* out, int k
   auto scale_b = reinterpret_cast<float (*)[N]>(sb + N * KT + (KT / 32) * WGS * 64 * 4);  // [KT / 32][N]
   const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32, warp = (tid % 128) / 32;
   // operand bytes: small e4m3 / bf16 values (no NaN or Inf), scales powers of two near 1
-  for (int i = tid; i < WGS * 64 * KT; i += blockDim.x) (&sa[0][0])[i] = (MODE == 0) ? ((i & 1) ? 0x3c : 0x00) : 0x30 + (i * 7) % 15;
+  for (int i = tid; i < WGS * 64 * KT; i += blockDim.x)
+    (&sa[0][0])[i] = (MODE == 0) ? ((i & 1) ? 0x3c : 0x00) : 0x30 + (i * 7) % 15;
   for (int i = tid; i < N * KT; i += blockDim.x) sb[i] = (MODE == 0) ? ((i & 1) ? 0x3c : 0x00) : 0x30 + (i * 5) % 13;
   for (int i = tid; i < (KT / 32) * WGS * 64; i += blockDim.x) (&scale_a[0][0])[i] = (i % 3) ? 0.5f : 2.0f;
   for (int i = tid; i < (KT / 32) * N; i += blockDim.x) (&scale_b[0][0])[i] = (i % 5) ? 1.0f : 0.25f;

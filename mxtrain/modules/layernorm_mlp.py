@@ -1,9 +1,10 @@
 """LayerNormMLP: norm -> fc1 -> activation -> fc2 with MX GEMMs, in one autograd function.
 
 What backward keeps (per token, hidden H, ffn F; MXFP8 about 1.03 bytes/element):
-the block input and the norm's row statistics (mean / rstd: its backward recomputes nothing), the MX columnwise plane of the
-norm output (fc1's wgrad operand) and the fc1 output ``h`` in the input dtype (the
-activation derivative needs it). Weights are quantized rowwise in forward and
+the block input, the norm's row statistics (mean / rstd: its backward recomputes
+nothing), the MX columnwise plane of the norm output (fc1's wgrad operand) and the
+fc1 output ``h`` in the input dtype (the activation derivative needs it; backward
+frees it once the activation gradient is cast). Weights are quantized rowwise in forward and
 columnwise in backward, from the parameters, so no weight plane is held between
 the passes (under FSDP2 each phase gathers only the plane it needs).
 The activation output is *not* kept: backward recomputes ``act(h)`` and its
