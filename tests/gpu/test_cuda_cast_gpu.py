@@ -168,7 +168,11 @@ def test_dispatch_prefers_cuda_and_forced_backends_agree():
 
 
 def test_modules_on_cuda_cast_equal_triton(monkeypatch):
-    """LayerNormMLP forward+backward under MXFP8 on the CUDA cast equals the Triton cast bit for bit."""
+    """LayerNormMLP forward+backward under MXFP8 on the CUDA cast equals the Triton cast bit for bit: the
+    output and every fc gradient. The norm's own gradients (dx, d gamma, d beta) run torch's native backward
+    on the statistics each backend's norm + cast kernel computed; the two kernels sum a row in different
+    orders, so those fp32 statistics may differ in their last bits and a gradient element by one ulp of
+    its dtype where its fp32 value sits next to a rounding boundary."""
     import mxtrain
 
     torch.manual_seed(0)
@@ -182,9 +186,18 @@ def test_modules_on_cuda_cast_equal_triton(monkeypatch):
         with mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()):
             y = mlp(x)
         y.float().square().sum().backward()
-        outs[backend] = [y.detach(), x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
-    for a, b in zip(outs["cuda"], outs["triton"]):
-        assert torch.equal(a, b)
+        outs[backend] = {"y": y.detach(), "x.grad": x.grad.clone(),
+                         **{n: p.grad.clone() for n, p in mlp.named_parameters()}}
+    for name, a in outs["cuda"].items():
+        b = outs["triton"][name]
+        if name in ("x.grad", "layer_norm_weight", "layer_norm_bias"):
+            # one ulp at each element (bf16: at most 2^-7 relative), plus the fp32 statistics' own difference
+            # carried through the backward's cancellations (~1e-7 of the largest terms; 1e-4 is the bound here)
+            tol = torch.finfo(b.dtype).eps * b.float().abs() + 1e-4 * b.float().abs().max()
+            assert ((a.float() - b.float()).abs() <= tol).all(), name
+            assert (a != b).float().mean() < 0.05, name  # the odd element, not a systematic difference
+        else:
+            assert torch.equal(a, b), name
 
 
 # ---------------------------------------------------------------- norm + cast, activation + cast on the CUDA kernel
