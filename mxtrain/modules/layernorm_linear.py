@@ -45,7 +45,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             ln_out = round_elemwise(ln_out, recipe)
         y, ln_col, w_col = mx_linear_forward(ln_out if ln_out is not None else x2d, weight, bias, recipe, gen,
                                              needs_wgrad, any(ctx.needs_input_grad[:3]), x_operands=ops)
-        ctx.has_stats = stats is not None  # the norm's mean / rstd: backward recomputes nothing
+        # the norm's mean / rstd (none saved where backward recomputes them): backward recomputes nothing
         ctx.save_for_backward(x2d, ln_weight, ln_bias, weight, *(stats or ()))
         ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col, ctx.w_col = cfg, recipe, gen, ln_col, w_col
         ctx.x_shape = x.shape
@@ -72,7 +72,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
             if dln_extra is not None:
                 dln = dln + dln_extra.reshape(dln.shape).float()
             dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln.to(x2d.dtype), normalization, eps, zc,
-                                           (need_x, need_lnw, need_lnb), stats if ctx.has_stats else None)
+                                           (need_x, need_lnw, need_lnb), stats or None)
             if dx is not None:
                 dx = round_elemwise(dx, ctx.recipe).reshape(ctx.x_shape)
         return dx, dlnw, dlnb, dw, db, None, None

@@ -88,19 +88,19 @@ class _LayerNormMLPFn(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         ln_specs = [(role1("fprop_input"), 1), (role1("wgrad_input") if ctx.needs_input_grad[3] else None, 0)]
         # on CUDA the norm runs inside the cast (its output is never written; fc1's operand comes as values)
-        stats = []  # the norm's mean / rstd, for its backward (which then recomputes nothing)
+        stats = None  # the norm's mean / rstd, for its backward (which then recomputes nothing)
 
         def ln_cast(spec, axes, deq, keep):
+            nonlocal stats
             r = norm_cast(x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc,
                           **source_cast_args(spec, axes, deq, keep, gen))
-            stats.append((r.mean, r.rstd))
+            stats = (r.mean, r.rstd)
             return r.mx
         fused_ln = source_operands(x2d, ln_specs, ln_cast, recipe)
         if fused_ln is not None:
             ln_row, ln_col = fused_ln
         else:
-            ln_out, ln_stats = norm_forward_stats(x2d, ln_weight, ln_bias, normalization, eps, zc)
-            stats.append(ln_stats)
+            ln_out, stats = norm_forward_stats(x2d, ln_weight, ln_bias, normalization, eps, zc)
             ln_row, ln_col = quantize_operand(round_elemwise(ln_out, recipe), ln_specs, gen)
             del ln_out
         # FP8 recipes: one cast writes the weight's fprop plane and its transpose for dgrad (same spec),
@@ -123,8 +123,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
         w2_row, w2_col = weight_planes(fc2_weight, role2, any(ctx.needs_input_grad[:5]), gen)
         y = mx_gemm(a_row, w2_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc2_bias)
         del a_row, w2_row
-        ctx.has_stats = stats[0] is not None
-        ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight, *(stats[0] or ()))
+        ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight, *(stats or ()))
         ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col = cfg, recipe, gen, ln_col
         ctx.fuse, ctx.a_col, ctx.w1_col, ctx.w2_col = fuse, a_col, w1_col, w2_col
         ctx.x_shape = x.shape
@@ -196,7 +195,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
                 dln = mx_gemm(dh_row, w1_col, a_axis=1, b_axis=0, out_dtype=x2d.dtype)
                 del dh_row, w1_col
                 dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln, normalization, eps, zc,
-                                               (need_x, need_lnw, need_lnb), stats if ctx.has_stats else None)
+                                               (need_x, need_lnw, need_lnb), stats or None)
                 if dx is not None:
                     dx = round_elemwise(dx, recipe).reshape(ctx.x_shape)
         release_mx_operands(ctx, "ln_col", "a_col", "w1_col", "w2_col")

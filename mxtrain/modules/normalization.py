@@ -27,8 +27,13 @@ def check_normalization(name: str) -> str:
     raise ValueError(f"unknown normalization {name!r}; allowed: {', '.join(NORMALIZATIONS)}")
 
 
+def _gamma(weight, zero_centered_gamma: bool):
+    """The norm's scale: ``1 + weight`` with a zero-centered gamma (in the weight's dtype), else the weight."""
+    return weight + 1 if zero_centered_gamma and weight is not None else weight
+
+
 def norm_forward(x, weight, bias, normalization: str, eps: float, zero_centered_gamma: bool):
-    gamma = weight + 1 if zero_centered_gamma and weight is not None else weight
+    gamma = _gamma(weight, zero_centered_gamma)
     if normalization == "LayerNorm":
         return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
     return F.rms_norm(x, (x.shape[-1],), gamma, eps)
@@ -54,7 +59,7 @@ def norm_forward_stats(x, weight, bias, normalization: str, eps: float, zero_cen
     """``(output, stats)``: the norm of ``x`` (the same bits as :func:`norm_forward`) and the row statistics
     :func:`norm_backward` takes, ``(mean, rstd)`` as torch's native forward returns them (``mean`` None for
     RMSNorm). ``stats`` is None where backward would recompute anyway (RMSNorm without a fused backward)."""
-    gamma = weight + 1 if zero_centered_gamma and weight is not None else weight
+    gamma = _gamma(weight, zero_centered_gamma)
     if normalization == "LayerNorm":
         out, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), gamma, bias, eps)
         return out, (mean, rstd)
@@ -85,7 +90,7 @@ def norm_backward(x, weight, bias, grad, normalization, eps, zero_centered_gamma
 def _native_norm_backward(x, weight, bias, grad, normalization, zero_centered_gamma, needs, stats):
     mean, rstd = stats
     k, stat_shape = x.shape[-1], (*x.shape[:-1], 1)
-    gamma = weight + 1 if zero_centered_gamma and weight is not None else weight
+    gamma = _gamma(weight, zero_centered_gamma)
     need_w, need_b = needs[1] and weight is not None, needs[2] and bias is not None
     x, grad, rstd = x.contiguous(), grad.contiguous(), rstd.reshape(stat_shape)
     if normalization == "LayerNorm":
@@ -101,7 +106,6 @@ class _NormFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, normalization, eps, zero_centered_gamma, recipe):
         ctx.cfg = (normalization, eps, zero_centered_gamma, recipe)
         out, stats = norm_forward_stats(x, weight, bias, normalization, eps, zero_centered_gamma)
-        ctx.has_stats = stats is not None
         ctx.save_for_backward(x, weight, bias, *(stats or ()))
         return round_elemwise(out, recipe)
 
@@ -110,7 +114,7 @@ class _NormFn(torch.autograd.Function):
         x, weight, bias, *stats = ctx.saved_tensors
         normalization, eps, zc, recipe = ctx.cfg
         dx, dw, db = norm_backward(x, weight, bias, grad, normalization, eps, zc, ctx.needs_input_grad[:3],
-                                   stats if ctx.has_stats else None)
+                                   stats or None)
         return (round_elemwise(dx, recipe) if dx is not None else None), dw, db, None, None, None, None
 
 
