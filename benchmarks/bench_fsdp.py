@@ -96,14 +96,17 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_mode(mode, args, device, rank, world):
+MODES = ("bf16", "mxfp8+bf16ag", "mxfp8+mxag")
+
+
+def build(mode, args, device, rank):
+    """The sharded model, its optimizer, the recipe (None for bf16) and this rank's input for one mode."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    if mode not in MODES:
+        raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     torch.manual_seed(0)
     model = Stack(args.layers, args.hidden, args.ffn, device)
-    n_params = sum(p.numel() for p in model.parameters())
     if mode == "mxfp8+mxag":
         enable_mx_all_gather(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -114,6 +117,16 @@ def run_mode(mode, args, device, rank, world):
     recipe = None if mode == "bf16" else mxtrain.MXFP8Recipe()
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(args.batch, args.seq, args.hidden, device=device, dtype=torch.bfloat16, generator=g)
+    return model, opt, recipe, x
+
+
+def run_mode(mode, args, device, rank, world):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model, opt, recipe, x = build(mode, args, device, rank)
+    n_params = sum(p.numel() for p in model.parameters())
     timer = AllGatherTimer(device)
     step_times, ag_times, losses = [], [], []
     try:
@@ -147,9 +160,10 @@ def run_mode(mode, args, device, rank, world):
            "mx_weight_bytes_per_element": stats["bytes_per_element"] if stats["elements"] else None,
            "peak_gib": peak, "loss": losses[-1],
            "tokens_per_s": args.batch * args.seq * world / med(step_times)}
-    # an FSDP2 module and its state reference each other: only the cycle collector frees the
-    # previous mode's parameters (without this, each later mode's peak counted them too)
-    del model, opt, x
+    # an FSDP2 module and its state reference each other, and the last step's output (y / loss, whose
+    # graph holds FSDP's hooks) references the module: only the cycle collector frees the previous
+    # mode's parameters once all of them are gone (without this, the next mode's peak counted them too)
+    del model, opt, x, y, loss
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

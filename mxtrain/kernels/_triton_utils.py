@@ -8,6 +8,7 @@ the dispatch point uses the reference.
 from __future__ import annotations
 
 import os
+import functools
 import struct
 
 import torch
@@ -78,6 +79,12 @@ class FormatConsts(dict):
 
 
 def format_consts(fmt: ElemFormat) -> FormatConsts:
+    """The format's constants (a fresh dict each call: callers may add to it; computed once per format)."""
+    return FormatConsts(_format_consts(fmt))
+
+
+@functools.lru_cache(maxsize=None)
+def _format_consts(fmt: ElemFormat) -> FormatConsts:
     nan_kind = 0
     if fmt.is_float and fmt.has_inf:
         nan_kind = 2  # IEEE-like: top exponent = Inf (mantissa 0) / NaN

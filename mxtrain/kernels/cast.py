@@ -605,6 +605,22 @@ def _tile_config(rows: bool, cols: bool, bs: int) -> tuple[int, int, int]:
     return bm, bk, warps
 
 
+_SCRATCH: dict = {}
+
+
+def scratch(device: torch.device, kind: str) -> torch.Tensor:
+    """A per-device 1-element tensor that kernels are handed but never write: ``"dummy"`` (uint8) stands
+    for a plane a launch does not write, ``"seed"`` (int32 zero) for the Philox seed of a
+    round-to-nearest launch (read only under stochastic rounding). Made once per device instead of per
+    launch (a launch's host time is what a small layer's step time is made of)."""
+    key = (device.type, device.index, kind)
+    t = _SCRATCH.get(key)
+    if t is None:
+        t = torch.zeros(1, dtype=torch.uint8 if kind == "dummy" else torch.int32, device=device)
+        _SCRATCH[key] = t
+    return t
+
+
 def _alloc(shape, fill: int = 0xA5, device=None) -> torch.Tensor:
     if POISON_OUTPUTS:
         return torch.full(shape, fill, dtype=torch.uint8, device=device)
@@ -642,7 +658,7 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
     dev = x2.device
     nbk, nbm = -(-K // bs), -(-M // bs)
     kp, mp = nbk * bs, nbm * bs
-    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    dummy = scratch(dev, "dummy")
     row_codes, col_codes = rows and row_codes, cols and col_codes
     row_vals, col_vals = (row_vals if rows else None), (col_vals if cols else None)
     row = col = None
@@ -673,7 +689,7 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
     consts = format_consts(fmt)
     hw = (USE_HW_FP8_CVT and not interpret_mode() and fmt.is_float and fmt.bits == 8 and rounding == "even")
     if seed_t is None:
-        seed_t = torch.zeros(1, dtype=torch.int32, device=dev)
+        seed_t = scratch(dev, "seed")
     bf16 = x2.dtype == torch.bfloat16
     grad_args, parts = {}, None
     if grad is not None:

@@ -176,6 +176,13 @@ def _views(x: torch.Tensor, axes) -> list[torch.Tensor | None]:
     return [view((-1, x.shape[-1])), view((x.shape[0], -1))]
 
 
+def _raw_stream(device: torch.device) -> int:
+    """The current CUDA stream's handle on ``device`` (what ``torch.cuda.current_stream(device).cuda_stream``
+    returns, without building the Stream object: 0.1 against 5 us a launch on the H100's host)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
 def _alloc(shape, device) -> torch.Tensor:
     from mxtrain.kernels import cast
 
@@ -222,7 +229,7 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
         x2.data_ptr(), M, K, x2.stride(0), _DTYPES[x2.dtype], _FORMATS[fmt.name], _SCALE_MODES[scale_mode],
         fmt.emax, fmt.mbits, _inv_max_bits(fmt), flags, ptr(rd), ld(rd), ptr(rs), ld(rs), ptr(cd), ld(cd), ptr(cs),
         ld(cs), ptr(rv), ptr(cv), K, kp, mp, pre, act, ptr(mean), ptr(rstd), ptr(gamma), ptr(beta), ptr(y), ld(y),
-        float(eps), ptr(work), max(1, int(NORM_LOOKAHEAD)), torch.cuda.current_stream(dev).cuda_stream)
+        float(eps), ptr(work), max(1, int(NORM_LOOKAHEAD)), _raw_stream(dev))
     if err:
         raise RuntimeError(f"mxtrain CUDA cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")
     return row, col
@@ -419,7 +426,7 @@ def fp8_block_cast(x: torch.Tensor, grad: torch.Tensor | None, fmt: str, square:
     err = lib.mxtrain_fp8_block_cast(
         x.data_ptr(), g.data_ptr(), M, N, x.stride(0), g.stride(0), _DTYPES[x.dtype], _FORMATS[fmt], pre,
         acts[act] if pre else 0, flags, _FP8_MAX[fmt], float(amax_epsilon), ptr(row), ptr(rsi), ptr(col), ptr(csi),
-        ptr(dbias), -(-N // 128), -(-M // 128), torch.cuda.current_stream(x.device).cuda_stream)
+        ptr(dbias), -(-N // 128), -(-M // 128), _raw_stream(x.device))
     if err:
         raise RuntimeError(f"mxtrain CUDA FP8 block cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")
     return True

@@ -256,15 +256,14 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     alloc = _cast._alloc
     row = (alloc((M, plen(kp)), device=dev), alloc((M, nbk), device=dev)) if want_row else None
     col = (alloc((K, plen(mp)), device=dev), alloc((K, nbm), device=dev)) if want_col else None
-    dummy = torch.empty(1, dtype=torch.uint8, device=dev)
+    dummy = _cast.scratch(dev, "dummy")
     rstd = torch.empty(M, dtype=torch.float32, device=dev)
     mean = torch.empty(M, dtype=torch.float32, device=dev) if kind == "LayerNorm" else None
     y = torch.empty(M, K, dtype=x.dtype, device=dev) if return_output else None
     bf16 = x.dtype == torch.bfloat16
     w_bf16 = weight.dtype == torch.bfloat16
     view = (lambda t: t.view(torch.int16) if t is not None and t.dtype == torch.bfloat16 else t)
-    seed_t = _cast._philox_seed(seed, dev) if rounding == "stochastic" else torch.zeros(1, dtype=torch.int32,
-                                                                                          device=dev)
+    seed_t = _cast._philox_seed(seed, dev) if rounding == "stochastic" else _cast.scratch(dev, "seed")
     m_extent = mp if want_col else M
     grid = (triton.cdiv(m_extent, block_m),)
     index64 = max(m_extent * K, M * plen(kp), K * plen(mp)) >= 2**31 - 1
