@@ -44,9 +44,9 @@ from bench_fsdp import MODES, build  # noqa: E402
 
 import mxtrain  # noqa: E402
 
-GEMM = re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|wgmma", re.I)
-NCCL = re.compile(r"nccl", re.I)
-MX = re.compile(r"mx_|_mx|cast|quant|dequant|norm_cast|act", re.I)
+GEMM = re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|wgmma", re.IGNORECASE)
+NCCL = re.compile(r"nccl", re.IGNORECASE)
+MX = re.compile(r"mx_|_mx|cast|quant|dequant|norm_cast|act", re.IGNORECASE)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 

@@ -133,7 +133,7 @@ def python_times(path):
         stack = []  # [end, name, child time]
         for e in evs:
             while stack and stack[-1][0] <= e["ts"]:
-                end, name, child, dur = stack.pop()
+                _, name, child, dur = stack.pop()
                 own[name] += dur - child
             if stack:
                 stack[-1][2] += e["dur"]
@@ -142,7 +142,7 @@ def python_times(path):
             incl[_short(name)] += e["dur"]
             calls[_short(name)] += 1
         while stack:
-            end, name, child, dur = stack.pop()
+            _, name, child, dur = stack.pop()
             own[name] += dur - child
     return own, incl, calls
 

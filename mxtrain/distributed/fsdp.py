@@ -412,10 +412,11 @@ class _GatheredState:
 
     def _fill_values(self, per_rank: torch.Tensor, meta: dict) -> None:
         """Each gathered plane as the full weight's dequantized values (bf16 for bf16 params), written
-        rank by rank straight from the gather buffer: rank r's codes are rows r*n/world.. of the full
-        weight in either orientation (the columnwise plane's blocks never cross a shard: checked
-        before the gather), so the result is the dequantized plane of the full weight, bit for bit."""
-        from mxtrain.kernels.dequantize import triton_dequantize
+        straight from the gather buffer, every rank's rows in one launch: rank r's codes are rows
+        r*n/world.. of the full weight in either orientation (the columnwise plane's blocks never cross
+        a shard: checked before the gather), so the result is the dequantized plane of the full
+        weight, bit for bit."""
+        from mxtrain.kernels.dequantize import triton_dequantize_shards
 
         world, shape, dtype = meta["world"], tuple(meta["shape"]), meta["dtype"]
         rows = shape[0] // world
@@ -430,14 +431,14 @@ class _GatheredState:
         for i, p in enumerate(meta["planes"]):
             full = arena[i * numel * itemsize:(i + 1) * numel * itemsize].view(dtype).view(shape)
             nd, ns = math.prod(p["data_shape"]), math.prod(p["scale_shape"])
-            for r in range(world):
-                plane = MXPlane(data=per_rank[r, src_off:src_off + nd].view(p["data_shape"]),
-                                scale=per_rank[r, src_off + nd:src_off + nd + ns].view(p["scale_shape"]),
-                                axis=p["axis"], packed=p["packed"])
-                shard = MXTensor(planes=(plane,), fmt=p["fmt"], block_size=p["block_size"],
-                                 shape=(rows, *shape[1:]), dtype=dtype, scale_mode=p["scale_mode"],
-                                 rounding=p["rounding"], whole_axis=p["whole_axis"])
-                triton_dequantize(shard, dtype, p["axis"], out=full[r * rows:(r + 1) * rows])
+            # rank 0's plane; rank r's lies r rows of the gather buffer further: one launch writes them all
+            plane = MXPlane(data=per_rank[0, src_off:src_off + nd].view(p["data_shape"]),
+                            scale=per_rank[0, src_off + nd:src_off + nd + ns].view(p["scale_shape"]),
+                            axis=p["axis"], packed=p["packed"])
+            shard = MXTensor(planes=(plane,), fmt=p["fmt"], block_size=p["block_size"],
+                             shape=(rows, *shape[1:]), dtype=dtype, scale_mode=p["scale_mode"],
+                             rounding=p["rounding"], whole_axis=p["whole_axis"])
+            triton_dequantize_shards(shard, world, per_rank.stride(0), per_rank.stride(0), full, p["axis"])
             src_off += nd + ns
             planes[p["axis"]] = (p["spec"], MXTensor(
                 planes=(), values=((p["axis"], full),), fmt=p["fmt"], block_size=p["block_size"], shape=shape,

@@ -24,7 +24,7 @@ from mxtrain.kernels._triton_utils import (
 )
 from mxtrain.quantization import MXTensor
 
-__all__ = ["triton_dequantize", "TILE_CONFIG"]
+__all__ = ["triton_dequantize", "triton_dequantize_shards", "TILE_CONFIG"]
 
 # (BLOCK_R, BLOCK_L, num_warps): measured best of 6 on an H100 (benchmarks/NOTES_kernels.md);
 # the benchmark overrides it
@@ -98,11 +98,18 @@ if HAVE_TRITON:
     def _mx_dequantize_kernel(
         data_ptr, scale_ptr, out_ptr,
         R, L, LP, NB, data_stride, scale_stride, out_stride_r, out_stride_l,
+        shard_data_step, shard_scale_step, shard_out_step,
         BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BS: tl.constexpr, PACK_BITS: tl.constexpr,
         INDEX64: tl.constexpr, IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
         EMAX: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr, MAX_NORM: tl.constexpr,
         INV_MAX_BITS: tl.constexpr, NAN_KIND: tl.constexpr, SOFT_BF16: tl.constexpr,
     ):
+        # grid axis 1: shards of one layout at constant steps (stacked planes, e.g. the ranks of an
+        # all-gather buffer), each written to its own part of the output
+        shard = tl.program_id(1).to(tl.int64)
+        data_ptr += shard * shard_data_step
+        scale_ptr += shard * shard_scale_step
+        out_ptr += shard * shard_out_step
         n_l = tl.cdiv(L, BLOCK_L)
         pid = tl.program_id(0)
         pr = pid // n_l
@@ -208,8 +215,68 @@ def triton_dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int
         >= 2**31 - 1
     _mx_dequantize_kernel[grid](
         data, scale, out, rows, length, lp, nb, data.stride(0), scale.stride(0), out_stride_r, out_stride_l,
-        BLOCK_R=br, BLOCK_L=bl, BS=bs, PACK_BITS=fmt.bits if plane.packed else 8, INDEX64=index64,
+        0, 0, 0, BLOCK_R=br, BLOCK_L=bl, BS=bs, PACK_BITS=fmt.bits if plane.packed else 8, INDEX64=index64,
         SOFT_BF16=interpret_mode() and dtype == torch.bfloat16,
+        num_warps=warps, **format_consts(fmt), **launch_options(),
+    )
+    return out
+
+
+def triton_dequantize_shards(shard: MXTensor, count: int, data_step: int, scale_step: int, out: torch.Tensor,
+                             axis: int | None = None) -> torch.Tensor:
+    """Dequantize ``count`` 2-D MX shards of one layout in one launch, shard ``i`` into rows
+    ``i * R .. (i + 1) * R`` of ``out`` ([count * R, C], any strides), where ``shard`` ([R, C]) is the
+    first: shard ``i``'s codes and scales lie ``i * data_step`` and ``i * scale_step`` elements after
+    ``shard``'s (their storage must hold them all: the per-rank chunks of an FSDP2 all-gather buffer).
+
+    Bit for bit what :func:`triton_dequantize` writes for each shard (``out``'s dtype); where the
+    kernel does not apply it loops over the shards with it (which then takes the reference)."""
+    plane = shard.plane(axis)
+    if shard.ndim != 2 or out.ndim != 2 or count < 1:
+        raise ValueError(f"triton_dequantize_shards takes 2-D shards and a 2-D out and count >= 1, got shard "
+                         f"{list(shard.shape)}, out {list(out.shape)}, count {count}")
+    rows_per, cols = shard.shape
+    if tuple(out.shape) != (count * rows_per, cols) or out.device != plane.data.device:
+        raise ValueError(f"out must have shape {[count * rows_per, cols]} (count x the shard's rows) on "
+                         f"{plane.data.device}, got {list(out.shape)} on {out.device}")
+    storage_ok = all(t.untyped_storage().nbytes() >= (t.storage_offset() + (count - 1) * step + t.numel())
+                     * t.element_size() and t.is_contiguous()
+                     for t, step in ((plane.data, data_step), (plane.scale, scale_step)))
+    if not storage_ok:
+        raise ValueError(f"the {count} shards' codes and scales, {data_step} and {scale_step} elements apart, "
+                         "run past the storage of the first shard's (or its planes are not contiguous)")
+    if count == 1 or _fallback_reason(shard, plane, out.dtype) is not None:
+        for i in range(count):
+            data = plane.data.as_strided(plane.data.shape, plane.data.stride(),
+                                         plane.data.storage_offset() + i * data_step)
+            scale = plane.scale.as_strided(plane.scale.shape, plane.scale.stride(),
+                                           plane.scale.storage_offset() + i * scale_step)
+            one = MXTensor(planes=(type(plane)(data=data, scale=scale, axis=plane.axis, packed=plane.packed),),
+                           fmt=shard.fmt, block_size=shard.block_size, shape=shard.shape, dtype=shard.dtype,
+                           scale_mode=shard.scale_mode, rounding=shard.rounding, whole_axis=shard.whole_axis)
+            triton_dequantize(one, out.dtype, plane.axis, out=out[i * rows_per:(i + 1) * rows_per])
+        return out
+    fmt = shard.format
+    last = plane.axis == 1
+    length = cols if last else rows_per  # along the plane's blocks
+    rows = rows_per if last else cols
+    bs = shard.block_size
+    data = plane.data.reshape(rows, plane.data.shape[-1])
+    scale = plane.scale.reshape(rows, plane.scale.shape[-1])
+    nb = scale.shape[-1]
+    out_stride_r, out_stride_l = (out.stride(0), out.stride(1)) if last else (out.stride(1), out.stride(0))
+    br, bl, warps = TILE_CONFIG
+    if out_stride_r == 1:
+        br, bl = 64, 64
+    bl = max(bl, min(bs, 256))
+    grid = (triton.cdiv(rows, br) * triton.cdiv(length, bl), count)
+    out_step = rows_per * out.stride(0)
+    index64 = max(rows * length, data.numel(),
+                  (rows - 1) * abs(out_stride_r) + (length - 1) * abs(out_stride_l) + 1) >= 2**31 - 1
+    _mx_dequantize_kernel[grid](
+        data, scale, out, rows, length, nb * bs, nb, data.stride(0), scale.stride(0), out_stride_r, out_stride_l,
+        data_step, scale_step, out_step, BLOCK_R=br, BLOCK_L=bl, BS=bs, PACK_BITS=fmt.bits if plane.packed else 8,
+        INDEX64=index64, SOFT_BF16=interpret_mode() and out.dtype == torch.bfloat16,
         num_warps=warps, **format_consts(fmt), **launch_options(),
     )
     return out

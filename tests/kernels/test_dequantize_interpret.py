@@ -91,3 +91,47 @@ def test_dequantize_into_a_slice(kdevice, fmt):
             assert (buf[:40] == -3.5).all() and (buf[104:] == -3.5).all()
     with pytest.raises(ValueError, match="out must be"):
         dq.triton_dequantize(mxt, torch.bfloat16, 1, out=torch.empty(64, 95, dtype=torch.bfloat16, device=kdevice))
+
+
+def _gather_buffer(shards, axis, device):
+    """Each shard's plane (codes then scales) packed rank after rank into one uint8 buffer, as
+    ``fsdp_pre_all_gather`` sends them; returns the buffer viewed [ranks, per_rank] and the sizes."""
+    chunks = []
+    for s in shards:
+        p = s.plane(axis)
+        chunks.append(torch.cat([p.data.reshape(-1), p.scale.reshape(-1)]))
+    return torch.stack(chunks).to(device), shards[0].plane(axis).data.numel(), shards[0].plane(axis).scale.numel()
+
+
+@pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp4_e2m1", "fp6_e2m3"))
+@pytest.mark.parametrize("ranks", (1, 2, 3))
+def test_dequantize_shards_one_launch(kdevice, fmt, ranks):
+    """``triton_dequantize_shards``: the rank chunks of an all-gather buffer dequantized in one launch into
+    the full weight: each rank's rows equal the reference dequantize of that rank's shard bit for bit, in
+    both plane orientations and output dtypes, and the rows of a larger output around them stay as they were."""
+    from mxtrain.quantization import MXPlane as Plane
+
+    rows, cols = 64, 96
+    full = adversarial_matrix(rows * ranks, cols, seed=11 + ranks)
+    shards = [quantize_mx(full[r * rows:(r + 1) * rows], fmt, block_size=32, axis=(1, 0)) for r in range(ranks)]
+    for axis in (1, 0):
+        per_rank, nd, ns = _gather_buffer(shards, axis, kdevice)
+        p0 = shards[0].plane(axis)
+        first = MXTensor(planes=(Plane(data=per_rank[0, :nd].view(p0.data.shape),
+                                       scale=per_rank[0, nd:nd + ns].view(p0.scale.shape), axis=axis,
+                                       packed=p0.packed),),
+                         fmt=shards[0].fmt, block_size=32, shape=(rows, cols), dtype=shards[0].dtype)
+        for dtype in (torch.bfloat16, torch.float32):
+            buf = torch.full((rows * ranks + 8, cols), -3.5, dtype=dtype, device=kdevice)
+            out = buf[4:4 + rows * ranks]
+            got = dq.triton_dequantize_shards(first, ranks, per_rank.stride(0), per_rank.stride(0), out, axis)
+            assert got.data_ptr() == out.data_ptr()
+            for r in range(ranks):
+                assert values_equal(out[r * rows:(r + 1) * rows], shards[r].dequantize(dtype, axis)), (axis, r)
+            assert (buf[:4] == -3.5).all() and (buf[4 + rows * ranks:] == -3.5).all()
+    with pytest.raises(ValueError, match="out must have shape"):
+        dq.triton_dequantize_shards(first, ranks, per_rank.stride(0), per_rank.stride(0),
+                                    torch.empty(rows * ranks + 1, cols, device=kdevice), 0)
+    with pytest.raises(ValueError, match="run past the storage"):
+        dq.triton_dequantize_shards(first, ranks + 1, per_rank.stride(0), per_rank.stride(0),
+                                    torch.empty(rows * (ranks + 1), cols, device=kdevice), 0)
