@@ -170,20 +170,20 @@ def run_mode(mode, args, device, rank, world):
     return res
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    """The model, batch and step options (shared with profile_fsdp.py)."""
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=16384)
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--modes", default="bf16,mxfp8+bf16ag,mxfp8+mxag")
-    p.add_argument("--json", default=None)
-    p.add_argument("--markdown", default=None)
-    args = p.parse_args()
+    p.add_argument("--modes", default=",".join(MODES))
 
+
+def init_distributed() -> torch.device:
+    """NCCL on this rank's GPU under torchrun, else gloo on the CPU (threads split between ranks)."""
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -193,6 +193,16 @@ def main():
         device = torch.device("cpu")
         dist.init_process_group("gloo")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
+    return device
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_arguments(p, steps=8)
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None)
+    args = p.parse_args()
+    device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     results = [run_mode(m.strip(), args, device, rank, world) for m in args.modes.split(",")]
     if rank == 0:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_fsdp import MODES, build  # noqa: E402
+from bench_fsdp import build, init_distributed, model_arguments  # noqa: E402
 
 import mxtrain  # noqa: E402
 
@@ -345,29 +345,14 @@ def fmt(r):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=16384)
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup", type=int, default=3)
+    model_arguments(p, steps=6)
     p.add_argument("--profile-steps", type=int, default=2)
-    p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--trace-dir", default=None)
     p.add_argument("--python-rows", type=int, default=0,
                    help="also list the Python functions taking rank 0's host time (torch.profiler's Python tracer)")
     p.add_argument("--json", default=None, help="rank 0 writes every rank's figures here")
     args = p.parse_args()
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
+    device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for mode in (m.strip() for m in args.modes.split(",")):
