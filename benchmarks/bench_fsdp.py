@@ -121,9 +121,7 @@ def build(mode, args, device, rank):
 
 
 def run_mode(mode, args, device, rank, world):
-    gc.collect()
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     model, opt, recipe, x = build(mode, args, device, rank)
     n_params = sum(p.numel() for p in model.parameters())

@@ -34,7 +34,6 @@ import re
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -47,7 +46,7 @@ import mxtrain  # noqa: E402
 GEMM = re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|wgmma", re.IGNORECASE)
 NCCL = re.compile(r"nccl", re.IGNORECASE)
 MX = re.compile(r"mx_|_mx|cast|quant|dequant|norm_cast|act", re.IGNORECASE)
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # blocking
 
 
 def sync(device):
@@ -127,10 +126,9 @@ def analyze_trace(path, steps):
     syncs = collections.Counter()
     sync_time = collections.Counter()
     for r in runtime:
-        for c in SYNC_CALLS:
-            if r["name"].startswith(c):
-                syncs[r["name"]] += 1
-                sync_time[r["name"]] += r["dur"]
+        if r["name"] in SYNC_CALLS:  # exact names: cudaMemcpyAsync does not block the host
+            syncs[r["name"]] += 1
+            sync_time[r["name"]] += r["dur"]
     host_steps = [m["dur"] for m in marks]
     per = 1e3 * steps  # us per step -> ms
     return {
@@ -147,21 +145,12 @@ def analyze_trace(path, steps):
 
 
 def sync_report(model, opt, recipe, x, device):
-    """Host-device synchronizations inside one step (CUDA only), by where they were called from."""
+    """Host-device synchronizations inside one step (CUDA only), by where they were reported."""
+    from profile_host import synchronizing_calls
+
     if device.type != "cuda":
         return {}
-    where = collections.Counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            one_step(model, opt, recipe, x)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" not in str(w.message):
-            continue
-        where[f"{os.path.relpath(w.filename)}:{w.lineno}"] += 1
+    where = collections.Counter(synchronizing_calls(lambda: one_step(model, opt, recipe, x)))
     sync(device)
     return dict(where)
 
@@ -213,12 +202,7 @@ def memory_report(model, opt, recipe, x, device, top=8):
     groups = collections.Counter()
     for ev in live_at_peak.values():
         groups[_site(ev.get("frames", []))] += ev["size"]
-    peak_phase = None
-    for ev in reversed(trace[:best_i + 1]):
-        site = _site(ev.get("frames", []))
-        if site:
-            peak_phase = site
-            break
+    peak_phase = _site(trace[best_i].get("frames", [])) if best_i >= 0 else None
     return {"base_gib": base / 2**30, **{k: v / 2**30 for k, v in phases.items()},
             "peak_above_base_gib": best / 2**30, "peak_at": peak_phase,
             "live_at_peak_mib": [(k, v / 2**20) for k, v in groups.most_common(top)]}

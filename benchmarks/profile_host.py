@@ -86,14 +86,7 @@ def main():
     for name, (w, i, c) in rows:
         print(f"| {name} | {w:.0f} | {i:.0f} | {c:.0f} |")
     if dev.type == "cuda":  # host-device synchronizations inside a step stop the host from running ahead
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                mx_block()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+        syncs = synchronizing_calls(mx_block)
         print(f"synchronizing calls in one mxtrain step: {len(syncs)}" + (f" ({', '.join(syncs)})" if syncs else ""))
     if args.ops:
         acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda"
@@ -117,6 +110,19 @@ def main():
             print(f"\nPython functions by {title} time (us per step, under the tracer)")
             for name, us in table.most_common(args.rows):
                 print(f"{us / 20:9.1f}  x{calls[name] / 20:5.1f}  {name}")
+
+
+def synchronizing_calls(fn) -> list[str]:
+    """Where (file:line) the host-device synchronizations of one call of ``fn`` were reported
+    (``torch.cuda.set_sync_debug_mode``; a sync on the autograd thread surfaces at the next Python line)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def python_times(path):

@@ -7,8 +7,8 @@ the dispatch point uses the reference.
 
 from __future__ import annotations
 
-import os
 import functools
+import os
 import struct
 
 import torch
@@ -83,7 +83,7 @@ def format_consts(fmt: ElemFormat) -> FormatConsts:
     return FormatConsts(_format_consts(fmt))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _format_consts(fmt: ElemFormat) -> FormatConsts:
     nan_kind = 0
     if fmt.is_float and fmt.has_inf:

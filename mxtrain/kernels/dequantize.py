@@ -17,6 +17,8 @@ and written [M, K]), so no transpose pass follows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from mxtrain.kernels._triton_utils import (
@@ -182,18 +184,12 @@ def triton_dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int
     if _fallback_reason(mxt, plane, dtype) is not None or (out is not None and out.ndim != 2):
         values = mxt.dequantize(dtype, axis)
         return values if out is None else out.copy_(values)
-    fmt = mxt.format
     shape = tuple(mxt.shape)
     length = shape[plane.axis]
     rows = 1
     for i, n in enumerate(shape):
         if i != plane.axis:
             rows *= n
-    bs = mxt.block_size
-    data = plane.data.reshape(rows, plane.data.shape[-1])
-    scale = plane.scale.reshape(rows, plane.scale.shape[-1])
-    nb = scale.shape[-1]
-    lp = nb * bs
     if out is not None:  # 2-D: plane rows run along the other axis
         last = plane.axis == mxt.ndim - 1
         out_stride_r, out_stride_l = (out.stride(0), out.stride(1)) if last else (out.stride(1), out.stride(0))
@@ -206,20 +202,32 @@ def triton_dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int
             out_stride_r, out_stride_l = length, 1
         else:  # axis 0: plane row r = flattened trailing index, plane column = index along axis 0
             out_stride_r, out_stride_l = 1, rows
+    _launch(mxt, plane, rows, length, out, out_stride_r, out_stride_l)
+    return out
+
+
+def _launch(mxt: MXTensor, plane, rows: int, length: int, out: torch.Tensor, out_stride_r: int, out_stride_l: int,
+            count: int = 1, data_step: int = 0, scale_step: int = 0, out_step: int = 0) -> None:
+    """The kernel over a plane read as ``[rows, length]`` (block axis last), written to ``out`` at
+    ``(r, l) -> r * out_stride_r + l * out_stride_l``; ``count`` > 1 repeats it for shards whose codes,
+    scales and outputs lie ``data_step`` / ``scale_step`` / ``out_step`` elements further each."""
+    fmt, bs = mxt.format, mxt.block_size
+    data = plane.data.reshape(rows, plane.data.shape[-1])
+    scale = plane.scale.reshape(rows, plane.scale.shape[-1])
+    nb = scale.shape[-1]
     br, bl, warps = TILE_CONFIG
     if out_stride_r == 1:  # transposed write: square-ish tiles keep both sides coalesced
         br, bl = 64, 64
     bl = max(bl, min(bs, 256))
-    grid = (triton.cdiv(rows, br) * triton.cdiv(length, bl),)
+    grid = (triton.cdiv(rows, br) * triton.cdiv(length, bl), count)
     index64 = max(rows * length, data.numel(), (rows - 1) * abs(out_stride_r) + (length - 1) * abs(out_stride_l) + 1) \
         >= 2**31 - 1
     _mx_dequantize_kernel[grid](
-        data, scale, out, rows, length, lp, nb, data.stride(0), scale.stride(0), out_stride_r, out_stride_l,
-        0, 0, 0, BLOCK_R=br, BLOCK_L=bl, BS=bs, PACK_BITS=fmt.bits if plane.packed else 8, INDEX64=index64,
-        SOFT_BF16=interpret_mode() and dtype == torch.bfloat16,
+        data, scale, out, rows, length, nb * bs, nb, data.stride(0), scale.stride(0), out_stride_r, out_stride_l,
+        data_step, scale_step, out_step, BLOCK_R=br, BLOCK_L=bl, BS=bs, PACK_BITS=fmt.bits if plane.packed else 8,
+        INDEX64=index64, SOFT_BF16=interpret_mode() and out.dtype == torch.bfloat16,
         num_warps=warps, **format_consts(fmt), **launch_options(),
     )
-    return out
 
 
 def triton_dequantize_shards(shard: MXTensor, count: int, data_step: int, scale_step: int, out: torch.Tensor,
@@ -245,42 +253,20 @@ def triton_dequantize_shards(shard: MXTensor, count: int, data_step: int, scale_
     if not storage_ok:
         raise ValueError(f"the {count} shards' codes and scales, {data_step} and {scale_step} elements apart, "
                          "run past the storage of the first shard's (or its planes are not contiguous)")
-    if count == 1 or _fallback_reason(shard, plane, out.dtype) is not None:
+    if _fallback_reason(shard, plane, out.dtype) is not None:
         for i in range(count):
             data = plane.data.as_strided(plane.data.shape, plane.data.stride(),
                                          plane.data.storage_offset() + i * data_step)
             scale = plane.scale.as_strided(plane.scale.shape, plane.scale.stride(),
                                            plane.scale.storage_offset() + i * scale_step)
-            one = MXTensor(planes=(type(plane)(data=data, scale=scale, axis=plane.axis, packed=plane.packed),),
-                           fmt=shard.fmt, block_size=shard.block_size, shape=shard.shape, dtype=shard.dtype,
-                           scale_mode=shard.scale_mode, rounding=shard.rounding, whole_axis=shard.whole_axis)
+            one = dataclasses.replace(shard, planes=(dataclasses.replace(plane, data=data, scale=scale),))
             triton_dequantize(one, out.dtype, plane.axis, out=out[i * rows_per:(i + 1) * rows_per])
         return out
-    fmt = shard.format
     last = plane.axis == 1
-    length = cols if last else rows_per  # along the plane's blocks
-    rows = rows_per if last else cols
-    bs = shard.block_size
-    data = plane.data.reshape(rows, plane.data.shape[-1])
-    scale = plane.scale.reshape(rows, plane.scale.shape[-1])
-    nb = scale.shape[-1]
     out_stride_r, out_stride_l = (out.stride(0), out.stride(1)) if last else (out.stride(1), out.stride(0))
-    br, bl, warps = TILE_CONFIG
-    if out_stride_r == 1:
-        br, bl = 64, 64
-    bl = max(bl, min(bs, 256))
-    grid = (triton.cdiv(rows, br) * triton.cdiv(length, bl), count)
-    out_step = rows_per * out.stride(0)
-    index64 = max(rows * length, data.numel(),
-                  (rows - 1) * abs(out_stride_r) + (length - 1) * abs(out_stride_l) + 1) >= 2**31 - 1
-    _mx_dequantize_kernel[grid](
-        data, scale, out, rows, length, nb * bs, nb, data.stride(0), scale.stride(0), out_stride_r, out_stride_l,
-        data_step, scale_step, out_step, BLOCK_R=br, BLOCK_L=bl, BS=bs, PACK_BITS=fmt.bits if plane.packed else 8,
-        INDEX64=index64, SOFT_BF16=interpret_mode() and out.dtype == torch.bfloat16,
-        num_warps=warps, **format_consts(fmt), **launch_options(),
-    )
+    _launch(shard, plane, rows_per if last else cols, cols if last else rows_per, out, out_stride_r, out_stride_l,
+            count, data_step, scale_step, rows_per * out.stride(0))
     return out
-
 
 def _register() -> None:
     from mxtrain.kernels._triton_utils import kernels_available
