@@ -40,7 +40,8 @@ constexpr int kTileK = 128;
 constexpr int kThreads = 256;
 constexpr int kChunks = kTileM * (kTileK / 8) / kThreads;  // 8-element chunks per thread: 8
 
-enum Flags : int { kRowCodes = 1, kRowVals = 2, kColCodes = 4, kColVals = 8 };
+// kGammaBf16: a norm's gamma / beta are bf16 (else fp32)
+enum Flags : int { kRowCodes = 1, kRowVals = 2, kColCodes = 4, kColVals = 8, kGammaBf16 = 16 };
 
 struct CastArgs {
   const void* x;
@@ -68,8 +69,8 @@ struct CastArgs {
   int act;
   float* mean;
   float* rstd;
-  const float* gamma;  // [K] fp32
-  const float* beta;   // [K] fp32 or null
+  const void* gamma;  // [K] fp32, or bf16 with kGammaBf16 (the parameters as they are: no conversion pass)
+  const void* beta;   // [K] like gamma, or null
   void* y;             // [M, K] in x's dtype, row stride ld_y, or null
   long long ld_y;
   // norms: the statistics are computed inside the kernel (see mx_source_cast_kernel), written to
@@ -78,7 +79,8 @@ struct CastArgs {
   float eps;
   int* work;
   int lookahead;
-  bool vec_gb;  // gamma (and beta) 16-byte aligned: loaded as float4
+  bool vec_gb;  // gamma (and beta) 16-byte aligned: loaded as two float4 (fp32) or one uint4 (bf16)
+  bool gb_bf16;  // flags & kGammaBf16
 };
 
 // ---- the MX numerics (as mxtrain.quantization and kernels/cast.py) ----------------------------
@@ -531,6 +533,30 @@ __device__ __forceinline__ void load8(const float* p, long long col, bool in, bo
   }
 }
 
+// gamma / beta: fp32, or bf16 widened exactly (its bits in the upper half of the fp32)
+__device__ __forceinline__ void load8_gb(const void* p, bool bf16, long long col, bool in, bool vec, float out[8]) {
+  if (!bf16) {
+    load8(static_cast<const float*>(p), col, in, vec, out);
+    return;
+  }
+  const uint16_t* q = static_cast<const uint16_t*>(p);
+  if (p == nullptr || !in) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = 0.0f;
+  } else if (vec) {
+    const uint4 r = __ldg(reinterpret_cast<const uint4*>(q + col));
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      out[2 * j] = __uint_as_float(w[j] << 16);
+      out[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = __uint_as_float(static_cast<uint32_t>(__ldg(q + col + j)) << 16);
+  }
+}
+
 // The source kernel: persistent CTAs (about two per multiprocessor) walk the work items, each tile
 // copied straight to shared memory (cp.async, zero outside the tensor) one item ahead, so the next
 // tile's loads overlap this one's arithmetic. Per tile: the source of each of the thread's chunks from
@@ -575,8 +601,8 @@ __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastA
     const bool word_scales = (nbk % 4 == 0) && (k0 / 32 + 4 <= nbk);
     float gw[8], bw[8];  // the norm's gamma / beta of this thread's 8 columns (the same in every chunk)
     if constexpr (kNorm) {
-      load8(a.gamma, col, col_in, a.vec_gb, gw);  // K is a multiple of 8: the 8 columns are in or out together
-      load8(a.beta, col, col_in, a.vec_gb, bw);
+      load8_gb(a.gamma, a.gb_bf16, col, col_in, a.vec_gb, gw);  // K is a multiple of 8: the 8 columns are in
+      load8_gb(a.beta, a.gb_bf16, col, col_in, a.vec_gb, bw);    // or out together
     }
     // Unrolled (independent chunks interleave: a rolled loop left each warp waiting on one chain of
     // shared-memory loads and shuffles at a time); the source's code stays small: a table lookup, the
@@ -824,20 +850,20 @@ cudaError_t launch_typed(const CastArgs& a, int fmt, int pre, cudaStream_t strea
 extern "C" {
 
 // Version of this entry point's argument list; the Python side checks it.
-int mxtrain_cast_abi_version() { return 4; }
+int mxtrain_cast_abi_version() { return 5; }
 
 // Cast a row-major [M, K] tensor (dtype 0 bf16, 1 fp16, 2 fp32; row stride ldx elements, K and ldx
 // multiples of 8, x 16-byte aligned) to MXFP8 (fmt 0 e4m3, 1 e5m2), block size 32. Outputs that a
 // flag does not ask for may be null. pre: the source (0 x; 1-5 act(x); 6 LayerNorm, 7 RMSNorm with
-// gamma / beta fp32 [K], the statistics written to mean / rstd [M] fp32, eps, work a zeroed int32
-// workspace of 1 + ceil(max(M, MP if the columnwise codes are asked for) / 128) entries, lookahead >= 1
-// bands). Returns a cudaError_t (0 on success).
+// gamma / beta fp32 [K] (bf16 with flags & kGammaBf16), the statistics written to mean / rstd [M] fp32, eps, work an int32 workspace
+// of 1 + ceil((MP if the columnwise codes are asked for, else M) / 128) entries, zeroed here on the
+// stream, lookahead >= 1 bands). Returns a cudaError_t (0 on success).
 int mxtrain_mx_cast_fp8(const void* x, long long M, long long K, long long ldx, int dtype, int fmt,
                         int scale_mode, int emax, int mbits, unsigned int inv_max_bits, int flags,
                         uint8_t* row_data, long long row_data_ld, uint8_t* row_scale, long long row_scale_ld,
                         uint8_t* col_data, long long col_data_ld, uint8_t* col_scale, long long col_scale_ld,
                         uint16_t* row_vals, uint16_t* col_vals, long long ld_vals, long long KP, long long MP,
-                        int pre, int act, float* mean, float* rstd, const float* gamma, const float* beta,
+                        int pre, int act, float* mean, float* rstd, const void* gamma, const void* beta,
                         void* y, long long ld_y, float eps, int* work, int lookahead, void* stream) {
   CastArgs a;
   a.x = x;
@@ -873,10 +899,16 @@ int mxtrain_mx_cast_fp8(const void* x, long long M, long long K, long long ldx, 
   a.work = work;
   a.lookahead = lookahead;
   a.vec_gb = (reinterpret_cast<uintptr_t>(gamma) % 16 == 0) && (reinterpret_cast<uintptr_t>(beta) % 16 == 0);
+  a.gb_bf16 = (flags & kGammaBf16) != 0;
   if (M <= 0 || K <= 0 || (K % 8) || (ldx % 8) || fmt < 0 || fmt > 1 || scale_mode < 0 || scale_mode > 2 ||
       pre < 0 || pre > 7 || (pre >= 6 && (!rstd || !gamma || !work || lookahead < 1)) || (pre == 6 && !mean) || (y && (ld_y % 8)))
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (pre >= 6) {  // the norm's item counter and per-band statistics counters start at zero
+    const long long bands = (((flags & 4) ? MP : M) + 127) / 128;
+    cudaError_t err = cudaMemsetAsync(work, 0, sizeof(int) * (size_t)(1 + bands), s);
+    if (err != cudaSuccess) return (int)err;
+  }
   switch (dtype) {
     case 0:
       return (int)launch_typed<__nv_bfloat16>(a, fmt, pre, s);

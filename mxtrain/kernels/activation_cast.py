@@ -46,6 +46,23 @@ ACTIVATION_IDS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu
 assert set(ACTIVATION_IDS) == set(ACTIVATIONS)
 
 
+class _OutputLike(NamedTuple):
+    """What the cast's checks and assembly read of the activation output (which is never allocated)."""
+    shape: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
 def torch_activation(h: torch.Tensor, name: str) -> torch.Tensor:
     """The unfused torch activation (the modules' own): what the kernel's output is compared with."""
     return torch_activation_impl(h, check_activation(name))
@@ -84,7 +101,7 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
         if deq or set(keep) != set(axes):
             mxt = attach_values(mxt, deq, dequantized_dtype, keep)
         return (mxt, out) if return_output else mxt
-    probe = h.new_empty(()).expand(out_shape)  # shape/device stand-in for the output (no memory)
+    probe = _OutputLike(out_shape, h.dtype, h.device)  # stand-in for the output (no memory)
     reason = _cast._fallback_reason(probe, fmt_, block_size, axes, pack)
     if reason is None and want_col and (len(out_shape) > 2 or block_size > _cast.MAX_FUSED_BLOCK_SIZE):
         reason = "the columnwise plane is fused for a 2-D output and block_size <= 128 only"

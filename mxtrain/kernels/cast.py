@@ -820,25 +820,26 @@ def assemble_mxtensor(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: t
     values | None) of the 2-D launch (rows flattened for the rowwise plane, columns for the
     columnwise one), reshaped to ``x``'s shape. Shared by the Triton and CUDA casts."""
     last = x.ndim - 1
+    shape = tuple(x.shape)
     planes: dict[int, MXPlane] = {}
     values: dict[int, torch.Tensor] = {}
+    flat = x.ndim == 2  # the launch's 2-D outputs are already in place (no reshape: the host's hot path)
     if row is not None:
-        lead = tuple(x.shape[:-1])
+        lead = shape[:-1]
         if row[0] is not None:
-            planes[last] = MXPlane(data=row[0].reshape(*lead, row[0].shape[-1]),
-                                   scale=row[1].reshape(*lead, row[1].shape[-1]), axis=last, packed=pack)
+            planes[last] = MXPlane(row[0] if flat else row[0].reshape(*lead, row[0].shape[-1]),
+                                   row[1] if flat else row[1].reshape(*lead, row[1].shape[-1]), last, pack)
         if row[2] is not None:
-            values[last] = row[2].reshape(x.shape)
+            values[last] = row[2] if flat else row[2].reshape(shape)
     if col is not None:
-        rest = tuple(x.shape[1:])
+        rest = shape[1:]
         if col[0] is not None:
-            planes[0] = MXPlane(data=col[0].reshape(*rest, col[0].shape[-1]),
-                                scale=col[1].reshape(*rest, col[1].shape[-1]), axis=0, packed=pack)
+            planes[0] = MXPlane(col[0] if flat else col[0].reshape(*rest, col[0].shape[-1]),
+                                col[1] if flat else col[1].reshape(*rest, col[1].shape[-1]), 0, pack)
         if col[2] is not None:
-            values[0] = col[2].reshape(x.shape)
-    return MXTensor(planes=tuple(planes[a] for a in axes if a in planes), fmt=fmt.name, block_size=block_size,
-                    shape=tuple(x.shape), dtype=x.dtype, scale_mode=scale_mode, rounding=rounding,
-                    whole_axis=False, values=tuple((a, values[a]) for a in axes if a in values))
+            values[0] = col[2] if flat else col[2].reshape(shape)
+    return MXTensor._unchecked(tuple(planes[a] for a in axes if a in planes), fmt.name, block_size, shape, x.dtype,
+                               scale_mode, rounding, False, tuple((a, values[a]) for a in axes if a in values))
 
 
 triton_quantize.supports_values = True

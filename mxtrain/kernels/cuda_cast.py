@@ -19,6 +19,7 @@ once and the Triton kernels serve every call. ``MXTRAIN_CUDA_KERNELS=0`` keeps t
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import threading
@@ -40,8 +41,8 @@ SOURCE = CSRC_DIR / "mx_cast.cu"
 SOURCES = (SOURCE, CSRC_DIR / "fp8_block_cast.cu")
 HEADERS = (CSRC_DIR / "cast_common.cuh",)
 ENABLED = os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
-_ABI_VERSION = 4
-_FLAGS = {"row_codes": 1, "row_vals": 2, "col_codes": 4, "col_vals": 8}
+_ABI_VERSION = 5
+_FLAGS = {"row_codes": 1, "row_vals": 2, "col_codes": 4, "col_vals": 8, "gamma_bf16": 16}
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _FORMATS = {"fp8_e4m3": 0, "fp8_e5m2": 1}
 _SCALE_MODES = {"floor": 0, "rceil": 1, "even": 2}
@@ -184,55 +185,66 @@ def _raw_stream(device: torch.device) -> int:
 
 
 def _alloc(shape, device) -> torch.Tensor:
-    from mxtrain.kernels import cast
-
-    if cast.POISON_OUTPUTS:  # tests: unwritten bytes show up
+    if _cast_module().POISON_OUTPUTS:  # tests: unwritten bytes show up
         return torch.full(shape, 0xA5, dtype=torch.uint8, device=device)
     return torch.empty(shape, dtype=torch.uint8, device=device)
 
 
+@functools.cache
+def _cast_module():
+    from mxtrain.kernels import cast
+
+    return cast
+
+
+@functools.cache
+def _format_args(fmt: ElemFormat) -> tuple[int, int, int, int]:
+    """The kernel's format arguments (format id, emax, mantissa bits, 1/max as fp32 bits), once per format."""
+    return _FORMATS[fmt.name], fmt.emax, fmt.mbits, _inv_max_bits(fmt)
+
+
 def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str, rows: bool, cols: bool,
             row_codes: bool = True, row_vals=None, col_codes: bool = True, col_vals=None, pre: int = 0, act: int = 0,
-            mean=None, rstd=None, gamma=None, beta=None, y=None, eps: float = 0.0):
+            mean=None, rstd=None, gamma=None, beta=None, y=None, eps: float = 0.0, gamma_bf16: bool = False):
     """One kernel launch on a 2-D view; returns (row, col) as the Triton ``_launch`` does.
 
     ``pre`` 1-5: cast ``act(x2)`` (the ids of :data:`CUDA_ACTIVATIONS`); 6: LayerNorm
     ``fma(fma(x2, rstd, -(mean * rstd)), gamma, beta or 0)``; 7: RMSNorm ``(x2 * rstd) * gamma``, the
     kernel computing ``mean`` / ``rstd`` (fp32 [M] outputs) itself; rounded to x2's dtype (bf16 / fp16
-    only) and written to ``y`` if given."""
+    only) and written to ``y`` if given; ``gamma`` / ``beta`` fp32, or bf16 with ``gamma_bf16``. Written
+    for the host's hot path (one call per cast of a training step): no per-call work beyond the outputs'
+    allocation and the kernel's arguments."""
     M, K = x2.shape
     dev = x2.device
     kp, mp = -(-K // 32) * 32, -(-M // 32) * 32
     row_codes, row_vals = rows and row_codes, rows and bool(row_vals)  # values: a dtype (bf16) or a flag
     col_codes, col_vals = cols and col_codes, cols and bool(col_vals)
-    row = col = None
-    if rows:
-        row = ((_alloc((M, kp), dev), _alloc((M, kp // 32), dev)) if row_codes else (None, None))
-        row += (torch.empty((M, K), dtype=torch.bfloat16, device=dev) if row_vals else None,)
-    if cols:
-        col = ((_alloc((K, mp), dev), _alloc((K, mp // 32), dev)) if col_codes else (None, None))
-        col += (torch.empty((M, K), dtype=torch.bfloat16, device=dev) if col_vals else None,)
-    flags = (_FLAGS["row_codes"] * row_codes | _FLAGS["row_vals"] * row_vals | _FLAGS["col_codes"] * col_codes
-             | _FLAGS["col_vals"] * col_vals)
-
-    def ptr(t):
-        return None if t is None else t.data_ptr()
-
-    def ld(t):
-        return 0 if t is None else t.stride(0)
-    # a norm's workspace: the kernel's item counter, then per band of 128 rows its statistics items done
-    work = (torch.zeros(1 + -(-(mp if col_codes else M) // 128), dtype=torch.int32, device=dev)
-            if pre >= 6 else None)
-    rd, rs, rv = row if row is not None else (None, None, None)
-    cd, cs, cv = col if col is not None else (None, None, None)
+    rd = rs = rv = cd = cs = cv = None
+    if row_codes:
+        rd, rs = _alloc((M, kp), dev), _alloc((M, kp // 32), dev)
+    if row_vals:
+        rv = torch.empty((M, K), dtype=torch.bfloat16, device=dev)
+    if col_codes:
+        cd, cs = _alloc((K, mp), dev), _alloc((K, mp // 32), dev)
+    if col_vals:
+        cv = torch.empty((M, K), dtype=torch.bfloat16, device=dev)
+    flags = row_codes | 2 * row_vals | 4 * col_codes | 8 * col_vals | 16 * gamma_bf16  # _FLAGS
+    # a norm's workspace (zeroed by the entry point): the kernel's item counter, then per band of 128 rows
+    # its statistics items done
+    work = torch.empty(1 + -(-(mp if col_codes else M) // 128), dtype=torch.int32, device=dev) if pre >= 6 else None
+    fmt_id, emax, mbits, inv_max = _format_args(fmt)
     err = lib.mxtrain_mx_cast_fp8(
-        x2.data_ptr(), M, K, x2.stride(0), _DTYPES[x2.dtype], _FORMATS[fmt.name], _SCALE_MODES[scale_mode],
-        fmt.emax, fmt.mbits, _inv_max_bits(fmt), flags, ptr(rd), ld(rd), ptr(rs), ld(rs), ptr(cd), ld(cd), ptr(cs),
-        ld(cs), ptr(rv), ptr(cv), K, kp, mp, pre, act, ptr(mean), ptr(rstd), ptr(gamma), ptr(beta), ptr(y), ld(y),
-        float(eps), ptr(work), max(1, int(NORM_LOOKAHEAD)), _raw_stream(dev))
+        x2.data_ptr(), M, K, x2.stride(0), _DTYPES[x2.dtype], fmt_id, _SCALE_MODES[scale_mode], emax, mbits,
+        inv_max, flags, rd.data_ptr() if row_codes else None, kp, rs.data_ptr() if row_codes else None, kp // 32,
+        cd.data_ptr() if col_codes else None, mp, cs.data_ptr() if col_codes else None, mp // 32,
+        rv.data_ptr() if row_vals else None, cv.data_ptr() if col_vals else None, K, kp, mp, pre, act,
+        None if mean is None else mean.data_ptr(), None if rstd is None else rstd.data_ptr(),
+        None if gamma is None else gamma.data_ptr(), None if beta is None else beta.data_ptr(),
+        None if y is None else y.data_ptr(), 0 if y is None else y.stride(0), float(eps),
+        None if work is None else work.data_ptr(), max(1, int(NORM_LOOKAHEAD)), _raw_stream(dev))
     if err:
         raise RuntimeError(f"mxtrain CUDA cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")
-    return row, col
+    return ((rd, rs, rv) if rows else None), ((cd, cs, cv) if cols else None)
 
 
 # ---- fused sources: activation + cast, norm + cast -------------------------------------------
@@ -312,14 +324,16 @@ def norm_cast(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     M, K = x2.shape
     dev = x2.device
     gamma = (weight + 1) if zero_centered_gamma else weight  # in the weight's dtype, as the modules compute it
-    gamma = gamma.float().contiguous()
-    beta = bias.float().contiguous() if bias is not None else None
+    # bf16 parameters go in as they are (the kernel widens them exactly); others as fp32
+    gamma_bf16 = gamma.dtype == torch.bfloat16
+    gamma = gamma.contiguous() if gamma_bf16 else gamma.float().contiguous()
+    beta = None if bias is None else (bias.contiguous() if gamma_bf16 else bias.float().contiguous())
     rstd = torch.empty(M, dtype=torch.float32, device=dev)
     mean = torch.empty(M, dtype=torch.float32, device=dev) if kind == "LayerNorm" else None
     y = torch.empty_like(x2) if return_output else None
     row, col = _launch(lib, x2, fmt, scale_mode, rows, cols, **(outputs or {}),
                        pre=6 if kind == "LayerNorm" else 7, mean=mean, rstd=rstd, gamma=gamma, beta=beta, y=y,
-                       eps=eps)
+                       eps=eps, gamma_bf16=gamma_bf16)
     return row, col, mean, rstd, y
 
 

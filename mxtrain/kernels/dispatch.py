@@ -12,6 +12,7 @@ then Triton: ``benchmarks/RESULTS.md``) and CPU tensors the reference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Callable
 
@@ -106,8 +107,16 @@ def values_request(ndim: int, axis, dequantized, keep_codes, dtype) -> tuple[tup
 
     ``dequantized``: axes (among ``axis``) whose dequantized values the result carries;
     ``keep_codes``: axes whose codes+scales it keeps (None: all of ``axis``). Every axis of
-    ``axis`` needs its codes or its values.
+    ``axis`` needs its codes or its values. Remembered per argument tuple (every cast of a
+    training step asks it, with a handful of distinct requests).
     """
+    try:
+        return _values_request_cached(ndim, axis, dequantized, keep_codes, dtype)
+    except TypeError:  # unhashable arguments (lists): worked out afresh
+        return _values_request(ndim, axis, dequantized, keep_codes, dtype)
+
+
+def _values_request(ndim: int, axis, dequantized, keep_codes, dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
     axes = axis if isinstance(axis, tuple) else (axis,)
     norm = lambda a: a % ndim if ndim and -ndim <= a < ndim else a  # noqa: E731  (bad axes: quantize_mx says)
     axes = tuple(norm(a) for a in axes)
@@ -124,6 +133,9 @@ def values_request(ndim: int, axis, dequantized, keep_codes, dtype) -> tuple[tup
     if deq and dtype not in VALUES_DTYPES:
         raise ValueError(f"dequantized_dtype must be one of {VALUES_DTYPES}, got {dtype}")
     return deq, keep
+
+
+_values_request_cached = functools.lru_cache(maxsize=1024, typed=True)(_values_request)
 
 
 def attach_values(mxt: MXTensor, dequantized: tuple[int, ...], dtype: torch.dtype,

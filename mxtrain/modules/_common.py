@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -70,10 +69,12 @@ def _hand_out(mx: MXTensor, uses, now: tuple[int, ...], out: list) -> None:
     what a module keeps for backward (the columnwise wgrad/dgrad operand) must not pin the rowwise plane."""
     for i, axis in uses:
         if axis in now:
-            out[i] = dataclasses.replace(mx, planes=(), values=((axis % 2, mx.dequantized_values(axis)),))
+            values = mx.dequantized_values(axis)
+            if values is None:
+                raise RuntimeError(f"the cast did not write the dequantized values of axis {axis} it was asked for")
+            out[i] = mx._only(values=((axis % 2, values),))
         else:
-            out[i] = (mx if len(mx.planes) == 1 and not mx.values
-                      else dataclasses.replace(mx, planes=(mx.plane(axis),), values=()))
+            out[i] = mx if len(mx.planes) == 1 and not mx.values else mx._only(planes=(mx.plane(axis),))
 
 
 # On CUDA the modules compute a norm's or an activation's output inside the cast of it (norm_cast,

@@ -107,6 +107,23 @@ class MXTensor(PlaneLookup):
         if len(set(vaxes)) != len(vaxes):
             raise ValueError(f"values must have distinct axes, got {vaxes}")
 
+    @classmethod
+    def _unchecked(cls, planes: tuple, fmt: str, block_size: int, shape: tuple, dtype: torch.dtype,
+                   scale_mode: str = "floor", rounding: str = "even", whole_axis: bool = False,
+                   values: tuple = ()) -> MXTensor:
+        """An MXTensor from parts a kernel has just written, without the checks of ``__init__``
+        (the casts' hot path: those parts are correct by construction). Anything else builds it
+        with ``MXTensor(...)``."""
+        self = object.__new__(cls)
+        self.__dict__.update(planes=planes, fmt=fmt, block_size=block_size, shape=shape, dtype=dtype,
+                             scale_mode=scale_mode, rounding=rounding, whole_axis=whole_axis, values=values)
+        return self
+
+    def _only(self, planes: tuple = (), values: tuple = ()) -> MXTensor:
+        """This tensor holding only the given planes / values (a subset of its own: unchecked)."""
+        return MXTensor._unchecked(planes, self.fmt, self.block_size, self.shape, self.dtype, self.scale_mode,
+                                   self.rounding, self.whole_axis, values)
+
     @property
     def format(self) -> ElemFormat:
         return parse_format(self.fmt)

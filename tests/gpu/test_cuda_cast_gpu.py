@@ -244,6 +244,32 @@ def test_norm_cast_cuda(monkeypatch, fused_sources, dtype, kind, zero_centered):
     assert r2.out is None and not helpers.planes_equal(r2.mx, r.mx)
 
 
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_norm_cast_bf16_gamma_as_fp32(monkeypatch, fused_sources, kind, offset):
+    """bf16 gamma / beta go into the kernel as they are (widened there, no conversion pass): the same
+    bytes as the same parameters given in fp32, with 16-byte aligned (vector loads) and 2-byte aligned
+    (scalar loads) parameters."""
+    from mxtrain.kernels.norm_cast import norm_cast
+
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = (torch.randn(260, 1056, generator=g, device=DEV) * 3 - 1).to(torch.bfloat16)
+    store = torch.randn(2, 1056 + 1, generator=g, device=DEV).to(torch.bfloat16)
+    w, b = store[0, offset:offset + 1056], store[1, offset:offset + 1056]  # offset 1: 2-byte aligned views
+    b = b if kind == "LayerNorm" else None
+    args = dict(kind=kind, fmt="fp8_e4m3", axis=(-1, 0), return_output=True, dequantized=(1,), keep_codes=(0, 1))
+    seen = []
+    real = cuda_cast._launch
+    monkeypatch.setattr(cuda_cast, "_launch", lambda *a, **k: seen.append(k.get("gamma_bf16")) or real(*a, **k))
+    r16 = norm_cast(x, w, b, **args)
+    r32 = norm_cast(x, w.float(), None if b is None else b.float(), **args)
+    assert seen == [True, False]
+    assert torch.equal(r16.out, r32.out) and torch.equal(r16.rstd, r32.rstd)
+    assert kind == "RMSNorm" or torch.equal(r16.mean, r32.mean)
+    assert not helpers.planes_equal(r16.mx, r32.mx)
+    assert torch.equal(r16.mx.dequantized_values(1), r32.mx.dequantized_values(1))
+
+
 def test_norm_cast_3d_rowwise_and_triton_switch(monkeypatch, fused_sources):
     from mxtrain.kernels.norm_cast import norm_cast
 
