@@ -45,6 +45,7 @@ changes, e.g. MX in training then high precision in an evaluation outside
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import warnings
@@ -112,6 +113,7 @@ def reset_all_gather_stats() -> None:
 
 # --------------------------------------------------------------------------- FSDP internals
 
+@functools.cache
 def _fsdp_training_state_enum():
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
     return TrainingState
@@ -435,14 +437,13 @@ class _GatheredState:
             plane = MXPlane(data=per_rank[0, src_off:src_off + nd].view(p["data_shape"]),
                             scale=per_rank[0, src_off + nd:src_off + nd + ns].view(p["scale_shape"]),
                             axis=p["axis"], packed=p["packed"])
-            shard = MXTensor(planes=(plane,), fmt=p["fmt"], block_size=p["block_size"],
-                             shape=(rows, *shape[1:]), dtype=dtype, scale_mode=p["scale_mode"],
-                             rounding=p["rounding"], whole_axis=p["whole_axis"])
+            shard = MXTensor._unchecked((plane,), p["fmt"], p["block_size"], (rows, *shape[1:]), dtype,
+                                        p["scale_mode"], p["rounding"], p["whole_axis"])
             triton_dequantize_shards(shard, world, per_rank.stride(0), per_rank.stride(0), full, p["axis"])
             src_off += nd + ns
-            planes[p["axis"]] = (p["spec"], MXTensor(
-                planes=(), values=((p["axis"], full),), fmt=p["fmt"], block_size=p["block_size"], shape=shape,
-                dtype=dtype, scale_mode=p["scale_mode"], rounding=p["rounding"], whole_axis=p["whole_axis"]))
+            planes[p["axis"]] = (p["spec"], MXTensor._unchecked((), p["fmt"], p["block_size"], shape, dtype,
+                                                                p["scale_mode"], p["rounding"], p["whole_axis"],
+                                                                ((p["axis"], full),)))
         self.planes = planes
 
 

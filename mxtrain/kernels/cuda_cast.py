@@ -34,11 +34,12 @@ from mxtrain.quantization._validate import normalize_axes
 from mxtrain.quantization.mx import _check_common
 
 __all__ = ["cuda_quantize", "fp8_block_cast", "norm_cast", "activation_cast", "fused_sources_selected",
+           "dequantize_fp8", "cuda_selected",
            "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 SOURCE = CSRC_DIR / "mx_cast.cu"
-SOURCES = (SOURCE, CSRC_DIR / "fp8_block_cast.cu")
+SOURCES = (SOURCE, CSRC_DIR / "fp8_block_cast.cu", CSRC_DIR / "mx_dequantize.cu")
 HEADERS = (CSRC_DIR / "cast_common.cuh",)
 ENABLED = os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
 _ABI_VERSION = 5
@@ -103,6 +104,8 @@ def _build() -> ctypes.CDLL:
     lib.mxtrain_fp8_block_cast.argtypes = [vp, vp, ll, ll, ll, ll, i, i, i, i, i, f32, f32, vp, vp, vp, vp, vp, ll, ll,
                                            vp]
     lib.mxtrain_fp8_block_cast.restype = i
+    lib.mxtrain_mx_dequantize_fp8.argtypes = [vp, vp, vp, ll, ll, ll, ll, ll, ll, i, ll, ll, ll, i, vp]
+    lib.mxtrain_mx_dequantize_fp8.restype = i
     lib.mxtrain_cuda_error_string.argtypes = [i]
     lib.mxtrain_cuda_error_string.restype = ctypes.c_char_p
     return lib
@@ -275,8 +278,12 @@ def fused_sources_selected(device: torch.device) -> bool:
     (:data:`FUSED_SOURCES`, the default) and the dispatch point picks ``"cuda"`` there (``MXTRAIN_BACKEND=triton``
     keeps Triton). The callers (:mod:`~mxtrain.kernels.norm_cast`, :mod:`~mxtrain.kernels.activation_cast`)
     ask first, so the default path does no more than read a flag."""
-    if not FUSED_SOURCES:
-        return False
+    return FUSED_SOURCES and cuda_selected(device)
+
+
+def cuda_selected(device: torch.device) -> bool:
+    """Whether the dispatch point picks the ``"cuda"`` backend on ``device`` (``MXTRAIN_BACKEND=triton``
+    keeps the Triton kernels)."""
     from mxtrain.kernels import dispatch
 
     try:
@@ -387,6 +394,42 @@ def cuda_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mod
 
 
 cuda_quantize.supports_values = True
+
+
+# ---- MXFP8 dequantize (mxtrain/csrc/mx_dequantize.cu) -------------------------------------------
+
+# The CUDA dequantize serves the Triton dequantize's launches (mxtrain.kernels.dequantize) that it covers:
+# MXFP8 planes of block 32 into bf16, rowwise or transposed, one launch for all of an FSDP2 gather's shards.
+# On by default (about a third of a Triton launch's host time); MXTRAIN_CUDA_DEQUANTIZE=0 keeps Triton's.
+DEQUANTIZE = os.environ.get("MXTRAIN_CUDA_DEQUANTIZE", "1") != "0"
+
+
+def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt: ElemFormat, block_size: int,
+                   packed: bool, rows: int, length: int, out_stride_r: int, out_stride_l: int, count: int = 1,
+                   data_step: int = 0, scale_step: int = 0, out_step: int = 0) -> bool:
+    """Run the CUDA dequantize on a plane read as ``[rows, length]`` (``data`` / ``scale`` 2-D, block axis
+    last), written to ``out`` at ``r * out_stride_r + l * out_stride_l`` (``count`` shards, as
+    :func:`mxtrain.kernels.dequantize._launch` takes them). Returns False, launching nothing, where it does
+    not apply: off by :data:`DEQUANTIZE` or the backend choice (``MXTRAIN_BACKEND=triton``), another
+    format, block size or output dtype, or a layout the kernel does not take (strides, alignment)."""
+    if not (DEQUANTIZE and out.is_cuda and out.dtype == torch.bfloat16 and block_size == 32 and not packed
+            and fmt.name in _FORMATS and cuda_selected(out.device)):
+        return False
+    transposed = out_stride_r == 1 and out_stride_l != 1
+    ld_out = out_stride_l if transposed else out_stride_r
+    if (length % 8 or data.stride(-1) != 1 or data.stride(0) % 8 or data_step % 8 or out_step % 8 or ld_out % 8
+            or (not transposed and out_stride_l != 1) or (transposed and rows % 8) or data.data_ptr() % 8
+            or out.data_ptr() % 16 or scale.stride(-1) != 1 or not 1 <= count <= 65535):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    err = lib.mxtrain_mx_dequantize_fp8(data.data_ptr(), scale.data_ptr(), out.data_ptr(), rows, length,
+                                        data.stride(0), scale.stride(0), out_stride_r, out_stride_l, count, data_step,
+                                        scale_step, out_step, _FORMATS[fmt.name], _raw_stream(out.device))
+    if err:
+        raise RuntimeError(f"mxtrain CUDA dequantize failed: {lib.mxtrain_cuda_error_string(err).decode()}")
+    return True
 
 
 # ---- FP8 block scaling (mxtrain/csrc/fp8_block_cast.cu) ------------------------------------------

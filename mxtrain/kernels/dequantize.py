@@ -13,6 +13,12 @@ output dtype, bit-identical to :meth:`mxtrain.quantization.MXTensor.dequantize`:
 The plane is read in its stored layout (block axis last); the output is written
 straight into the logical layout (a columnwise plane of [M, K] is read [K, Mp]
 and written [M, K]), so no transpose pass follows.
+
+On CUDA, MXFP8 planes of block 32 dequantized into bf16 (what the FSDP2 MX all-gather
+and the modules' GEMM operands ask for) take the CUDA C++ kernel of
+``mxtrain/csrc/mx_dequantize.cu`` where its layout conditions hold (same bits; a plain C
+call costs the host about a third of a Triton launch); ``MXTRAIN_CUDA_DEQUANTIZE=0`` or
+``MXTRAIN_BACKEND=triton`` keep this kernel for every call.
 """
 
 from __future__ import annotations
@@ -212,8 +218,14 @@ def _launch(mxt: MXTensor, plane, rows: int, length: int, out: torch.Tensor, out
     ``(r, l) -> r * out_stride_r + l * out_stride_l``; ``count`` > 1 repeats it for shards whose codes,
     scales and outputs lie ``data_step`` / ``scale_step`` / ``out_step`` elements further each."""
     fmt, bs = mxt.format, mxt.block_size
-    data = plane.data.reshape(rows, plane.data.shape[-1])
-    scale = plane.scale.reshape(rows, plane.scale.shape[-1])
+    data = plane.data if plane.data.ndim == 2 else plane.data.reshape(rows, plane.data.shape[-1])
+    scale = plane.scale if plane.scale.ndim == 2 else plane.scale.reshape(rows, plane.scale.shape[-1])
+    if out.is_cuda:  # MXFP8 into bf16: the CUDA kernel where it applies (a plain C call, not a Triton launch)
+        from mxtrain.kernels import cuda_cast
+
+        if cuda_cast.dequantize_fp8(data, scale, out, fmt, bs, plane.packed, rows, length, out_stride_r,
+                                    out_stride_l, count, data_step, scale_step, out_step):
+            return
     nb = scale.shape[-1]
     br, bl, warps = TILE_CONFIG
     if out_stride_r == 1:  # transposed write: square-ish tiles keep both sides coalesced

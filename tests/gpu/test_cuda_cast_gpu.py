@@ -430,3 +430,82 @@ def test_norm_statistics_in_kernel_many_bands(monkeypatch, fused_sources, kind):
     rows_only = norm_cast(x, w, b, kind=kind, fmt="fp8_e4m3", axis=-1)
     assert not helpers.planes_equal(rows_only.mx, quantize_mx(r.out, "fp8_e4m3", axis=-1))
     assert torch.equal(rows_only.rstd, r.rstd)
+
+
+# ---- the CUDA MXFP8 dequantize (mxtrain/csrc/mx_dequantize.cu) ------------------------------------
+
+def _every_code_plane(fmt, rows, length, seed):
+    """An MXTensor [rows, length] (rowwise) and one [length, rows] (columnwise) whose planes hold every
+    code byte and the scale bytes 0, 1, 126, 127, 128, 254, 255 among random ones."""
+    from mxtrain.quantization import MXTensor
+    from mxtrain.quantization.mxtensor import MXPlane
+
+    g = torch.Generator().manual_seed(seed)
+    data = torch.arange(rows * length, dtype=torch.int64).remainder(256).to(torch.uint8).view(rows, length)
+    data = data[torch.randperm(rows, generator=g)]
+    scale = torch.randint(0, 256, (rows, length // 32), generator=g, dtype=torch.uint8)
+    scale.view(-1)[:7] = torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8)
+    plane_r = MXPlane(data=data.to(DEV), scale=scale.to(DEV), axis=1, packed=False)
+    plane_c = MXPlane(data=data.to(DEV), scale=scale.to(DEV), axis=0, packed=False)
+    return (MXTensor(planes=(plane_r,), fmt=fmt, block_size=32, shape=(rows, length), dtype=torch.bfloat16),
+            MXTensor(planes=(plane_c,), fmt=fmt, block_size=32, shape=(length, rows), dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_cuda_dequantize_every_code_and_scale(monkeypatch, fmt):
+    """Every code byte with extreme scale bytes (2^-127 subnormal scale, NaN scale), both orientations,
+    through the CUDA kernel (spied): the reference's values bit for bit."""
+    from mxtrain.kernels import dequantize as dq
+
+    calls = _spy(monkeypatch, "dequantize_fp8")
+    for mxt in _every_code_plane(fmt, 96, 512, seed=3):
+        axis = mxt.planes[0].axis
+        got = dq.triton_dequantize(mxt, torch.bfloat16, axis)
+        assert helpers.values_equal(got, mxt.dequantize(torch.bfloat16, axis)), (fmt, axis)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("axis", [1, 0])
+def test_cuda_dequantize_shards(monkeypatch, axis):
+    """An FSDP2 gather's rank chunks in one CUDA launch: each shard equals its own reference dequantize."""
+    from mxtrain.kernels import dequantize as dq
+
+    calls = _spy(monkeypatch, "dequantize_fp8")
+    count, rows, cols = 3, 64, 256
+    x = adversarial(count * rows, cols, torch.bfloat16, seed=9)
+    shards = [quantize_mx(x[i * rows:(i + 1) * rows], "fp8_e4m3", axis=axis, scale_mode="rceil") for i in range(count)]
+    chunks = [torch.cat([s.planes[0].data.reshape(-1), s.planes[0].scale.reshape(-1)]) for s in shards]
+    buf = torch.stack(chunks)  # [count, per-rank bytes]: the all-gather buffer's layout
+    p0 = shards[0].planes[0]
+    nd = p0.data.numel()
+    first = dataclasses.replace(shards[0], planes=(dataclasses.replace(
+        p0, data=buf[0, :nd].view(p0.data.shape), scale=buf[0, nd:].view(p0.scale.shape)),))
+    out = torch.full((count * rows, cols), -7.75, dtype=torch.bfloat16, device=DEV)
+    dq.triton_dequantize_shards(first, count, buf.stride(0), buf.stride(0), out, axis)
+    want = torch.cat([s.dequantize(torch.bfloat16, axis) for s in shards])
+    assert helpers.values_equal(out, want)
+    assert calls == [1]
+
+
+def test_cuda_dequantize_layouts_it_leaves_to_triton(monkeypatch):
+    """A transposed plane whose row count is not a multiple of 8, fp16 output, other formats, and
+    MXTRAIN_BACKEND=triton take the Triton kernel; the values are the reference's either way."""
+    from mxtrain.kernels import dequantize as dq
+
+    taken = []
+    real = cuda_cast.dequantize_fp8
+    monkeypatch.setattr(cuda_cast, "dequantize_fp8", lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
+    odd = quantize_mx(adversarial(200, 1020, torch.bfloat16, seed=4), "fp8_e4m3", axis=0)  # plane rows 1020
+    mxt = quantize_mx(adversarial(200, 1024, torch.bfloat16, seed=4), "fp8_e4m3", axis=(-1, 0))
+    for t, axis, dtype in ((odd, 0, torch.bfloat16), (mxt, 1, torch.float16), (mxt, 1, torch.bfloat16),
+                           (mxt, 0, torch.bfloat16)):
+        assert helpers.values_equal(dq.triton_dequantize(t, dtype, axis), t.dequantize(dtype, axis))
+    assert taken == [False, False, True, True]
+    x = adversarial(200, 1024, torch.bfloat16, seed=4)
+    fp6 = quantize_mx(x, "fp6_e2m3", axis=-1)
+    assert helpers.values_equal(dq.triton_dequantize(fp6, torch.bfloat16, 1), fp6.dequantize(torch.bfloat16, 1))
+    assert taken[-1] is False
+    monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
+    taken.clear()
+    assert helpers.values_equal(dq.triton_dequantize(mxt, torch.bfloat16, 1), mxt.dequantize(torch.bfloat16, 1))
+    assert taken == [False]

@@ -104,6 +104,24 @@ def test_source_compiles_for_sm90_without_spills(tmp_path):
     assert so.mxtrain_cast_abi_version() == cuda_cast._ABI_VERSION
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc on this machine")
+def test_dequantize_source_compiles_for_sm90_without_spills(tmp_path):
+    lib = tmp_path / "mx_dequantize.so"
+    src = cuda_cast.CSRC_DIR / "mx_dequantize.cu"
+    assert src in cuda_cast.SOURCES
+    cmd = ["nvcc", "-O3", "-gencode=arch=compute_90,code=sm_90", "-Xptxas", "-v", "--shared", "-Xcompiler",
+           "-fPIC", "--ftz=false", f"-I{cuda_cast.CSRC_DIR}", "-o", str(lib), str(src)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    entries = re.split(r"Compiling entry function", res.stderr)[1:]
+    kernels = [e for e in entries if "dequantize" in e.split("\n")[0]]
+    assert len(kernels) == 4, res.stderr  # rowwise and transposed, for e4m3 and e5m2
+    for e in kernels:
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", e)]
+        assert spills and not any(spills), e
+    assert hasattr(ctypes.CDLL(str(lib)), "mxtrain_mx_dequantize_fp8")
+
+
 def test_norm_lookahead_env_is_checked(monkeypatch):
     monkeypatch.setenv("MXTRAIN_NORM_LOOKAHEAD", "0")
     with pytest.raises(ValueError, match="MXTRAIN_NORM_LOOKAHEAD must be a positive integer"):
