@@ -412,8 +412,8 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, f
     :func:`mxtrain.kernels.dequantize._launch` takes them). Returns False, launching nothing, where it does
     not apply: off by :data:`DEQUANTIZE` or the backend choice (``MXTRAIN_BACKEND=triton``), another
     format, block size or output dtype, or a layout the kernel does not take (strides, alignment)."""
-    if not (DEQUANTIZE and out.is_cuda and out.dtype == torch.bfloat16 and block_size == 32 and not packed
-            and fmt.name in _FORMATS and cuda_selected(out.device)):
+    if not (DEQUANTIZE and out.is_cuda and out.dtype == torch.bfloat16 and block_size == 32 and fmt.name in _FORMATS
+            and cuda_selected(out.device)):  # (fp8 codes are one a byte whether or not "packed")
         return False
     transposed = out_stride_r == 1 and out_stride_l != 1
     ld_out = out_stride_l if transposed else out_stride_r
