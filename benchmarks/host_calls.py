@@ -1,0 +1,98 @@
+"""Host time per call of each piece of the MX module path on CUDA: the casts, the dequantize, the GEMM
+dispatch, and one LayerNormMLP forward / forward+backward, in microseconds.
+
+Each piece runs back to back without a synchronize in between (the GPU keeps up at these small
+shapes), so the time per call is what the host spends issuing it: the Python layers, argument
+checks, allocations and the launch. ``profile_host.py`` shows the same for the whole module against
+the torch block; this script names the piece. Host timings on shared machines vary by 20-40% from
+run to run: compare pieces within one run.
+
+    python benchmarks/host_calls.py                       # 128 x 1024 bf16 operands
+    python benchmarks/host_calls.py --tokens 256 --hidden 2048 --calls 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import mxtrain
+from mxtrain.formats import parse_format
+from mxtrain.kernels import cuda_cast, dispatch
+from mxtrain.kernels.activation_cast import activation_cast
+from mxtrain.kernels.cast import triton_quantize
+from mxtrain.kernels.dequantize import triton_dequantize
+from mxtrain.kernels.norm_cast import norm_cast
+from mxtrain.modules import _common
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--ffn", type=int, default=4096)
+    p.add_argument("--calls", type=int, default=300)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("host_calls.py times the CUDA path: it needs a GPU")
+    dev, bf16 = torch.device("cuda"), torch.bfloat16
+    x = torch.randn(args.tokens, args.hidden, device=dev, dtype=bf16)
+    w = torch.nn.Parameter(torch.randn(args.hidden, args.hidden, device=dev, dtype=bf16))
+    g, b = torch.ones(args.hidden, device=dev, dtype=bf16), torch.zeros(args.hidden, device=dev, dtype=bf16)
+    fmt = parse_format("fp8_e4m3")
+    recipe = mxtrain.MXFP8Recipe()
+    spec = recipe.role("fprop_input")
+    mx = dispatch.quantize(x, fmt, axis=(1, 0))
+    row_values = dispatch.quantize(x, fmt, axis=(1,), dequantized=(1,), keep_codes=())
+    w_values = dispatch.quantize(w, fmt, axis=(1,), dequantized=(1,), keep_codes=())
+    m = mxtrain.LayerNormMLP(args.hidden, args.ffn, bias=False, device=dev, dtype=bf16)
+    xg = x.clone().requires_grad_()
+    with mxtrain.mx_autocast(recipe=recipe):
+        dy = torch.randn_like(m(xg))
+
+    def forward():
+        with mxtrain.mx_autocast(recipe=recipe):
+            return m(xg)
+
+    def forward_backward():
+        with mxtrain.mx_autocast(recipe=recipe):
+            y = m(xg)
+        y.backward(dy)
+
+    pieces = [
+        ("torch.mm (for scale)", lambda: torch.mm(x, w.t())),
+        ("torch tensor.float() (for scale)", lambda: x.float()),
+        ("CUDA cast, both planes (dispatch.quantize)", lambda: dispatch.quantize(x, fmt, axis=(1, 0))),
+        ("quantize_operand, weight fprop plane", lambda: _common.quantize_operand(w, [(spec, 1)], None)),
+        ("quantize_operand, input row + col", lambda: _common.quantize_operand(x, [(spec, 1), (spec, 0)], None)),
+        ("Triton cast, both planes", lambda: triton_quantize(x, fmt, axis=(-1, 0))),
+        ("dequantize, rowwise plane", lambda: triton_dequantize(mx, bf16, 1)),
+        ("dequantize, columnwise plane", lambda: triton_dequantize(mx, bf16, 0)),
+        ("norm_cast LayerNorm, both planes", lambda: norm_cast(x, g, b, fmt=fmt, dequantized=(1,), keep_codes=(0,))),
+        ("activation_cast gelu, rowwise values", lambda: activation_cast(x, "gelu", fmt, axis=(-1,), dequantized=(1,),
+                                                                         keep_codes=())),
+        ("mx_gemm, values x values", lambda: dispatch.mx_gemm(row_values, w_values, out_dtype=bf16)),
+        (f"LayerNormMLP {args.hidden}/{args.ffn} forward", forward),
+        (f"LayerNormMLP {args.hidden}/{args.ffn} forward+backward", forward_backward),
+    ]
+    print(f"host us per call, {args.tokens} x {args.hidden} bf16, {torch.cuda.get_device_name(dev)}, "
+          f"torch {torch.__version__}, CUDA kernels {'built' if cuda_cast.library() else 'unavailable'}")
+    print("| call | host us |")
+    print("|---|---|")
+    for name, fn in pieces:
+        calls = args.calls if "LayerNormMLP" not in name else max(1, args.calls // 3)
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        us = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        print(f"| {name} | {us:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
