@@ -855,9 +855,9 @@ int mxtrain_cast_abi_version() { return 5; }
 // Cast a row-major [M, K] tensor (dtype 0 bf16, 1 fp16, 2 fp32; row stride ldx elements, K and ldx
 // multiples of 8, x 16-byte aligned) to MXFP8 (fmt 0 e4m3, 1 e5m2), block size 32. Outputs that a
 // flag does not ask for may be null. pre: the source (0 x; 1-5 act(x); 6 LayerNorm, 7 RMSNorm with
-// gamma / beta fp32 [K] (bf16 with flags & kGammaBf16), the statistics written to mean / rstd [M] fp32, eps, work an int32 workspace
-// of 1 + ceil((MP if the columnwise codes are asked for, else M) / 128) entries, zeroed here on the
-// stream, lookahead >= 1 bands). Returns a cudaError_t (0 on success).
+// gamma / beta fp32 [K] (bf16 with flags & kGammaBf16), the statistics written to mean / rstd [M]
+// fp32, eps, work an int32 workspace of 1 + ceil((MP if the columnwise codes are asked for, else M) /
+// 128) entries, zeroed here on the stream, lookahead >= 1 bands). Returns a cudaError_t (0 on success).
 int mxtrain_mx_cast_fp8(const void* x, long long M, long long K, long long ldx, int dtype, int fmt,
                         int scale_mode, int emax, int mbits, unsigned int inv_max_bits, int flags,
                         uint8_t* row_data, long long row_data_ld, uint8_t* row_scale, long long row_scale_ld,

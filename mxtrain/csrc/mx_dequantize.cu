@@ -1,6 +1,6 @@
 // mxtrain/csrc/mx_dequantize.cu: MXFP8 planes (fp8_e4m3 / fp8_e5m2 codes, block 32, E8M0 scale bytes)
 // dequantized to bf16, for the host's hot path: one plain C call per launch instead of a Triton launch
-// (the FSDP2 MX all-gather dequantizes every gathered plane, twice a layer and step).
+// (the FSDP2 MX all-gather dequantizes each gathered plane: every weight, in forward and in backward).
 //
 // The values are those of the cast's values outputs (mx_cast.cu), the same arithmetic and bits as
 // mxtrain.quantization (the specification) and the Triton dequantize (mxtrain/kernels/dequantize.py):

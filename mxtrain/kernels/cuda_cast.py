@@ -405,7 +405,7 @@ DEQUANTIZE = os.environ.get("MXTRAIN_CUDA_DEQUANTIZE", "1") != "0"
 
 
 def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt: ElemFormat, block_size: int,
-                   packed: bool, rows: int, length: int, out_stride_r: int, out_stride_l: int, count: int = 1,
+                   rows: int, length: int, out_stride_r: int, out_stride_l: int, count: int = 1,
                    data_step: int = 0, scale_step: int = 0, out_step: int = 0) -> bool:
     """Run the CUDA dequantize on a plane read as ``[rows, length]`` (``data`` / ``scale`` 2-D, block axis
     last), written to ``out`` at ``r * out_stride_r + l * out_stride_l`` (``count`` shards, as
@@ -413,7 +413,7 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, f
     not apply: off by :data:`DEQUANTIZE` or the backend choice (``MXTRAIN_BACKEND=triton``), another
     format, block size or output dtype, or a layout the kernel does not take (strides, alignment)."""
     if not (DEQUANTIZE and out.is_cuda and out.dtype == torch.bfloat16 and block_size == 32 and fmt.name in _FORMATS
-            and cuda_selected(out.device)):  # (fp8 codes are one a byte whether or not "packed")
+            and cuda_selected(out.device)):  # (fp8 codes are one a byte: a plane's "packed" flag changes nothing)
         return False
     transposed = out_stride_r == 1 and out_stride_l != 1
     ld_out = out_stride_l if transposed else out_stride_r

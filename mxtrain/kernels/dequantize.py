@@ -223,8 +223,8 @@ def _launch(mxt: MXTensor, plane, rows: int, length: int, out: torch.Tensor, out
     if out.is_cuda:  # MXFP8 into bf16: the CUDA kernel where it applies (a plain C call, not a Triton launch)
         from mxtrain.kernels import cuda_cast
 
-        if cuda_cast.dequantize_fp8(data, scale, out, fmt, bs, plane.packed, rows, length, out_stride_r,
-                                    out_stride_l, count, data_step, scale_step, out_step):
+        if cuda_cast.dequantize_fp8(data, scale, out, fmt, bs, rows, length, out_stride_r, out_stride_l, count,
+                                    data_step, scale_step, out_step):
             return
     nb = scale.shape[-1]
     br, bl, warps = TILE_CONFIG
