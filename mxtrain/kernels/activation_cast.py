@@ -29,6 +29,7 @@ from one pass.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -57,10 +58,7 @@ class _OutputLike(NamedTuple):
         return len(self.shape)
 
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def torch_activation(h: torch.Tensor, name: str) -> torch.Tensor:

@@ -43,7 +43,8 @@ SOURCES = (SOURCE, CSRC_DIR / "fp8_block_cast.cu", CSRC_DIR / "mx_dequantize.cu"
 HEADERS = (CSRC_DIR / "cast_common.cuh",)
 ENABLED = os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
 _ABI_VERSION = 5
-_FLAGS = {"row_codes": 1, "row_vals": 2, "col_codes": 4, "col_vals": 8, "gamma_bf16": 16}
+# the kernel's output / input switches (mx_cast.cu's Flags)
+_ROW_CODES, _ROW_VALS, _COL_CODES, _COL_VALS, _GAMMA_BF16 = 1, 2, 4, 8, 16
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _FORMATS = {"fp8_e4m3": 0, "fp8_e5m2": 1}
 _SCALE_MODES = {"floor": 0, "rceil": 1, "even": 2}
@@ -231,7 +232,8 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
         cd, cs = _alloc((K, mp), dev), _alloc((K, mp // 32), dev)
     if col_vals:
         cv = torch.empty((M, K), dtype=torch.bfloat16, device=dev)
-    flags = row_codes | 2 * row_vals | 4 * col_codes | 8 * col_vals | 16 * gamma_bf16  # _FLAGS
+    flags = (_ROW_CODES * row_codes | _ROW_VALS * row_vals | _COL_CODES * col_codes | _COL_VALS * col_vals
+             | _GAMMA_BF16 * gamma_bf16)
     # a norm's workspace (zeroed by the entry point): the kernel's item counter, then per band of 128 rows
     # its statistics items done
     work = torch.empty(1 + -(-(mp if col_codes else M) // 128), dtype=torch.int32, device=dev) if pre >= 6 else None
