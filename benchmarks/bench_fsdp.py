@@ -15,6 +15,7 @@ compute in a real step, so the step-time difference is what users see.
 
     torchrun --nproc_per_node=2 benchmarks/bench_fsdp.py                             # 16 x (4096, 16384): 2.1 B params
     torchrun --nproc_per_node=2 benchmarks/bench_fsdp.py --layers 2 --hidden 256 --ffn 1024 --batch 2 --seq 128  # CPU
+    ... --forward-prefetch 2 --backward-prefetch 2   # FSDP2 explicit prefetching (every mode)
     ... --json out.json --markdown out.md      # rank 0 writes the results
 """
 
@@ -113,6 +114,12 @@ def build(mode, args, device, rank):
     for blk in model.blocks:
         fully_shard(blk, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    blocks = list(model.blocks)
+    for i, blk in enumerate(blocks):  # FSDP2's explicit prefetching (0: FSDP2's default order)
+        if args.forward_prefetch:
+            blk.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + args.forward_prefetch])
+        if args.backward_prefetch:
+            blk.set_modules_to_backward_prefetch(blocks[max(0, i - args.backward_prefetch):i][::-1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     recipe = None if mode == "bf16" else mxtrain.MXFP8Recipe()
     g = torch.Generator(device=device).manual_seed(rank)
@@ -178,6 +185,11 @@ def model_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--forward-prefetch", type=int, default=0, metavar="N",
+                   help="each block's forward gathers the next N blocks' weights (FSDP2 explicit prefetching; "
+                        "0: FSDP2's implicit order, the gather issued when the host reaches the block)")
+    p.add_argument("--backward-prefetch", type=int, default=0, metavar="N",
+                   help="each block's backward gathers the N blocks before it (0: FSDP2's default, one)")
 
 
 def init_distributed() -> torch.device:
@@ -209,7 +221,8 @@ def main():
                 f"{results[0]['params'] / 1e9:.2f} B params, FSDP2 over {world} x {name} "
                 f"({'NCCL' if device.type == 'cuda' else 'gloo'}), bf16 params (MixedPrecisionPolicy, fp32 master "
                 f"and reduce-scatter), AdamW, {args.batch} x {args.seq} tokens per rank; median of {args.steps} "
-                f"steps after {args.warmup}; torch {torch.__version__}; {datetime.date.today()}")
+                f"steps after {args.warmup}; prefetch forward {args.forward_prefetch} / backward "
+                f"{args.backward_prefetch or 'default'}; torch {torch.__version__}; {datetime.date.today()}")
         base = results[0]["step_ms"]
         lines = [head, "",
                  "| mode | step (ms) | vs bf16 | all-gather kernels (ms/step) | all-gather MiB/rank/step | "

@@ -56,6 +56,17 @@ def main():
         with mxtrain.mx_autocast(recipe=recipe):
             return m(xg)
 
+    # FSDP2's MX all-gather hooks on one weight shard (fp32 master, bf16 params, 2 ranks): the send buffer,
+    # and the gathered planes dequantized from a gather buffer (a copy each call: fill frees it)
+    from mxtrain.distributed.fsdp import MXAllGatherWeight, _GatheredState, _WeightInfo
+
+    shard = MXAllGatherWeight(torch.randn(args.hidden // 2, args.hidden, device=dev), _WeightInfo("w"))
+    full = (args.hidden, args.hidden)
+    wspec, dspec = recipe.role("fprop_weight"), recipe.role("dgrad_weight")
+    (send,), meta = shard._mx_input([(wspec, 1)], full, 2, bf16)
+    gathered = torch.cat([send, send])
+    state = _GatheredState("w", [gathered.new_empty(0)])
+
     def forward_backward():
         with mxtrain.mx_autocast(recipe=recipe):
             y = m(xg)
@@ -74,6 +85,10 @@ def main():
         ("activation_cast gelu, rowwise values", lambda: activation_cast(x, "gelu", fmt, axis=(-1,), dequantized=(1,),
                                                                          keep_codes=())),
         ("mx_gemm, values x values", lambda: dispatch.mx_gemm(row_values, w_values, out_dtype=bf16)),
+        ("FSDP MX send buffer, rowwise (fp32 shard)", lambda: shard._mx_input([(wspec, 1)], full, 2, bf16)),
+        ("FSDP MX send buffer, columnwise (fp32 shard)", lambda: shard._mx_input([(dspec, 0)], full, 2, bf16)),
+        ("gather buffer copy (for the next row)", lambda: gathered.clone()),
+        ("FSDP gathered planes filled (copy included)", lambda: state.fill(gathered.clone(), meta)),
         (f"LayerNormMLP {args.hidden}/{args.ffn} forward", forward),
         (f"LayerNormMLP {args.hidden}/{args.ffn} forward+backward", forward_backward),
     ]

@@ -40,8 +40,10 @@ constexpr int kTileK = 128;
 constexpr int kThreads = 256;
 constexpr int kChunks = kTileM * (kTileK / 8) / kThreads;  // 8-element chunks per thread: 8
 
-// kGammaBf16: a norm's gamma / beta are bf16 (else fp32)
-enum Flags : int { kRowCodes = 1, kRowVals = 2, kColCodes = 4, kColVals = 8, kGammaBf16 = 16 };
+// kGammaBf16: a norm's gamma / beta are bf16 (else fp32). kRoundBf16: an fp32 input is rounded to bf16
+// (nearest-even, as x.to(torch.bfloat16)) before the cast, in the plain kernel: the cast of the bf16
+// copy of fp32 master weights without writing that copy (FSDP2's MX all-gather)
+enum Flags : int { kRowCodes = 1, kRowVals = 2, kColCodes = 4, kColVals = 8, kGammaBf16 = 16, kRoundBf16 = 32 };
 
 struct CastArgs {
   const void* x;
@@ -247,6 +249,11 @@ __device__ __forceinline__ void col_tile(const CastArgs& a, const T (*tile)[kTil
   }
 }
 
+// fp32 bits rounded to the nearest bf16 (ties to even; NaN stays NaN, overflow goes to inf), as fp32 bits
+__device__ __forceinline__ uint32_t round_bf16_bits(uint32_t b) {
+  return __float_as_uint(__bfloat162float(__float2bfloat16_rn(__uint_as_float(b))));
+}
+
 // The plain cast: every load of the thread in flight at once into registers, the rowwise plane from
 // the registers, the tile to shared memory for the columnwise plane. One tile per CTA.
 template <typename T, int FMT>
@@ -279,6 +286,19 @@ __global__ void __launch_bounds__(kThreads, 1) mx_cast_fp8_kernel(const CastArgs
     } else {
 #pragma unroll
       for (int w = 0; w < W; ++w) raw[i][w] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  if constexpr (W == 2) {  // fp32 input
+    if (a.flags & kRoundBf16) {  // both planes then see the bf16 values (the tile below, the rows after it)
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          const uint4 u = raw[i][w];
+          raw[i][w] = make_uint4(round_bf16_bits(u.x), round_bf16_bits(u.y), round_bf16_bits(u.z),
+                                 round_bf16_bits(u.w));
+        }
+      }
     }
   }
   if (col_plane) {
@@ -850,10 +870,11 @@ cudaError_t launch_typed(const CastArgs& a, int fmt, int pre, cudaStream_t strea
 extern "C" {
 
 // Version of this entry point's argument list; the Python side checks it.
-int mxtrain_cast_abi_version() { return 5; }
+int mxtrain_cast_abi_version() { return 6; }
 
 // Cast a row-major [M, K] tensor (dtype 0 bf16, 1 fp16, 2 fp32; row stride ldx elements, K and ldx
-// multiples of 8, x 16-byte aligned) to MXFP8 (fmt 0 e4m3, 1 e5m2), block size 32. Outputs that a
+// multiples of 8, x 16-byte aligned) to MXFP8 (fmt 0 e4m3, 1 e5m2), block size 32 (an fp32 x rounded
+// to bf16 first with flags & kRoundBf16, pre 0 only). Outputs that a
 // flag does not ask for may be null. pre: the source (0 x; 1-5 act(x); 6 LayerNorm, 7 RMSNorm with
 // gamma / beta fp32 [K] (bf16 with flags & kGammaBf16), the statistics written to mean / rstd [M]
 // fp32, eps, work an int32 workspace of 1 + ceil((MP if the columnwise codes are asked for, else M) /
@@ -901,7 +922,8 @@ int mxtrain_mx_cast_fp8(const void* x, long long M, long long K, long long ldx, 
   a.vec_gb = (reinterpret_cast<uintptr_t>(gamma) % 16 == 0) && (reinterpret_cast<uintptr_t>(beta) % 16 == 0);
   a.gb_bf16 = (flags & kGammaBf16) != 0;
   if (M <= 0 || K <= 0 || (K % 8) || (ldx % 8) || fmt < 0 || fmt > 1 || scale_mode < 0 || scale_mode > 2 ||
-      pre < 0 || pre > 7 || (pre >= 6 && (!rstd || !gamma || !work || lookahead < 1)) || (pre == 6 && !mean) || (y && (ld_y % 8)))
+      pre < 0 || pre > 7 || ((flags & kRoundBf16) && (pre != 0 || dtype != 2)) ||
+      (pre >= 6 && (!rstd || !gamma || !work || lookahead < 1)) || (pre == 6 && !mean) || (y && (ld_y % 8)))
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (pre >= 6) {  // the norm's item counter and per-band statistics counters start at zero

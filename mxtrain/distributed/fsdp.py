@@ -59,6 +59,8 @@ from torch import nn
 
 from mxtrain.recipes import RoleSpec
 from mxtrain.autocast import get_recipe
+from mxtrain.formats import parse_format
+from mxtrain.kernels.cuda_cast import cast_planes_into
 from mxtrain.kernels.dispatch import quantize
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.mxtensor import MXPlane
@@ -316,20 +318,30 @@ class MXAllGatherWeight(torch.Tensor):
         n = orig_size[0]
         rows = self._local_rows(orig_size, world)
         check_shard_shape(self._info.name, tuple(orig_size), world, [spec.block_size for spec, a in uses if a == 0])
-        x = self._data.to(param_dtype)
-        pieces, planes = [], []
         by_spec: dict = {}
         for spec, axis in uses:
             by_spec.setdefault(spec, []).append(axis)
-        for spec, axes in by_spec.items():
-            mx = quantize(x, spec.fmt, block_size=spec.block_size, axis=tuple(axes), scale_mode=spec.scale_mode,
-                          rounding=spec.rounding)
-            for p in mx.planes:
-                pieces += [p.data.reshape(-1), p.scale.reshape(-1)]
-                planes.append({"spec": spec, "axis": p.axis, "packed": p.packed, "data_shape": tuple(p.data.shape),
-                               "scale_shape": tuple(p.scale.shape), "fmt": mx.fmt, "block_size": mx.block_size,
-                               "scale_mode": mx.scale_mode, "rounding": mx.rounding, "whole_axis": mx.whole_axis})
-        buf = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+        buf = None
+        if len(by_spec) == 1 and self._data.is_cuda:
+            # the CUDA cast writes the planes straight into the send buffer, rounding fp32 master weights to
+            # bf16 params inside the kernel: the same bytes as the general path below, two passes fewer
+            ((spec, axes),) = by_spec.items()
+            fast = cast_planes_into(self._data, parse_format(spec.fmt), spec.block_size, tuple(axes),
+                                    spec.scale_mode, spec.rounding, param_dtype)
+            if fast is not None:
+                buf, mx = fast
+                casts = [(spec, mx)]
+        if buf is None:
+            x = self._data.to(param_dtype)
+            casts = [(spec, quantize(x, spec.fmt, block_size=spec.block_size, axis=tuple(axes),
+                                     scale_mode=spec.scale_mode, rounding=spec.rounding))
+                     for spec, axes in by_spec.items()]
+            pieces = [t.reshape(-1) for _, mx in casts for p in mx.planes for t in (p.data, p.scale)]
+            buf = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+        planes = [{"spec": spec, "axis": p.axis, "packed": p.packed, "data_shape": tuple(p.data.shape),
+                   "scale_shape": tuple(p.scale.shape), "fmt": mx.fmt, "block_size": mx.block_size,
+                   "scale_mode": mx.scale_mode, "rounding": mx.rounding, "whole_axis": mx.whole_axis}
+                  for spec, mx in casts for p in mx.planes]
         axes = {p["axis"] for p in planes}
         what = "both" if len(axes) > 1 else ("rowwise" if 1 in axes else "columnwise")
         assert rows * world == n

@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 
 from mxtrain.formats import ElemFormat
-from mxtrain.quantization import MXTensor
+from mxtrain.quantization import MXPlane, MXTensor
 from mxtrain.quantization._validate import normalize_axes
 from mxtrain.quantization.mx import _check_common
 
 __all__ = ["cuda_quantize", "fp8_block_cast", "norm_cast", "activation_cast", "fused_sources_selected",
-           "dequantize_fp8", "cuda_selected",
+           "dequantize_fp8", "cuda_selected", "cast_planes_into",
            "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
@@ -42,9 +42,9 @@ SOURCE = CSRC_DIR / "mx_cast.cu"
 SOURCES = (SOURCE, CSRC_DIR / "fp8_block_cast.cu", CSRC_DIR / "mx_dequantize.cu")
 HEADERS = (CSRC_DIR / "cast_common.cuh",)
 ENABLED = os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 # the kernel's output / input switches (mx_cast.cu's Flags)
-_ROW_CODES, _ROW_VALS, _COL_CODES, _COL_VALS, _GAMMA_BF16 = 1, 2, 4, 8, 16
+_ROW_CODES, _ROW_VALS, _COL_CODES, _COL_VALS, _GAMMA_BF16, _ROUND_BF16 = 1, 2, 4, 8, 16, 32
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _FORMATS = {"fp8_e4m3": 0, "fp8_e5m2": 1}
 _SCALE_MODES = {"floor": 0, "rceil": 1, "even": 2}
@@ -209,13 +209,17 @@ def _format_args(fmt: ElemFormat) -> tuple[int, int, int, int]:
 
 def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str, rows: bool, cols: bool,
             row_codes: bool = True, row_vals=None, col_codes: bool = True, col_vals=None, pre: int = 0, act: int = 0,
-            mean=None, rstd=None, gamma=None, beta=None, y=None, eps: float = 0.0, gamma_bf16: bool = False):
+            mean=None, rstd=None, gamma=None, beta=None, y=None, eps: float = 0.0, gamma_bf16: bool = False,
+            codes_out=None, round_bf16: bool = False):
     """One kernel launch on a 2-D view; returns (row, col) as the Triton ``_launch`` does.
 
     ``pre`` 1-5: cast ``act(x2)`` (the ids of :data:`CUDA_ACTIVATIONS`); 6: LayerNorm
     ``fma(fma(x2, rstd, -(mean * rstd)), gamma, beta or 0)``; 7: RMSNorm ``(x2 * rstd) * gamma``, the
     kernel computing ``mean`` / ``rstd`` (fp32 [M] outputs) itself; rounded to x2's dtype (bf16 / fp16
-    only) and written to ``y`` if given; ``gamma`` / ``beta`` fp32, or bf16 with ``gamma_bf16``. Written
+    only) and written to ``y`` if given; ``gamma`` / ``beta`` fp32, or bf16 with ``gamma_bf16``.
+    ``codes_out``: (row data, row scale, col data, col scale) to write instead of allocating (the
+    planes asked for; the others None). ``round_bf16``: an fp32 ``x2`` is rounded to bf16 first (``pre``
+    0 only). Written
     for the host's hot path (one call per cast of a training step): no per-call work beyond the outputs'
     allocation and the kernel's arguments."""
     M, K = x2.shape
@@ -224,16 +228,18 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
     row_codes, row_vals = rows and row_codes, rows and bool(row_vals)  # values: a dtype (bf16) or a flag
     col_codes, col_vals = cols and col_codes, cols and bool(col_vals)
     rd = rs = rv = cd = cs = cv = None
-    if row_codes:
+    if codes_out is not None:
+        rd, rs, cd, cs = codes_out
+    elif row_codes:
         rd, rs = _alloc((M, kp), dev), _alloc((M, kp // 32), dev)
     if row_vals:
         rv = torch.empty((M, K), dtype=torch.bfloat16, device=dev)
-    if col_codes:
+    if col_codes and codes_out is None:
         cd, cs = _alloc((K, mp), dev), _alloc((K, mp // 32), dev)
     if col_vals:
         cv = torch.empty((M, K), dtype=torch.bfloat16, device=dev)
     flags = (_ROW_CODES * row_codes | _ROW_VALS * row_vals | _COL_CODES * col_codes | _COL_VALS * col_vals
-             | _GAMMA_BF16 * gamma_bf16)
+             | _GAMMA_BF16 * gamma_bf16 | _ROUND_BF16 * round_bf16)
     # a norm's workspace (zeroed by the entry point): the kernel's item counter, then per band of 128 rows
     # its statistics items done
     work = torch.empty(1 + -(-(mp if col_codes else M) // 128), dtype=torch.int32, device=dev) if pre >= 6 else None
@@ -396,6 +402,46 @@ def cuda_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mod
 
 
 cuda_quantize.supports_values = True
+
+
+def cast_planes_into(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tuple[int, ...], scale_mode: str,
+                     rounding: str, dtype: torch.dtype) -> tuple[torch.Tensor, MXTensor] | None:
+    """``x.to(dtype)`` [M, K] cast to MXFP8 with its planes' codes and scale bytes written one after another
+    into one uint8 buffer, in the order of ``axes`` (1 rowwise, 0 columnwise): for each plane its data,
+    then its scales, flattened, so the buffer is ``torch.cat`` of ``[p.data.reshape(-1), p.scale.reshape(-1)
+    for p in mx.planes]`` of :func:`cuda_quantize`'s result, bit for bit. FSDP2's MX all-gather sends it
+    as it is (no concatenation), and the conversion of fp32 master weights to bf16 parameters happens
+    inside the kernel (``dtype`` bf16 from fp32 ``x``: no bf16 copy is written). Returns ``(buffer, mx)``,
+    ``mx`` the MXTensor whose planes are views into the buffer (dtype ``dtype``), or None where the CUDA
+    kernel does not take the cast (:func:`unsupported_reason`, another dtype conversion, no extension)."""
+    if x.ndim != 2 or not set(axes) <= {0, 1} or len(set(axes)) != len(axes) or not axes:
+        return None
+    if dtype != x.dtype and not (dtype == torch.bfloat16 and x.dtype == torch.float32):
+        return None
+    if not cuda_selected(x.device) or unsupported_reason(x, fmt, block_size, axes, scale_mode, rounding, (),
+                                                         torch.bfloat16) is not None:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    M, K = x.shape
+    kp, mp = -(-K // 32) * 32, -(-M // 32) * 32
+    shapes = {1: ((M, kp), (M, kp // 32)), 0: ((K, mp), (K, mp // 32))}
+    total = sum(a * b for ax in axes for a, b in shapes[ax])
+    buf = _alloc((total,), x.device)
+    views, off = {}, 0
+    for ax in axes:
+        pair = []
+        for shape in shapes[ax]:
+            n = shape[0] * shape[1]
+            pair.append(buf[off:off + n].view(shape))
+            off += n
+        views[ax] = pair
+    rd, rs = views.get(1, (None, None))
+    cd, cs = views.get(0, (None, None))
+    _launch(lib, x, fmt, scale_mode, 1 in axes, 0 in axes, codes_out=(rd, rs, cd, cs), round_bf16=dtype != x.dtype)
+    planes = tuple(MXPlane(views[ax][0], views[ax][1], ax, True) for ax in axes)  # (as cuda_quantize's pack=True)
+    return buf, MXTensor._unchecked(planes, fmt.name, block_size, (M, K), dtype, scale_mode, rounding)
 
 
 # ---- MXFP8 dequantize (mxtrain/csrc/mx_dequantize.cu) -------------------------------------------

@@ -123,7 +123,9 @@ def build(seed, device, mixed=False, checkpoint=False, recipe=None):
     return Net(mixed=mixed, checkpoint=checkpoint, recipe=recipe).to(device)
 
 
-def shard(model, world, *, mx=True, reshard_after_forward=True, mp=None, ac=False):
+def shard(model, world, *, mx=True, reshard_after_forward=True, mp=None, ac=False, prefetch=0):
+    """FSDP2 on each block and the root; ``prefetch`` > 0 sets FSDP2's explicit prefetching: each block
+    gathers the next ``prefetch`` blocks' weights in its forward and the previous ones in its backward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mx:
@@ -137,6 +139,11 @@ def shard(model, world, *, mx=True, reshard_after_forward=True, mp=None, ac=Fals
     for blk in model.blocks:
         fully_shard(blk, **kw)
     fully_shard(model, **kw)
+    if prefetch:
+        blocks = list(model.blocks)
+        for i, blk in enumerate(blocks):
+            blk.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            blk.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
     return model
 
 
@@ -288,10 +295,10 @@ def count_all_gather_bytes(rank, world, device, recipe, mx: bool, mp):
 
 
 def parity(rank, world, device, recipe, *, steps=4, micro=1, reshard_after_forward=True, mixed=False, ac=False,
-           no_sync=False):
+           no_sync=False, prefetch=0):
     batches = global_batches(steps, micro, world, device)
     model = shard(build(0, device, mixed=mixed, checkpoint=ac, recipe=recipe), world,
-                  reshard_after_forward=reshard_after_forward, ac=ac)
+                  reshard_after_forward=reshard_after_forward, ac=ac, prefetch=prefetch)
     rec = PlaneRecorder()
     try:
         dist_losses = train_steps(model, make_opt(model), batches, recipe, rank, world, True, no_sync=no_sync)
@@ -339,6 +346,9 @@ def scenario_core(rank, world, device, out):
         "mxfp8_grad_accum": parity(rank, world, device, fp8, micro=2, steps=3),
         "mxfp8_grad_accum_no_sync": parity(rank, world, device, fp8, micro=3, steps=2, no_sync=True),
         "mxfp8_act_ckpt": parity(rank, world, device, fp8, ac=True, steps=3),
+        # FSDP2's explicit prefetching: the next block's gather is issued inside this block's hooks
+        "mxfp8_prefetch": parity(rank, world, device, fp8, prefetch=1, steps=3),
+        "mxfp8_prefetch_no_reshard": parity(rank, world, device, fp8, prefetch=1, steps=2, reshard_after_forward=False),
         "mxfp8_mixed": parity(rank, world, device, fp8, mixed=True, steps=3),
         # FP8 (non-MX) recipes gather the weight in high precision and cast it after the gather
         "fp8_current": parity(rank, world, device, mxtrain.recipes.recipe_from_string("fp8_current"), steps=2),

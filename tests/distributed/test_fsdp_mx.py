@@ -93,7 +93,8 @@ def test_all_gather_bytes_per_element(core):
 
 
 @pytest.mark.parametrize("case", ["mxfp8", "high_precision", "mxfp8_no_reshard", "mxfp8_grad_accum",
-                                  "mxfp8_grad_accum_no_sync", "mxfp8_act_ckpt", "mxfp8_mixed", "fp8_current"])
+                                  "mxfp8_grad_accum_no_sync", "mxfp8_act_ckpt", "mxfp8_mixed", "fp8_current",
+                                  "mxfp8_prefetch", "mxfp8_prefetch_no_reshard"])
 def test_training_matches_one_process(core, case):
     r = core["parity"][case]
     assert len(r["dist"]) == len(r["ref"]) >= 2

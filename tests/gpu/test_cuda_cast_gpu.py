@@ -515,3 +515,58 @@ def test_cuda_dequantize_layouts_it_leaves_to_triton(monkeypatch):
     taken.clear()
     assert helpers.values_equal(dq.triton_dequantize(mxt, torch.bfloat16, 1), mxt.dequantize(torch.bfloat16, 1))
     assert taken == [False]
+
+
+# ---- planes written into one buffer (FSDP2's MX all-gather input) ----------------------------------
+
+def _bf16_rounding_edges(rows, cols, seed=0):
+    """fp32 values on every kind of bf16 rounding edge: the low 16 bits exactly half an ulp (ties to
+    even, both parities), just under and over it, and zero (bf16 values), with random upper halves
+    (every exponent but the NaN/Inf one, both signs)."""
+    g = torch.Generator().manual_seed(seed)
+    upper = torch.randint(0, 1 << 16, (rows, cols), generator=g, dtype=torch.int64)
+    upper = torch.where((upper >> 7) & 0xFF == 0xFF, upper & ~(1 << 14), upper)  # no NaN / Inf exponent
+    low = torch.tensor([0x8000, 0x7FFF, 0x8001, 0x0000])[torch.randint(0, 4, (rows, cols), generator=g)]
+    bits = (upper << 16) | low
+    bits = torch.where(bits >= 1 << 31, bits - (1 << 32), bits)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("axes", [(1,), (0,), (1, 0), (0, 1)], ids=["rows", "cols", "rows_cols", "cols_rows"])
+@pytest.mark.parametrize("src", ["fp32_as_bf16", "bf16", "fp32"])
+@pytest.mark.parametrize("fmt", FP8)
+def test_cast_planes_into_one_buffer(fmt, src, axes):
+    """The buffer is torch.cat of the reference planes (codes, then scale bytes, plane by plane in the
+    order asked), bit for bit; fp32 rounded to bf16 inside the kernel equals x.to(bf16) then the cast
+    (ties, overflow to Inf, subnormals, NaN / Inf blocks), in both orientations."""
+    x32 = torch.cat([helpers.adversarial_matrix(160, 200, seed=3), _bf16_rounding_edges(96, 200, seed=4)]).to(DEV)
+    x = x32.to(torch.bfloat16) if src == "bf16" else x32
+    dtype = torch.float32 if src == "fp32" else torch.bfloat16
+    for mode in MODES:
+        got = cuda_cast.cast_planes_into(x, parse_format(fmt), 32, axes, mode, "even", dtype)
+        assert got is not None, "the CUDA kernel did not take the cast"
+        buf, mx = got
+        ref = quantize_mx(x.to(dtype), fmt, axis=axes, scale_mode=mode)
+        want = torch.cat([t.reshape(-1) for p in ref.planes for t in (p.data, p.scale)])
+        assert buf.dtype == torch.uint8 and buf.shape == want.shape
+        assert torch.equal(buf, want), f"{fmt} {src} {axes} {mode}: the buffer differs from the reference planes"
+        assert mx.dtype == dtype and tuple(p.axis for p in mx.planes) == tuple(p.axis for p in ref.planes)
+        problems = helpers.planes_equal(mx, ref)
+        assert not problems, "; ".join(problems)
+        assert all(p.data.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for p in mx.planes)
+
+
+def test_cast_planes_into_declines_what_it_does_not_cast(monkeypatch):
+    fp8 = parse_format("fp8_e4m3")
+    x = torch.randn(64, 64, device=DEV)
+    assert cuda_cast.cast_planes_into(x, fp8, 32, (1,), "floor", "even", torch.float16) is None  # fp32 -> fp16
+    assert cuda_cast.cast_planes_into(x.half(), fp8, 32, (1,), "floor", "even", torch.bfloat16) is None
+    assert cuda_cast.cast_planes_into(x, parse_format("fp4_e2m1"), 32, (1,), "floor", "even", torch.float32) is None
+    assert cuda_cast.cast_planes_into(x, fp8, 16, (1,), "floor", "even", torch.float32) is None
+    assert cuda_cast.cast_planes_into(x, fp8, 32, (1,), "floor", "stochastic", torch.float32) is None
+    assert cuda_cast.cast_planes_into(x.view(4, 16, 64), fp8, 32, (2,), "floor", "even", torch.float32) is None
+    assert cuda_cast.cast_planes_into(torch.randn(64, 60, device=DEV), fp8, 32, (1,), "floor", "even",
+                                      torch.float32) is None  # rows not a multiple of 8 elements
+    assert cuda_cast.cast_planes_into(x, fp8, 32, (), "floor", "even", torch.float32) is None
+    monkeypatch.setenv("MXTRAIN_BACKEND", "triton")  # read at each call
+    assert cuda_cast.cast_planes_into(x, fp8, 32, (1,), "floor", "even", torch.float32) is None

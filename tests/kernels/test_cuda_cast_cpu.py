@@ -131,3 +131,9 @@ def test_norm_lookahead_env_is_checked(monkeypatch):
         cuda_cast._lookahead_from_env()
     monkeypatch.setenv("MXTRAIN_NORM_LOOKAHEAD", "8")
     assert cuda_cast._lookahead_from_env() == 8
+
+
+def test_cast_planes_into_declines_cpu_tensors():
+    """FSDP2's one-buffer cast is CUDA only: on the CPU it hands back None (the caller casts as usual)."""
+    x = torch.randn(64, 64)
+    assert cuda_cast.cast_planes_into(x, parse_format("fp8_e4m3"), 32, (1,), "floor", "even", torch.bfloat16) is None
