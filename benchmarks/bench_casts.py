@@ -419,6 +419,26 @@ def fused_rows(x, n, variants_out=None):
                          f"{ms_triton:.4f} vs unfused {base_triton:.4f} ms = {base_triton / ms_triton:.2f}x)",
                          nbytes, ms, base_ms))
             rows.append(_graph_row(f"{act}+cast MXFP8 row+col", fused, unfused, nbytes))
+        # the activation's gradient + cast as LayerNormMLP's backward asks for it (no bias): dh's rowwise values
+        # and its columnwise codes
+        from mxtrain.modules.activations import activation_backward
+
+        g = torch.randn(n, n, device=x.device, dtype=torch.bfloat16)
+        kw = dict(axis=(-1, 0), dequantized=(-1,), keep_codes=(0,))
+        for act in ("gelu", "silu"):
+            def unfused_grad(act=act):
+                dh = activation_backward(x, g, act)
+                return dispatch.quantize(dh, "fp8_e4m3", **kw)
+
+            def fused_grad(act=act):
+                return activation_cast.activation_backward_cast(x, g, act, "fp8_e4m3", **kw)
+            base_ms = bench(unfused_grad)
+            ms = bench(fused_grad)
+            ms_triton = bench(with_backend("triton", fused_grad))
+            nbytes = 2 * x.numel() * 2 + x.numel() * 2 + n * n + n * (n // 32)
+            rows.append((f"{act} gradient+cast, row values + col codes (Triton kernel {ms_triton:.4f} ms = "
+                         f"{ms_triton / ms:.2f}x the CUDA one; torch backward + cast {base_ms:.4f} ms)",
+                         nbytes, ms, base_ms))
     return rows
 
 

@@ -163,6 +163,39 @@ __device__ __forceinline__ float act_fwd(float x, int act) {
   }
 }
 
+// The activation's input gradient g * act'(x) in fp32, with the formulas of torch's CUDA backward kernels
+// (and the Triton cast's _act_bwd): 1 gelu, 2 gelu_tanh, 3 relu (threshold_backward: x <= 0 -> 0, NaN x
+// passes g), 4 squared_relu (autograd of square(relu(x)): g * (2 * r), then relu's threshold), 5 silu.
+// Explicit round-to-nearest operations as act_fwd; the library's erff / expf / tanhf as there.
+__device__ __forceinline__ float act_bwd(float x, float g, int act) {
+  switch (act) {
+    case 1: {
+      const float cdf = __fmul_rn(0.5f, __fadd_rn(1.0f, erff(__fmul_rn(x, 0.7071067811865476f))));
+      const float pdf = __fmul_rn(expf(__fmul_rn(__fmul_rn(-0.5f, x), x)), 0.3989422804014327f);
+      return __fmul_rn(g, __fadd_rn(cdf, __fmul_rn(x, pdf)));
+    }
+    case 2: {
+      const float x_sq = __fmul_rn(x, x);
+      const float inner = __fmul_rn(0.7978845608028654f, __fadd_rn(x, __fmul_rn(0.044715f, __fmul_rn(x_sq, x))));
+      const float t = tanhf(inner);
+      const float left = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
+      const float inner_d = __fmul_rn(0.7978845608028654f, __fadd_rn(1.0f, __fmul_rn(0.13414499163627625f, x_sq)));
+      const float right = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, x), __fsub_rn(1.0f, __fmul_rn(t, t))), inner_d);
+      return __fmul_rn(g, __fadd_rn(left, right));
+    }
+    case 3:
+      return x <= 0.0f ? 0.0f : g;
+    case 4: {
+      const float r = x <= 0.0f ? 0.0f : x;  // relu (NaN stays NaN)
+      return r <= 0.0f ? 0.0f : __fmul_rn(g, __fmul_rn(2.0f, r));
+    }
+    default: {
+      const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
+      return __fmul_rn(__fmul_rn(g, s), __fadd_rn(1.0f, __fmul_rn(x, __fsub_rn(1.0f, s))));
+    }
+  }
+}
+
 // fp32 rounded to T (ties to even), back as fp32; NaN kept
 template <typename T>
 __device__ __forceinline__ float round_to(float v) {

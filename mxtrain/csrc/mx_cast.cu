@@ -81,6 +81,10 @@ struct CastArgs {
   float eps;
   int* work;
   int lookahead;
+  // the activation gradient (the plain kernel's GRAD template argument 1-5, act_bwd's ids): the cast of
+  // g * act'(x) rounded to x's dtype, g [M, K] in x's dtype with row stride ldg (y, when not null, gets it)
+  const void* g;
+  long long ldg;
   bool vec_gb;  // gamma (and beta) 16-byte aligned: loaded as two float4 (fp32) or one uint4 (bf16)
   bool gb_bf16;  // flags & kGammaBf16
 };
@@ -256,9 +260,10 @@ __device__ __forceinline__ uint32_t round_bf16_bits(uint32_t b) {
 
 // The plain cast: every load of the thread in flight at once into registers, the rowwise plane from
 // the registers, the tile to shared memory for the columnwise plane. One tile per CTA.
-template <typename T, int FMT>
+template <typename T, int FMT, int GRAD>
 __global__ void __launch_bounds__(kThreads, 1) mx_cast_fp8_kernel(const CastArgs a) {
   constexpr int W = Elem<T>::kWords;
+  static_assert(GRAD == 0 || W == 1, "the activation gradient is built for 16-bit inputs");
   extern __shared__ __align__(16) unsigned char smem[];
   T (*tile)[kTileK] = reinterpret_cast<T (*)[kTileK]>(smem);
   uint8_t* ctile = smem + kTileM * kTileK * sizeof(T);  // [kTileK][kTileM]
@@ -286,6 +291,37 @@ __global__ void __launch_bounds__(kThreads, 1) mx_cast_fp8_kernel(const CastArgs
     } else {
 #pragma unroll
       for (int w = 0; w < W; ++w) raw[i][w] = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+  if constexpr (GRAD != 0) {
+    // dh = g * act'(x) rounded to T, chunk by chunk, in place of x: both planes (and y) then see dh. g is read
+    // with plain loads: the rowwise values may be written over it (each element by the thread that read it)
+    uint4 graw[kChunks];
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const long long row = m0 + i * 16 + tid / 16;
+      graw[i] = (row < a.M && col < a.K)
+                    ? *reinterpret_cast<const uint4*>(static_cast<const T*>(a.g) + row * a.ldg + col)
+                    : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const long long row = m0 + i * 16 + tid / 16;
+      if (row < a.M && col < a.K) {
+        float xv[8], gv[8], d[8];
+        widen8<T>(raw[i], xv);
+        widen8<T>(&graw[i], gv);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) d[j] = act_bwd(xv[j], gv[j], GRAD);
+        if constexpr (GRAD == 3) {  // relu passes g through: its bits as they are (a NaN keeps its payload)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) d[j] = round_to<T>(d[j]);
+          narrow8<T>(d, &raw[i][0]);
+        } else {
+          raw[i][0] = round_pack8<T>(d);  // fp32 arithmetic: NaN is the canonical one
+        }
+        if (a.y) *reinterpret_cast<uint4*>(static_cast<T*>(a.y) + row * a.ld_y + col) = raw[i][0];
+      }
     }
   }
   if constexpr (W == 2) {  // fp32 input
@@ -800,12 +836,12 @@ cudaError_t allow_smem(K kernel, int bytes) {  // more than 48 KB of dynamic sha
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-template <typename T, int FMT>
+template <typename T, int FMT, int GRAD = 0>
 cudaError_t launch_plain(const CastArgs& a, dim3 grid, cudaStream_t stream) {
   const bool col_plane = a.flags & (kColCodes | kColVals);
-  static cudaError_t configured = allow_smem(mx_cast_fp8_kernel<T, FMT>, smem_bytes<T>());
+  static cudaError_t configured = allow_smem(mx_cast_fp8_kernel<T, FMT, GRAD>, smem_bytes<T>());
   if (configured != cudaSuccess) return configured;
-  mx_cast_fp8_kernel<T, FMT><<<grid, kThreads, col_plane ? smem_bytes<T>() : 0, stream>>>(a);
+  mx_cast_fp8_kernel<T, FMT, GRAD><<<grid, kThreads, col_plane ? smem_bytes<T>() : 0, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -835,10 +871,20 @@ cudaError_t launch_pre(const CastArgs& a, int pre, dim3 grid, cudaStream_t strea
     return pre == 0 ? launch_plain<T, FMT>(a, grid, stream) : cudaErrorInvalidValue;
   } else {
     const long long ntiles = (long long)grid.x * grid.y;  // + the statistics items of a norm
-    const long long nitems = ntiles + (pre >= 6 ? (long long)grid.x * kStatItems : 0);
+    const long long nitems = ntiles + (pre == 6 || pre == 7 ? (long long)grid.x * kStatItems : 0);
     switch (pre) {
       case 0:
         return launch_plain<T, FMT>(a, grid, stream);
+      case 11:
+        return launch_plain<T, FMT, 1>(a, grid, stream);
+      case 12:
+        return launch_plain<T, FMT, 2>(a, grid, stream);
+      case 13:
+        return launch_plain<T, FMT, 3>(a, grid, stream);
+      case 14:
+        return launch_plain<T, FMT, 4>(a, grid, stream);
+      case 15:
+        return launch_plain<T, FMT, 5>(a, grid, stream);
       case 1:
         return launch_source<T, FMT, 1>(a, nitems, stream);
       case 2:
@@ -878,14 +924,18 @@ int mxtrain_cast_abi_version() { return 6; }
 // flag does not ask for may be null. pre: the source (0 x; 1-5 act(x); 6 LayerNorm, 7 RMSNorm with
 // gamma / beta fp32 [K] (bf16 with flags & kGammaBf16), the statistics written to mean / rstd [M]
 // fp32, eps, work an int32 workspace of 1 + ceil((MP if the columnwise codes are asked for, else M) /
-// 128) entries, zeroed here on the stream, lookahead >= 1 bands). Returns a cudaError_t (0 on success).
+// 128) entries, zeroed here on the stream, lookahead >= 1 bands; 11-15 the gradient g * act'(x) of
+// activation pre - 10 (act_bwd), g [M, K] in x's dtype (bf16 / fp16) with row stride ldg, a multiple of 8,
+// 16-byte aligned; y gets it when not null; the rowwise values may be written over g). Returns a
+// cudaError_t (0 on success).
 int mxtrain_mx_cast_fp8(const void* x, long long M, long long K, long long ldx, int dtype, int fmt,
                         int scale_mode, int emax, int mbits, unsigned int inv_max_bits, int flags,
                         uint8_t* row_data, long long row_data_ld, uint8_t* row_scale, long long row_scale_ld,
                         uint8_t* col_data, long long col_data_ld, uint8_t* col_scale, long long col_scale_ld,
                         uint16_t* row_vals, uint16_t* col_vals, long long ld_vals, long long KP, long long MP,
                         int pre, int act, float* mean, float* rstd, const void* gamma, const void* beta,
-                        void* y, long long ld_y, float eps, int* work, int lookahead, void* stream) {
+                        void* y, long long ld_y, float eps, int* work, int lookahead, const void* g,
+                        long long ldg, void* stream) {
   CastArgs a;
   a.x = x;
   a.ldx = ldx;
@@ -919,14 +969,17 @@ int mxtrain_mx_cast_fp8(const void* x, long long M, long long K, long long ldx, 
   a.eps = eps;
   a.work = work;
   a.lookahead = lookahead;
+  a.g = g;
+  a.ldg = ldg;
   a.vec_gb = (reinterpret_cast<uintptr_t>(gamma) % 16 == 0) && (reinterpret_cast<uintptr_t>(beta) % 16 == 0);
   a.gb_bf16 = (flags & kGammaBf16) != 0;
   if (M <= 0 || K <= 0 || (K % 8) || (ldx % 8) || fmt < 0 || fmt > 1 || scale_mode < 0 || scale_mode > 2 ||
-      pre < 0 || pre > 7 || ((flags & kRoundBf16) && (pre != 0 || dtype != 2)) ||
-      (pre >= 6 && (!rstd || !gamma || !work || lookahead < 1)) || (pre == 6 && !mean) || (y && (ld_y % 8)))
+      pre < 0 || (pre > 7 && pre < 11) || pre > 15 || ((flags & kRoundBf16) && (pre != 0 || dtype != 2)) ||
+      ((pre == 6 || pre == 7) && (!rstd || !gamma || !work || lookahead < 1)) || (pre == 6 && !mean) ||
+      (pre >= 11 && (!g || (ldg % 8) || dtype == 2)) || (y && (ld_y % 8)))
     return (int)cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (pre >= 6) {  // the norm's item counter and per-band statistics counters start at zero
+  if (pre == 6 || pre == 7) {  // the norm's item counter and per-band statistics counters start at zero
     const long long bands = (((flags & 4) ? MP : M) + 127) / 128;
     cudaError_t err = cudaMemsetAsync(work, 0, sizeof(int) * (size_t)(1 + bands), s);
     if (err != cudaSuccess) return (int)err;

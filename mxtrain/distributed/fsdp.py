@@ -60,7 +60,7 @@ from torch import nn
 from mxtrain.recipes import RoleSpec
 from mxtrain.autocast import get_recipe
 from mxtrain.formats import parse_format
-from mxtrain.kernels.cuda_cast import cast_planes_into
+from mxtrain.kernels.cuda_cast import cast_planes_into, dequantize_fp8_at
 from mxtrain.kernels.dispatch import quantize
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.mxtensor import MXPlane
@@ -442,16 +442,25 @@ class _GatheredState:
             _free(arena)
             arena = self.inner[0] = torch.empty(total, dtype=torch.uint8, device=per_rank.device)
         planes, src_off = {}, 0
+        base, step = per_rank.data_ptr(), per_rank.stride(0)
         for i, p in enumerate(meta["planes"]):
             full = arena[i * numel * itemsize:(i + 1) * numel * itemsize].view(dtype).view(shape)
             nd, ns = math.prod(p["data_shape"]), math.prod(p["scale_shape"])
             # rank 0's plane; rank r's lies r rows of the gather buffer further: one launch writes them all
-            plane = MXPlane(data=per_rank[0, src_off:src_off + nd].view(p["data_shape"]),
-                            scale=per_rank[0, src_off + nd:src_off + nd + ns].view(p["scale_shape"]),
-                            axis=p["axis"], packed=p["packed"])
-            shard = MXTensor._unchecked((plane,), p["fmt"], p["block_size"], (rows, *shape[1:]), dtype,
-                                        p["scale_mode"], p["rounding"], p["whole_axis"])
-            triton_dequantize_shards(shard, world, per_rank.stride(0), per_rank.stride(0), full, p["axis"])
+            done = False
+            if per_rank.is_cuda and len(shape) == 2:  # the CUDA kernel, given the addresses (no views)
+                k = shape[1]
+                rows_read, length, out_r, out_l = (rows, k, k, 1) if p["axis"] == 1 else (k, rows, 1, k)
+                done = dequantize_fp8_at(base + src_off, base + src_off + nd, p["data_shape"][1], p["scale_shape"][1],
+                                         full, parse_format(p["fmt"]), p["block_size"], rows_read, length, out_r,
+                                         out_l, world, step, step, rows * k)
+            if not done:
+                plane = MXPlane(data=per_rank[0, src_off:src_off + nd].view(p["data_shape"]),
+                                scale=per_rank[0, src_off + nd:src_off + nd + ns].view(p["scale_shape"]),
+                                axis=p["axis"], packed=p["packed"])
+                shard = MXTensor._unchecked((plane,), p["fmt"], p["block_size"], (rows, *shape[1:]), dtype,
+                                            p["scale_mode"], p["rounding"], p["whole_axis"])
+                triton_dequantize_shards(shard, world, step, step, full, p["axis"])
             src_off += nd + ns
             planes[p["axis"]] = (p["spec"], MXTensor._unchecked((), p["fmt"], p["block_size"], shape, dtype,
                                                                 p["scale_mode"], p["rounding"], p["whole_axis"],

@@ -24,7 +24,10 @@ function's output), the other inputs from the function itself.
 ``activation_backward_cast(h, grad, "gelu", ...)`` is the backward counterpart: the MX planes of
 ``dh = grad * act'(h)`` (every activation, gated ones included; torch's formulas in fp32, rounded to
 the dtype where torch rounds), and optionally the bias gradient (the fp32 sum of ``dh`` over tokens),
-from one pass.
+from one pass. On CUDA tensors (bf16 / fp16, MXFP8 round-half-even, block 32) the non-gated activations'
+gradients run on the CUDA C++ kernel when no bias gradient is asked for (its ``act_bwd``: the same formulas
+with the CUDA math library, within one ulp of torch's and of the Triton kernel's ``dh``; the codes are the
+reference cast of the kernel's own ``dh``); the bias sum and the gated activations stay with Triton.
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ class _OutputLike(NamedTuple):
 
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def cuda_cast_selected(device: torch.device) -> bool:
+    """Whether the fused sources take the CUDA C++ kernel on ``device`` (see ``cuda_cast.fused_sources_selected``)."""
+    from mxtrain.kernels import cuda_cast
+
+    return cuda_cast.fused_sources_selected(device)
 
 
 def torch_activation(h: torch.Tensor, name: str) -> torch.Tensor:
@@ -205,6 +215,15 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     outs = _cast.plane_outputs(last, keep, deq, dequantized_dtype)
     into_grad = (reuse_grad and not gated and outs["row_vals"] is not None and g2.dtype == outs["row_vals"]
                  and g2.is_contiguous() and g2.data_ptr() != h2.data_ptr())
+    if h.is_cuda and not gated and not dbias and cuda_cast_selected(h.device):
+        from mxtrain.kernels import cuda_cast
+
+        res = cuda_cast.activation_backward_cast(h2, g2, name, fmt_, block_size, scale_mode, rounding, pack, want_row,
+                                                 want_col, return_output, outs, into_grad)
+        if res is not None:  # the CUDA C++ cast with the activation's gradient as its prologue
+            row, col, y = res
+            mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
+            return ActivationGradCast(mxt, y.reshape(h.shape) if y is not None else None, None)
     row, col, *db = _cast._launch(h2, fmt_, block_size, want_row, want_col, scale_mode, rounding, seed_t, pack,
                                   act=ACTIVATION_IDS[name], y=y, grad=g2, dbias=dbias, row_vals_into_grad=into_grad,
                                   **outs)

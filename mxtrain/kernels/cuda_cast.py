@@ -34,7 +34,7 @@ from mxtrain.quantization._validate import normalize_axes
 from mxtrain.quantization.mx import _check_common
 
 __all__ = ["cuda_quantize", "fp8_block_cast", "norm_cast", "activation_cast", "fused_sources_selected",
-           "dequantize_fp8", "cuda_selected", "cast_planes_into",
+           "dequantize_fp8", "dequantize_fp8_at", "cuda_selected", "cast_planes_into",
            "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
@@ -99,7 +99,7 @@ def _build() -> ctypes.CDLL:
     ll, vp, i = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int
     lib.mxtrain_mx_cast_fp8.argtypes = [vp, ll, ll, ll, i, i, i, i, i, ctypes.c_uint, i,
                                         vp, ll, vp, ll, vp, ll, vp, ll, vp, vp, ll, ll, ll,
-                                        i, i, vp, vp, vp, vp, vp, ll, ctypes.c_float, vp, i, vp]
+                                        i, i, vp, vp, vp, vp, vp, ll, ctypes.c_float, vp, i, vp, ll, vp]
     lib.mxtrain_mx_cast_fp8.restype = i
     f32 = ctypes.c_float
     lib.mxtrain_fp8_block_cast.argtypes = [vp, vp, ll, ll, ll, ll, i, i, i, i, i, f32, f32, vp, vp, vp, vp, vp, ll, ll,
@@ -210,7 +210,7 @@ def _format_args(fmt: ElemFormat) -> tuple[int, int, int, int]:
 def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str, rows: bool, cols: bool,
             row_codes: bool = True, row_vals=None, col_codes: bool = True, col_vals=None, pre: int = 0, act: int = 0,
             mean=None, rstd=None, gamma=None, beta=None, y=None, eps: float = 0.0, gamma_bf16: bool = False,
-            codes_out=None, round_bf16: bool = False):
+            codes_out=None, round_bf16: bool = False, grad=None, row_vals_into=None):
     """One kernel launch on a 2-D view; returns (row, col) as the Triton ``_launch`` does.
 
     ``pre`` 1-5: cast ``act(x2)`` (the ids of :data:`CUDA_ACTIVATIONS`); 6: LayerNorm
@@ -219,7 +219,9 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
     only) and written to ``y`` if given; ``gamma`` / ``beta`` fp32, or bf16 with ``gamma_bf16``.
     ``codes_out``: (row data, row scale, col data, col scale) to write instead of allocating (the
     planes asked for; the others None). ``round_bf16``: an fp32 ``x2`` is rounded to bf16 first (``pre``
-    0 only). Written
+    0 only). ``pre`` 11-15 with ``grad`` (``x2``'s dtype and layout): the gradient ``grad * act'(x2)`` of
+    activation ``pre - 10``, rounded to ``x2``'s dtype (to ``y`` if given); ``row_vals_into``: the tensor the
+    rowwise values are written to (``grad`` itself: it is read before). Written
     for the host's hot path (one call per cast of a training step): no per-call work beyond the outputs'
     allocation and the kernel's arguments."""
     M, K = x2.shape
@@ -233,7 +235,7 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
     elif row_codes:
         rd, rs = _alloc((M, kp), dev), _alloc((M, kp // 32), dev)
     if row_vals:
-        rv = torch.empty((M, K), dtype=torch.bfloat16, device=dev)
+        rv = row_vals_into if row_vals_into is not None else torch.empty((M, K), dtype=torch.bfloat16, device=dev)
     if col_codes and codes_out is None:
         cd, cs = _alloc((K, mp), dev), _alloc((K, mp // 32), dev)
     if col_vals:
@@ -252,7 +254,8 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
         None if mean is None else mean.data_ptr(), None if rstd is None else rstd.data_ptr(),
         None if gamma is None else gamma.data_ptr(), None if beta is None else beta.data_ptr(),
         None if y is None else y.data_ptr(), 0 if y is None else y.stride(0), float(eps),
-        None if work is None else work.data_ptr(), max(1, int(NORM_LOOKAHEAD)), _raw_stream(dev))
+        None if work is None else work.data_ptr(), max(1, int(NORM_LOOKAHEAD)),
+        None if grad is None else grad.data_ptr(), 0 if grad is None else grad.stride(0), _raw_stream(dev))
     if err:
         raise RuntimeError(f"mxtrain CUDA cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")
     return ((rd, rs, rv) if rows else None), ((cd, cs, cv) if cols else None)
@@ -350,6 +353,31 @@ def norm_cast(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        pre=6 if kind == "LayerNorm" else 7, mean=mean, rstd=rstd, gamma=gamma, beta=beta, y=y,
                        eps=eps, gamma_bf16=gamma_bf16)
     return row, col, mean, rstd, y
+
+
+def activation_backward_cast(h2: torch.Tensor, g2: torch.Tensor, act: str, fmt: ElemFormat, block_size: int,
+                             scale_mode: str, rounding: str, pack: bool, rows: bool, cols: bool, return_output: bool,
+                             outputs: dict, into_grad: bool):
+    """The MXFP8 planes of ``dh = g2 * act'(h2)`` (rounded to ``h2``'s dtype) in one pass of the CUDA kernel:
+    ``(row, col, y)`` as :func:`activation_cast` returns them, or None where it does not apply (gated
+    activations, another cast, layouts the kernel does not read). ``outputs``:
+    :func:`mxtrain.kernels.cast.plane_outputs` (values in bf16); ``into_grad``: the rowwise values are written
+    over ``g2`` (contiguous, bf16), which the caller gives up. No bias gradient: the Triton cast sums it."""
+    if act not in CUDA_ACTIVATIONS or _fused_unsupported(h2, fmt, block_size, scale_mode, rounding, pack):
+        return None
+    if (g2.dtype != h2.dtype or g2.shape != h2.shape or g2.stride(1) != 1 or g2.stride(0) % 8
+            or g2.data_ptr() % 16):
+        return None
+    if outputs.get("row_vals") not in (None, torch.bfloat16) or outputs.get("col_vals") not in (None, torch.bfloat16):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    y = torch.empty_like(h2) if return_output else None
+    into = g2 if (into_grad and rows and outputs.get("row_vals") is not None) else None
+    row, col = _launch(lib, h2, fmt, scale_mode, rows, cols, **outputs, pre=10 + CUDA_ACTIVATIONS[act], y=y,
+                       grad=g2, row_vals_into=into)
+    return row, col, y
 
 
 def _inv_max_bits(fmt: ElemFormat) -> int:
@@ -460,21 +488,34 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, f
     :func:`mxtrain.kernels.dequantize._launch` takes them). Returns False, launching nothing, where it does
     not apply: off by :data:`DEQUANTIZE` or the backend choice (``MXTRAIN_BACKEND=triton``), another
     format, block size or output dtype, or a layout the kernel does not take (strides, alignment)."""
+    if data.stride(-1) != 1 or scale.stride(-1) != 1:
+        return False
+    return dequantize_fp8_at(data.data_ptr(), scale.data_ptr(), data.stride(0), scale.stride(0), out, fmt,
+                             block_size, rows, length, out_stride_r, out_stride_l, count, data_step, scale_step,
+                             out_step)
+
+
+def dequantize_fp8_at(data_ptr: int, scale_ptr: int, data_ld: int, scale_ld: int, out: torch.Tensor,
+                      fmt: ElemFormat, block_size: int, rows: int, length: int, out_stride_r: int, out_stride_l: int,
+                      count: int = 1, data_step: int = 0, scale_step: int = 0, out_step: int = 0) -> bool:
+    """:func:`dequantize_fp8` on codes and scale bytes given by address (rows ``data_ld`` / ``scale_ld`` bytes
+    apart, contiguous along the block axis), for callers that laid them out themselves (FSDP2's gather
+    buffer: no tensor views built per call). Same checks, same False where it does not apply."""
     if not (DEQUANTIZE and out.is_cuda and out.dtype == torch.bfloat16 and block_size == 32 and fmt.name in _FORMATS
             and cuda_selected(out.device)):  # (fp8 codes are one a byte: a plane's "packed" flag changes nothing)
         return False
     transposed = out_stride_r == 1 and out_stride_l != 1
     ld_out = out_stride_l if transposed else out_stride_r
-    if (length % 8 or data.stride(-1) != 1 or data.stride(0) % 8 or data_step % 8 or out_step % 8 or ld_out % 8
-            or (not transposed and out_stride_l != 1) or (transposed and rows % 8) or data.data_ptr() % 8
-            or out.data_ptr() % 16 or scale.stride(-1) != 1 or not 1 <= count <= 65535):
+    if (length % 8 or data_ld % 8 or data_step % 8 or out_step % 8 or ld_out % 8
+            or (not transposed and out_stride_l != 1) or (transposed and rows % 8) or data_ptr % 8
+            or out.data_ptr() % 16 or not 1 <= count <= 65535):
         return False
     lib = library()
     if lib is None:
         return False
-    err = lib.mxtrain_mx_dequantize_fp8(data.data_ptr(), scale.data_ptr(), out.data_ptr(), rows, length,
-                                        data.stride(0), scale.stride(0), out_stride_r, out_stride_l, count, data_step,
-                                        scale_step, out_step, _FORMATS[fmt.name], _raw_stream(out.device))
+    err = lib.mxtrain_mx_dequantize_fp8(data_ptr, scale_ptr, out.data_ptr(), rows, length, data_ld, scale_ld,
+                                        out_stride_r, out_stride_l, count, data_step, scale_step, out_step,
+                                        _FORMATS[fmt.name], _raw_stream(out.device))
     if err:
         raise RuntimeError(f"mxtrain CUDA dequantize failed: {lib.mxtrain_cuda_error_string(err).decode()}")
     return True

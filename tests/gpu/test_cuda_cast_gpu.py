@@ -167,7 +167,8 @@ def test_dispatch_prefers_cuda_and_forced_backends_agree():
     assert not helpers.planes_equal(by["triton"], by["reference"])
 
 
-def test_modules_on_cuda_cast_equal_triton(monkeypatch):
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_modules_on_cuda_cast_equal_triton(monkeypatch, bias):
     """LayerNormMLP forward+backward under MXFP8 on the CUDA cast equals the Triton cast bit for bit: the
     output and every fc gradient. The norm's own gradients (dx, d gamma, d beta) run torch's native backward
     on the statistics each backend's norm + cast kernel computed; the two kernels sum a row in different
@@ -176,7 +177,8 @@ def test_modules_on_cuda_cast_equal_triton(monkeypatch):
     import mxtrain
 
     torch.manual_seed(0)
-    mlp = mxtrain.LayerNormMLP(256, 512, activation="gelu").to(DEV, torch.bfloat16)
+    # without biases the activation gradient is cast by the CUDA kernel too (with them, Triton sums fc1's)
+    mlp = mxtrain.LayerNormMLP(256, 512, activation="gelu", bias=bias).to(DEV, torch.bfloat16)
     x = torch.randn(128, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     outs = {}
     for backend in ("cuda", "triton"):
@@ -570,3 +572,82 @@ def test_cast_planes_into_declines_what_it_does_not_cast(monkeypatch):
     assert cuda_cast.cast_planes_into(x, fp8, 32, (), "floor", "even", torch.float32) is None
     monkeypatch.setenv("MXTRAIN_BACKEND", "triton")  # read at each call
     assert cuda_cast.cast_planes_into(x, fp8, 32, (1,), "floor", "even", torch.float32) is None
+
+
+# ---- activation gradient + cast on the CUDA kernel (pre 11-15) ------------------------------------------
+
+def _fp16_ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def order(t):
+        i = t.view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -32768 - i, i)
+    d = (order(a) - order(b)).abs()
+    return torch.where(a.isnan() & b.isnan(), torch.zeros_like(d), d)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu", "squared_relu", "silu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_activation_backward_cast_cuda(monkeypatch, fused_sources, act, dtype):
+    """dh = grad * act'(h) inside the CUDA cast: the codes of the kernel's own dh bit for bit (both planes,
+    ragged rows and columns, NaN / Inf / signed zeros), dh within one ulp of torch's backward (relu: equal)
+    and of the Triton kernel's, the values and codes of one pass consistent."""
+    from mxtrain.kernels.activation_cast import activation_backward_cast
+    from mxtrain.modules.activations import activation_backward
+
+    calls = _spy(monkeypatch, "activation_backward_cast")
+    g = torch.Generator(device=DEV).manual_seed(31)
+    h = (torch.randn(300, 1032, generator=g, device=DEV) * 3).to(dtype)
+    grad = torch.randn(300, 1032, generator=g, device=DEV).to(dtype)
+    h[3, 5], h[7, 0], grad[9, 9], h[11, 40], h[12, 0] = float("nan"), 0.0, float("inf"), -0.0, float("-inf")
+    grad[20, 3], h[21, 7] = float("nan"), 1e4
+    want = activation_backward(h, grad, act)
+    ulps = _ulp_diff_bf16 if dtype == torch.bfloat16 else _fp16_ulp_diff
+    for fmt, mode in (("fp8_e4m3", "rceil"), ("fp8_e5m2", "floor"), ("fp8_e4m3", "even")):
+        r = activation_backward_cast(h, grad, act, fmt, axis=(-1, 0), scale_mode=mode, return_output=True)
+        assert calls, "the CUDA kernel did not take the cast"
+        assert r.dbias is None
+        assert not helpers.planes_equal(r.mx, quantize_mx(r.out, fmt, axis=(-1, 0), scale_mode=mode))
+        assert torch.equal(r.out.isnan(), want.isnan())
+        assert ulps(r.out, want).max().item() <= 1, f"{act}: dh more than an ulp from torch's"
+        if act == "relu":
+            assert torch.equal(r.out.nan_to_num(), want.nan_to_num())
+    # against the Triton kernel (the fused sources switched off): within an ulp, most equal
+    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", False)
+    tri = activation_backward_cast(h, grad, act, "fp8_e4m3", axis=(-1, 0), return_output=True)
+    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", True)
+    cud = activation_backward_cast(h, grad, act, "fp8_e4m3", axis=(-1, 0), return_output=True)
+    assert ulps(cud.out, tri.out).max().item() <= 1
+    assert (ulps(cud.out, tri.out) == 0).float().mean().item() > 0.99
+    # values from the same pass: the rowwise values written over grad (reuse_grad), the columnwise codes kept
+    g2 = grad.clone()
+    r = activation_backward_cast(h, g2, act, "fp8_e4m3", axis=(-1, 0), dequantized=(-1,), keep_codes=(0,),
+                                 reuse_grad=True)
+    assert r.mx.dequantized_values(1).data_ptr() == g2.data_ptr()
+    assert torch.equal(r.mx.dequantized_values(1).float().nan_to_num(),
+                       cud.mx.dequantize(torch.bfloat16, 1).float().nan_to_num())
+    assert [p.axis for p in r.mx.planes] == [0]
+    assert torch.equal(r.mx.plane(0).data, cud.mx.plane(0).data) and torch.equal(r.mx.plane(0).scale,
+                                                                                  cud.mx.plane(0).scale)
+    both = activation_backward_cast(h, grad, act, "fp8_e4m3", axis=(-1, 0), dequantized=(-1, 0), keep_codes=())
+    for axis in (1, 0):
+        assert torch.equal(both.mx.dequantized_values(axis).float().nan_to_num(),
+                           cud.mx.dequantize(torch.bfloat16, axis).float().nan_to_num())
+
+
+def test_activation_backward_cast_cuda_leaves_to_triton(monkeypatch, fused_sources):
+    """The bias gradient, gated activations, fp32 and strided gradients stay with the Triton kernel."""
+    from mxtrain.kernels.activation_cast import activation_backward_cast
+
+    launches = _spy(monkeypatch, "_launch")
+    h = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
+    grad = torch.randn(64, 256, device=DEV, dtype=torch.bfloat16)
+    r = activation_backward_cast(h, grad, "gelu", "fp8_e4m3", axis=(-1, 0), dbias=True, return_output=True)
+    assert r.dbias is not None
+    activation_backward_cast(h, grad[:, :128], "swiglu", "fp8_e4m3", axis=(-1, 0))
+    activation_backward_cast(h.float(), grad.float(), "gelu", "fp8_e4m3", axis=(-1, 0))
+    assert not launches
+    wide = torch.randn(64, 512, device=DEV, dtype=torch.bfloat16)[:, 8:264]  # rows 512 apart, 16-byte aligned
+    assert cuda_cast.activation_backward_cast(h, wide, "gelu", parse_format("fp8_e4m3"), 32, "floor", "even", True,
+                                              True, True, False, {}, False) is not None  # strided rows are read
+    odd = torch.randn(64, 257, device=DEV, dtype=torch.bfloat16)[:, 1:]  # 2-byte aligned rows: declined
+    assert cuda_cast.activation_backward_cast(h, odd, "gelu", parse_format("fp8_e4m3"), 32, "floor", "even", True,
+                                              True, True, False, {}, False) is None
