@@ -261,7 +261,7 @@ __device__ __forceinline__ uint32_t round_bf16_bits(uint32_t b) {
 // The plain cast: every load of the thread in flight at once into registers, the rowwise plane from
 // the registers, the tile to shared memory for the columnwise plane. One tile per CTA.
 template <typename T, int FMT, int GRAD>
-__global__ void __launch_bounds__(kThreads, 1) mx_cast_fp8_kernel(const CastArgs a) {
+__global__ void __launch_bounds__(kThreads, GRAD ? 2 : 1) mx_cast_fp8_kernel(const CastArgs a) {
   constexpr int W = Elem<T>::kWords;
   static_assert(GRAD == 0 || W == 1, "the activation gradient is built for 16-bit inputs");
   extern __shared__ __align__(16) unsigned char smem[];

@@ -610,18 +610,21 @@ def test_activation_backward_cast_cuda(monkeypatch, fused_sources, act, dtype):
         assert ulps(r.out, want).max().item() <= 1, f"{act}: dh more than an ulp from torch's"
         if act == "relu":
             assert torch.equal(r.out.nan_to_num(), want.nan_to_num())
-    # against the Triton kernel (the fused sources switched off): within an ulp, most equal
+    # against the Triton kernel (the fused sources switched off): nearly always equal, and close everywhere
+    # (Triton's contracted arithmetic, not within an ulp of torch's where gelu's derivative cancels near
+    # x = -0.75, is the one further off there)
     monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", False)
     tri = activation_backward_cast(h, grad, act, "fp8_e4m3", axis=(-1, 0), return_output=True)
     monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", True)
     cud = activation_backward_cast(h, grad, act, "fp8_e4m3", axis=(-1, 0), return_output=True)
-    assert ulps(cud.out, tri.out).max().item() <= 1
     assert (ulps(cud.out, tri.out) == 0).float().mean().item() > 0.99
-    # values from the same pass: the rowwise values written over grad (reuse_grad), the columnwise codes kept
+    torch.testing.assert_close(cud.out.float(), tri.out.float(), rtol=2**-6, atol=1e-4, equal_nan=True)
+    # values from the same pass: the bf16 rowwise values written over a bf16 grad (reuse_grad), the columnwise
+    # codes kept
     g2 = grad.clone()
     r = activation_backward_cast(h, g2, act, "fp8_e4m3", axis=(-1, 0), dequantized=(-1,), keep_codes=(0,),
                                  reuse_grad=True)
-    assert r.mx.dequantized_values(1).data_ptr() == g2.data_ptr()
+    assert (r.mx.dequantized_values(1).data_ptr() == g2.data_ptr()) == (dtype == torch.bfloat16)
     assert torch.equal(r.mx.dequantized_values(1).float().nan_to_num(),
                        cud.mx.dequantize(torch.bfloat16, 1).float().nan_to_num())
     assert [p.axis for p in r.mx.planes] == [0]
