@@ -1,5 +1,6 @@
 """Host time per call of each piece of the MX module path on CUDA: the casts, the dequantize, the GEMM
-dispatch, and one LayerNormMLP forward / forward+backward, in microseconds.
+dispatch, FSDP2's MX all-gather hooks (the send buffer of a shard, the gathered planes filled from a
+gather buffer), and one LayerNormMLP forward / forward+backward, in microseconds.
 
 Each piece runs back to back without a synchronize in between (the GPU keeps up at these small
 shapes), so the time per call is what the host spends issuing it: the Python layers, argument
@@ -34,6 +35,9 @@ def main():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--ffn", type=int, default=4096)
     p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="time each piece this many times (batches of --calls): the table gives the fastest and "
+                        "the median batch, the fastest being the least disturbed by the machine's other work")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_calls.py times the CUDA path: it needs a GPU")
@@ -94,19 +98,22 @@ def main():
     ]
     print(f"host us per call, {args.tokens} x {args.hidden} bf16, {torch.cuda.get_device_name(dev)}, "
           f"torch {torch.__version__}, CUDA kernels {'built' if cuda_cast.library() else 'unavailable'}")
-    print("| call | host us |")
-    print("|---|---|")
+    print(f"| call | host us (fastest of {args.repeats}) | host us (median) |")
+    print("|---|---|---|")
     for name, fn in pieces:
         calls = args.calls if "LayerNormMLP" not in name else max(1, args.calls // 3)
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        us = (time.perf_counter() - t0) / calls * 1e6
-        torch.cuda.synchronize()
-        print(f"| {name} | {us:.1f} |", flush=True)
+        batches = []
+        for _ in range(max(1, args.repeats)):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            batches.append((time.perf_counter() - t0) / calls * 1e6)
+            torch.cuda.synchronize()
+        batches.sort()
+        print(f"| {name} | {batches[0]:.1f} | {batches[len(batches) // 2]:.1f} |", flush=True)
 
 
 if __name__ == "__main__":
