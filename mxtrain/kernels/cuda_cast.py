@@ -441,7 +441,8 @@ def cast_planes_into(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tu
     as it is (no concatenation), and the conversion of fp32 master weights to bf16 parameters happens
     inside the kernel (``dtype`` bf16 from fp32 ``x``: no bf16 copy is written). Returns ``(buffer, mx)``,
     ``mx`` the MXTensor whose planes are views into the buffer (dtype ``dtype``), or None where the CUDA
-    kernel does not take the cast (:func:`unsupported_reason`, another dtype conversion, no extension)."""
+    kernel does not take the cast (:func:`unsupported_reason`, another dtype conversion, a second plane
+    that would start at an address not a multiple of 16 bytes, no extension)."""
     if x.ndim != 2 or not set(axes) <= {0, 1} or len(set(axes)) != len(axes) or not axes:
         return None
     if dtype != x.dtype and not (dtype == torch.bfloat16 and x.dtype == torch.float32):
@@ -455,15 +456,22 @@ def cast_planes_into(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tu
     M, K = x.shape
     kp, mp = -(-K // 32) * 32, -(-M // 32) * 32
     shapes = {1: ((M, kp), (M, kp // 32)), 0: ((K, mp), (K, mp // 32))}
-    total = sum(a * b for ax in axes for a, b in shapes[ax])
-    buf = _alloc((total,), x.device)
-    views, off = {}, 0
+    offsets, off = [], 0
+    for ax in axes:
+        for shape in shapes[ax]:
+            offsets.append(off)
+            off += shape[0] * shape[1]
+    if any(o % 16 for o in offsets):
+        # the kernel stores codes and scale words aligned: a plane after one whose scale bytes are not a
+        # multiple of 16 (rows * ceil(cols / 32)) would start misaligned; the caller concatenates instead
+        return None
+    buf = _alloc((off,), x.device)
+    views, pieces = {}, iter(offsets)
     for ax in axes:
         pair = []
         for shape in shapes[ax]:
-            n = shape[0] * shape[1]
-            pair.append(buf[off:off + n].view(shape))
-            off += n
+            start = next(pieces)
+            pair.append(buf[start:start + shape[0] * shape[1]].view(shape))
         views[ax] = pair
     rd, rs = views.get(1, (None, None))
     cd, cs = views.get(0, (None, None))

@@ -541,11 +541,26 @@ def test_cast_planes_into_one_buffer(fmt, src, axes):
     """The buffer is torch.cat of the reference planes (codes, then scale bytes, plane by plane in the
     order asked), bit for bit; fp32 rounded to bf16 inside the kernel equals x.to(bf16) then the cast
     (ties, overflow to Inf, subnormals, NaN / Inf blocks), in both orientations."""
-    x32 = torch.cat([helpers.adversarial_matrix(160, 200, seed=3), _bf16_rounding_edges(96, 200, seed=4)]).to(DEV)
+    # 256 x 200 (the rowwise plane padded to 224 columns), 250 x 200 (the columnwise one padded to 256 rows too;
+    # a second plane would start misaligned there: the kernel declines both planes at once, the caller
+    # concatenates), and 250 x 256 (aligned again: 250 x 8 scale bytes)
+    adv = helpers.adversarial_matrix(160, 256, seed=3)
+    for rows, cols in ((256, 200), (250, 200), (250, 256)):
+        x32 = torch.cat([adv[:, :cols], _bf16_rounding_edges(rows - 160, cols, seed=4)]).to(DEV)
+        _check_cast_planes_into(x32, fmt, src, axes)
+
+
+def _check_cast_planes_into(x32, fmt, src, axes):
     x = x32.to(torch.bfloat16) if src == "bf16" else x32
     dtype = torch.float32 if src == "fp32" else torch.bfloat16
+    m, k = x.shape
+    first_plane = m * -(-k // 32) * 33 if axes[0] == 1 else k * -(-m // 32) * 33  # codes + scale bytes
+    aligned = len(axes) == 1 or first_plane % 16 == 0
     for mode in MODES:
         got = cuda_cast.cast_planes_into(x, parse_format(fmt), 32, axes, mode, "even", dtype)
+        if not aligned:
+            assert got is None, f"{list(x.shape)} {axes}: a misaligned second plane must be declined"
+            continue
         assert got is not None, "the CUDA kernel did not take the cast"
         buf, mx = got
         ref = quantize_mx(x.to(dtype), fmt, axis=axes, scale_mode=mode)
