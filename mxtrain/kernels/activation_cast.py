@@ -64,13 +64,6 @@ class _OutputLike(NamedTuple):
         return math.prod(self.shape)
 
 
-def cuda_cast_selected(device: torch.device) -> bool:
-    """Whether the fused sources take the CUDA C++ kernel on ``device`` (see ``cuda_cast.fused_sources_selected``)."""
-    from mxtrain.kernels import cuda_cast
-
-    return cuda_cast.fused_sources_selected(device)
-
-
 def torch_activation(h: torch.Tensor, name: str) -> torch.Tensor:
     """The unfused torch activation (the modules' own): what the kernel's output is compared with."""
     return torch_activation_impl(h, check_activation(name))
@@ -210,20 +203,21 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     h2, g2 = h.reshape(-1, h.shape[-1]), grad.reshape(-1, grad.shape[-1])
     h2 = h2 if h2.stride(-1) == 1 else h2.contiguous()
     g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
-    y = torch.empty_like(h2) if return_output else None
-    seed_t = _cast._philox_seed(seed, h.device) if rounding == "stochastic" else None
     outs = _cast.plane_outputs(last, keep, deq, dequantized_dtype)
     into_grad = (reuse_grad and not gated and outs["row_vals"] is not None and g2.dtype == outs["row_vals"]
                  and g2.is_contiguous() and g2.data_ptr() != h2.data_ptr())
-    if h.is_cuda and not gated and not dbias and cuda_cast_selected(h.device):
+    if h.is_cuda and not gated and not dbias:
         from mxtrain.kernels import cuda_cast
 
-        res = cuda_cast.activation_backward_cast(h2, g2, name, fmt_, block_size, scale_mode, rounding, pack, want_row,
-                                                 want_col, return_output, outs, into_grad)
-        if res is not None:  # the CUDA C++ cast with the activation's gradient as its prologue
-            row, col, y = res
-            mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
-            return ActivationGradCast(mxt, y.reshape(h.shape) if y is not None else None, None)
+        if cuda_cast.fused_sources_selected(h.device):
+            res = cuda_cast.activation_backward_cast(h2, g2, name, fmt_, block_size, scale_mode, rounding, pack,
+                                                     want_row, want_col, return_output, outs, into_grad)
+            if res is not None:  # the CUDA C++ cast with the activation's gradient as its prologue
+                row, col, y = res
+                mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
+                return ActivationGradCast(mxt, y.reshape(h.shape) if y is not None else None, None)
+    y = torch.empty_like(h2) if return_output else None
+    seed_t = _cast._philox_seed(seed, h.device) if rounding == "stochastic" else None
     row, col, *db = _cast._launch(h2, fmt_, block_size, want_row, want_col, scale_mode, rounding, seed_t, pack,
                                   act=ACTIVATION_IDS[name], y=y, grad=g2, dbias=dbias, row_vals_into_grad=into_grad,
                                   **outs)
