@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import mxtrain
-from mxtrain.distributed import all_gather_stats, enable_mx_all_gather, reset_all_gather_stats
+from mxtrain.distributed import all_gather_stats, enable_mx_all_gather, reset_all_gather_stats, set_block_prefetch
 
 
 class Stack(nn.Module):
@@ -114,12 +114,7 @@ def build(mode, args, device, rank):
     for blk in model.blocks:
         fully_shard(blk, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    blocks = list(model.blocks)
-    for i, blk in enumerate(blocks):  # FSDP2's explicit prefetching (0: FSDP2's default order)
-        if args.forward_prefetch:
-            blk.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + args.forward_prefetch])
-        if args.backward_prefetch:
-            blk.set_modules_to_backward_prefetch(blocks[max(0, i - args.backward_prefetch):i][::-1])
+    set_block_prefetch(model.blocks, args.forward_prefetch, args.backward_prefetch)  # 0: FSDP2's default order
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     recipe = None if mode == "bf16" else mxtrain.MXFP8Recipe()
     g = torch.Generator(device=device).manual_seed(rank)

@@ -134,10 +134,8 @@ def train(recipe_name: str, args, device, rank: int, world: int) -> dict:
             fully_shard(block)
         fully_shard(model)
         if args.prefetch:  # FSDP2's explicit prefetching: gathers issued blocks ahead of the host
-            blocks = list(model.blocks)
-            for i, block in enumerate(blocks):
-                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + args.prefetch])
-                block.set_modules_to_backward_prefetch(blocks[max(0, i - args.prefetch):i][::-1])
+            from mxtrain.distributed import set_block_prefetch
+            set_block_prefetch(model.blocks, args.prefetch, args.prefetch)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))

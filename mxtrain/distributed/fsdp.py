@@ -698,3 +698,19 @@ def disable_mx_all_gather(model: nn.Module) -> list[str]:
                 setattr(m, pname, nn.Parameter(p._data, requires_grad=p.requires_grad))
                 restored.append(f"{mod_name}.{pname}".lstrip("."))
     return restored
+
+
+def set_block_prefetch(blocks, forward: int = 0, backward: int = 0) -> None:
+    """FSDP2's explicit prefetching over a sequence of ``fully_shard`` blocks run in order: each block's
+    forward gathers the next ``forward`` blocks' weights, its backward the ``backward`` blocks before it
+    (nearest first). 0 leaves FSDP2's default for that pass. MX all-gathers send each phase's planes as
+    without it (``tests/distributed``)."""
+    for name, n in (("forward", forward), ("backward", backward)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"{name} prefetch must be a non-negative int (blocks), got {n!r}")
+    blocks = list(blocks)
+    for i, blk in enumerate(blocks):
+        if forward:
+            blk.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + forward])
+        if backward:
+            blk.set_modules_to_backward_prefetch(blocks[max(0, i - backward):i][::-1])

@@ -244,7 +244,8 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
              | _GAMMA_BF16 * gamma_bf16 | _ROUND_BF16 * round_bf16)
     # a norm's workspace (zeroed by the entry point): the kernel's item counter, then per band of 128 rows
     # its statistics items done
-    work = torch.empty(1 + -(-(mp if col_codes else M) // 128), dtype=torch.int32, device=dev) if pre >= 6 else None
+    work = (torch.empty(1 + -(-(mp if col_codes else M) // 128), dtype=torch.int32, device=dev)
+            if pre in (6, 7) else None)
     fmt_id, emax, mbits, inv_max = _format_args(fmt)
     err = lib.mxtrain_mx_cast_fp8(
         x2.data_ptr(), M, K, x2.stride(0), _DTYPES[x2.dtype], fmt_id, _SCALE_MODES[scale_mode], emax, mbits,
@@ -374,9 +375,8 @@ def activation_backward_cast(h2: torch.Tensor, g2: torch.Tensor, act: str, fmt: 
     if lib is None:
         return None
     y = torch.empty_like(h2) if return_output else None
-    into = g2 if (into_grad and rows and outputs.get("row_vals") is not None) else None
     row, col = _launch(lib, h2, fmt, scale_mode, rows, cols, **outputs, pre=10 + CUDA_ACTIVATIONS[act], y=y,
-                       grad=g2, row_vals_into=into)
+                       grad=g2, row_vals_into=g2 if into_grad else None)
     return row, col, y
 
 
@@ -456,23 +456,19 @@ def cast_planes_into(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tu
     M, K = x.shape
     kp, mp = -(-K // 32) * 32, -(-M // 32) * 32
     shapes = {1: ((M, kp), (M, kp // 32)), 0: ((K, mp), (K, mp // 32))}
-    offsets, off = [], 0
+    layout, off = [], 0  # (axis, shape, start) of each piece: data, then scales, plane by plane
     for ax in axes:
         for shape in shapes[ax]:
-            offsets.append(off)
+            layout.append((ax, shape, off))
             off += shape[0] * shape[1]
-    if any(o % 16 for o in offsets):
+    if any(start % 16 for _, _, start in layout):
         # the kernel stores codes and scale words aligned: a plane after one whose scale bytes are not a
         # multiple of 16 (rows * ceil(cols / 32)) would start misaligned; the caller concatenates instead
         return None
     buf = _alloc((off,), x.device)
-    views, pieces = {}, iter(offsets)
-    for ax in axes:
-        pair = []
-        for shape in shapes[ax]:
-            start = next(pieces)
-            pair.append(buf[start:start + shape[0] * shape[1]].view(shape))
-        views[ax] = pair
+    views: dict = {}
+    for ax, shape, start in layout:
+        views.setdefault(ax, []).append(buf[start:start + shape[0] * shape[1]].view(shape))
     rd, rs = views.get(1, (None, None))
     cd, cs = views.get(0, (None, None))
     _launch(lib, x, fmt, scale_mode, 1 in axes, 0 in axes, codes_out=(rd, rs, cd, cs), round_bf16=dtype != x.dtype)

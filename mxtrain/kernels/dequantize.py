@@ -280,6 +280,7 @@ def triton_dequantize_shards(shard: MXTensor, count: int, data_step: int, scale_
             count, data_step, scale_step, rows_per * out.stride(0))
     return out
 
+
 def _register() -> None:
     from mxtrain.kernels._triton_utils import kernels_available
     from mxtrain.kernels.dispatch import register_dequantize

@@ -139,11 +139,7 @@ def shard(model, world, *, mx=True, reshard_after_forward=True, mp=None, ac=Fals
     for blk in model.blocks:
         fully_shard(blk, **kw)
     fully_shard(model, **kw)
-    if prefetch:
-        blocks = list(model.blocks)
-        for i, blk in enumerate(blocks):
-            blk.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
-            blk.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
+    mxdist.set_block_prefetch(model.blocks, prefetch, prefetch)
     return model
 
 

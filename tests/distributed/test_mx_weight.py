@@ -144,3 +144,13 @@ def test_columnwise_needs_whole_blocks_per_rank():
     spec = mxtrain.MXFP8Recipe().role("dgrad_weight")
     with pytest.raises(ValueError, match="multiple of 64"):
         _simulated_all_gather(torch.randn(96, 64), 2, [(spec, 0)])
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_set_block_prefetch_rejects_bad_counts(bad):
+    from mxtrain.distributed import set_block_prefetch
+
+    with pytest.raises(ValueError, match="forward prefetch must be a non-negative int"):
+        set_block_prefetch([], forward=bad)
+    with pytest.raises(ValueError, match="backward prefetch must be a non-negative int"):
+        set_block_prefetch([], backward=bad)
