@@ -51,23 +51,7 @@ struct Fp8Args {
   int flags;
 };
 
-// ---- the source ----------------------------------------------------------------------------
-
-__device__ __forceinline__ float act_bwd(float x, float g, int act) {
-  switch (act) {
-    case 1: {
-      const float cdf = __fmul_rn(0.5f, __fadd_rn(1.0f, erff(__fmul_rn(x, 0.7071067811865476f))));
-      const float pdf = __fmul_rn(expf(__fmul_rn(__fmul_rn(-0.5f, x), x)), 0.3989422804014327f);
-      return __fmul_rn(g, __fadd_rn(cdf, __fmul_rn(x, pdf)));
-    }
-    case 3:
-      return x <= 0.0f ? 0.0f : g;
-    default: {
-      const float s = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x)));
-      return __fmul_rn(__fmul_rn(g, s), __fadd_rn(1.0f, __fmul_rn(x, __fsub_rn(1.0f, s))));
-    }
-  }
-}
+// ---- the source: act_fwd / act_bwd of cast_common.cuh (PRE 2 is launched for gelu, relu and silu) ----
 
 // ---- the scale -----------------------------------------------------------------------------
 
