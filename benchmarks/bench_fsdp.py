@@ -179,7 +179,9 @@ def model_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, from {', '.join(MODES)}; a mode may repeat (alternated runs in one "
+                        f"call: each row's 'vs bf16' is against the last bf16 run before it)")
     p.add_argument("--forward-prefetch", type=int, default=0, metavar="N",
                    help="each block's forward gathers the next N blocks' weights (FSDP2 explicit prefetching; "
                         "0: FSDP2's implicit order, the gather issued when the host reaches the block)")
@@ -209,7 +211,11 @@ def main():
     args = p.parse_args()
     device = init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = [run_mode(m.strip(), args, device, rank, world) for m in args.modes.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {', '.join(map(repr, unknown))} in --modes; choose from {', '.join(MODES)}")
+    results = [run_mode(m, args, device, rank, world) for m in modes]
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU"
         head = (f"bench_fsdp.py: {args.layers} x LayerNormMLP({args.hidden}, {args.ffn}, gelu, no bias) = "
@@ -218,13 +224,19 @@ def main():
                 f"and reduce-scatter), AdamW, {args.batch} x {args.seq} tokens per rank; median of {args.steps} "
                 f"steps after {args.warmup}; prefetch forward {args.forward_prefetch} / backward "
                 f"{args.backward_prefetch or 'default'}; torch {torch.__version__}; {datetime.date.today()}")
-        base = results[0]["step_ms"]
+        bf16_rows = [i for i, r in enumerate(results) if r["mode"] == "bf16"]
+
+        def vs_bf16(i):  # against the last bf16 run before this row (the first one for rows before any)
+            before = [j for j in bf16_rows if j <= i]
+            if not bf16_rows:
+                return "n/a"
+            return f"{results[i]['step_ms'] / results[before[-1] if before else bf16_rows[0]]['step_ms']:.2f}"
         lines = [head, "",
                  "| mode | step (ms) | vs bf16 | all-gather kernels (ms/step) | all-gather MiB/rank/step | "
                  "bytes/param elem | tokens/s | peak GiB |",
                  "|---|---|---|---|---|---|---|---|"]
-        for r in results:
-            lines.append(f"| {r['mode']} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f} | {r['allgather_ms']:.1f} | "
+        for i, r in enumerate(results):
+            lines.append(f"| {r['mode']} | {r['step_ms']:.1f} | {vs_bf16(i)} | {r['allgather_ms']:.1f} | "
                          f"{r['allgather_bytes_per_rank'] / 2**20:.0f} | {r['bytes_per_param_element']:.3f} | "
                          f"{r['tokens_per_s']:.0f} | {r['peak_gib']:.1f} |")
         text = "\n".join(lines)
