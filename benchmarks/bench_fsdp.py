@@ -14,6 +14,8 @@ stream, summed over one step); on CPU it is wall time of the call. It overlaps w
 compute in a real step, so the step-time difference is what users see.
 
     torchrun --nproc_per_node=2 benchmarks/bench_fsdp.py                             # 16 x (4096, 16384): 2.1 B params
+    torchrun --nproc_per_node=2 benchmarks/bench_fsdp.py --layers 4 --hidden 8192 --ffn 32768  # the same, 4 wide blocks
+    ... --modes bf16,mxfp8+mxag,bf16,mxfp8+mxag   # alternated repeats in one call
     torchrun --nproc_per_node=2 benchmarks/bench_fsdp.py --layers 2 --hidden 256 --ffn 1024 --batch 2 --seq 128  # CPU
     ... --forward-prefetch 2 --backward-prefetch 2   # FSDP2 explicit prefetching (every mode)
     ... --json out.json --markdown out.md      # rank 0 writes the results
