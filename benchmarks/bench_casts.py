@@ -166,6 +166,35 @@ def dequant_graph_rows(x, n) -> list:
         name = f"unpack+dequantize {fmt} {'rowwise' if axis == -1 else 'columnwise'} -> bf16" + ("" if ok else " MISMATCH")
         out.append((name, nbytes, bench(fn), "copy"))
         out.append((name + ", CUDA graph (kernel time)", nbytes, graph_bench(fn), "copy_graph"))
+    out += cuda_dequant_rows(x, n)
+    return out
+
+
+def cuda_dequant_rows(x, n) -> list:
+    """The CUDA dequantize (mxtrain/csrc/mx_dequantize.cu: FSDP2's gathered MXFP8 planes into bf16) on an
+    fp8_e4m3 plane, rowwise and transposed (the columnwise plane written back in the weight's orientation),
+    graph-replayed; each checked bit for bit against the reference first. None where the kernel is unavailable."""
+    from mxtrain.formats import parse_format
+    from mxtrain.kernels import cuda_cast
+    from mxtrain.quantization import quantize_mx
+
+    out = []
+    fmt = parse_format("fp8_e4m3")
+    for axis, label in ((-1, "rowwise"), (0, "transposed (columnwise plane)")):
+        mxt = quantize_mx(x, "fp8_e4m3", axis=axis)
+        plane = mxt.planes[0]
+        rows, length = plane.data.shape
+        res = torch.empty(n, n, dtype=torch.bfloat16, device=x.device)
+        strides = (n, 1) if axis == -1 else (1, n)  # element (r, l) of the plane -> res.view(-1)[r*sr + l*sl]
+        fn = (lambda p=plane, o=res, st=strides: cuda_cast.dequantize_fp8(p.data, p.scale, o, fmt, 32, rows, length,
+                                                                         *st))
+        if not fn():
+            continue
+        ok = torch.equal(res.view(torch.int16), mxt.dequantize(torch.bfloat16).view(torch.int16))
+        nbytes = n * n + n * (n // 32) + n * n * 2
+        name = f"CUDA dequantize fp8_e4m3 {label} -> bf16" + ("" if ok else " MISMATCH")
+        out.append((name, nbytes, bench(fn), "copy"))
+        out.append((name + ", CUDA graph (kernel time)", nbytes, graph_bench(fn), "copy_graph"))
     return out
 
 

@@ -497,6 +497,37 @@ def test_cuda_dequantize_shards(monkeypatch, axis):
     assert calls == [True]  # one launch for every shard, on the CUDA kernel
 
 
+@pytest.mark.parametrize("shape", [(272, 200), (528, 72), (16, 968), (1040, 40), (1008, 1032)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("axis", [1, 0])
+def test_cuda_dequantize_ragged_tiles(monkeypatch, shape, axis):
+    """Planes that end inside the kernels' units (a block of 32 codes a thread; the transposed kernel's 128 x 64
+    tiles): rows and lengths that are multiples of 8 but not of 32, 64 or 128, alone and as two shards; the
+    output around the plane is left as it was."""
+    from mxtrain.kernels import dequantize as dq
+
+    calls = _taken(monkeypatch)
+    x = adversarial(*shape, torch.bfloat16, seed=sum(shape) + axis)
+    mxt = quantize_mx(x, "fp8_e4m3", axis=axis)
+    got = dq.triton_dequantize(mxt, torch.bfloat16, axis)
+    assert helpers.values_equal(got, mxt.dequantize(torch.bfloat16, axis)), (shape, axis)
+    # two shards of half the rows each, in one launch, into a buffer with a guard row on each side
+    rows, cols = shape[0] // 2, shape[1]
+    if rows % 8 == 0:
+        halves = [quantize_mx(x[i * rows:(i + 1) * rows], "fp8_e4m3", axis=axis) for i in range(2)]
+        buf = torch.stack([torch.cat([h.planes[0].data.reshape(-1), h.planes[0].scale.reshape(-1)]) for h in halves])
+        p0 = halves[0].planes[0]
+        nd = p0.data.numel()
+        first = dataclasses.replace(halves[0], planes=(dataclasses.replace(
+            p0, data=buf[0, :nd].view(p0.data.shape), scale=buf[0, nd:].view(p0.scale.shape)),))
+        guarded = torch.full((2 * rows + 16, cols), -7.75, dtype=torch.bfloat16, device=DEV)
+        dq.triton_dequantize_shards(first, 2, buf.stride(0), buf.stride(0), guarded[8:8 + 2 * rows], axis)
+        want = torch.cat([h.dequantize(torch.bfloat16, axis) for h in halves])
+        assert helpers.values_equal(guarded[8:8 + 2 * rows], want), (shape, axis)
+        assert bool((guarded[:8] == -7.75).all()) and bool((guarded[8 + 2 * rows:] == -7.75).all())
+    assert calls and all(calls)  # every launch on the CUDA kernel
+
+
 def test_cuda_dequantize_layouts_it_leaves_to_triton(monkeypatch):
     """A transposed plane whose row count is not a multiple of 8, fp16 output, other formats, and
     MXTRAIN_BACKEND=triton take the Triton kernel; the values are the reference's either way."""
