@@ -173,7 +173,7 @@ def dequant_graph_rows(x, n) -> list:
 def cuda_dequant_rows(x, n) -> list:
     """The CUDA dequantize (mxtrain/csrc/mx_dequantize.cu: FSDP2's gathered MXFP8 planes into bf16) on an
     fp8_e4m3 plane, rowwise and transposed (the columnwise plane written back in the weight's orientation),
-    graph-replayed; each checked bit for bit against the reference first. None where the kernel is unavailable."""
+    graph-replayed; each checked bit for bit against the reference first. No rows where the kernel does not run."""
     from mxtrain.formats import parse_format
     from mxtrain.kernels import cuda_cast
     from mxtrain.quantization import quantize_mx

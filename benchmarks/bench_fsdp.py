@@ -229,9 +229,9 @@ def main():
         bf16_rows = [i for i, r in enumerate(results) if r["mode"] == "bf16"]
 
         def vs_bf16(i):  # against the last bf16 run before this row (the first one for rows before any)
-            before = [j for j in bf16_rows if j <= i]
             if not bf16_rows:
                 return "n/a"
+            before = [j for j in bf16_rows if j <= i]
             return f"{results[i]['step_ms'] / results[before[-1] if before else bf16_rows[0]]['step_ms']:.2f}"
         lines = [head, "",
                  "| mode | step (ms) | vs bf16 | all-gather kernels (ms/step) | all-gather MiB/rank/step | "
