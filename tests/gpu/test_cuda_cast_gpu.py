@@ -475,6 +475,17 @@ def test_cuda_dequantize_every_code_and_scale(monkeypatch, fmt):
     assert calls == [True, True]
 
 
+def _as_gather_buffer(shards):
+    """The shards' one-plane codes and scales laid out as an FSDP2 all-gather buffer ([count, per-rank
+    bytes]: each rank's data, then its scales) and the first shard's MXTensor viewing rank 0's chunk."""
+    buf = torch.stack([torch.cat([s.planes[0].data.reshape(-1), s.planes[0].scale.reshape(-1)]) for s in shards])
+    p0 = shards[0].planes[0]
+    nd = p0.data.numel()
+    first = dataclasses.replace(shards[0], planes=(dataclasses.replace(
+        p0, data=buf[0, :nd].view(p0.data.shape), scale=buf[0, nd:].view(p0.scale.shape)),))
+    return first, buf
+
+
 @pytest.mark.parametrize("axis", [1, 0])
 def test_cuda_dequantize_shards(monkeypatch, axis):
     """An FSDP2 gather's rank chunks in one CUDA launch: each shard equals its own reference dequantize."""
@@ -484,12 +495,7 @@ def test_cuda_dequantize_shards(monkeypatch, axis):
     count, rows, cols = 3, 64, 256
     x = adversarial(count * rows, cols, torch.bfloat16, seed=9)
     shards = [quantize_mx(x[i * rows:(i + 1) * rows], "fp8_e4m3", axis=axis, scale_mode="rceil") for i in range(count)]
-    chunks = [torch.cat([s.planes[0].data.reshape(-1), s.planes[0].scale.reshape(-1)]) for s in shards]
-    buf = torch.stack(chunks)  # [count, per-rank bytes]: the all-gather buffer's layout
-    p0 = shards[0].planes[0]
-    nd = p0.data.numel()
-    first = dataclasses.replace(shards[0], planes=(dataclasses.replace(
-        p0, data=buf[0, :nd].view(p0.data.shape), scale=buf[0, nd:].view(p0.scale.shape)),))
+    first, buf = _as_gather_buffer(shards)
     out = torch.full((count * rows, cols), -7.75, dtype=torch.bfloat16, device=DEV)
     dq.triton_dequantize_shards(first, count, buf.stride(0), buf.stride(0), out, axis)
     want = torch.cat([s.dequantize(torch.bfloat16, axis) for s in shards])
@@ -515,11 +521,7 @@ def test_cuda_dequantize_ragged_tiles(monkeypatch, shape, axis):
     rows, cols = shape[0] // 2, shape[1]
     if rows % 8 == 0:
         halves = [quantize_mx(x[i * rows:(i + 1) * rows], "fp8_e4m3", axis=axis) for i in range(2)]
-        buf = torch.stack([torch.cat([h.planes[0].data.reshape(-1), h.planes[0].scale.reshape(-1)]) for h in halves])
-        p0 = halves[0].planes[0]
-        nd = p0.data.numel()
-        first = dataclasses.replace(halves[0], planes=(dataclasses.replace(
-            p0, data=buf[0, :nd].view(p0.data.shape), scale=buf[0, nd:].view(p0.scale.shape)),))
+        first, buf = _as_gather_buffer(halves)
         guarded = torch.full((2 * rows + 16, cols), -7.75, dtype=torch.bfloat16, device=DEV)
         dq.triton_dequantize_shards(first, 2, buf.stride(0), buf.stride(0), guarded[8:8 + 2 * rows], axis)
         want = torch.cat([h.dequantize(torch.bfloat16, axis) for h in halves])
