@@ -19,6 +19,7 @@ from mxtrain.recipes import (
     MXFP8Recipe, MXINT8Recipe, MXRecipe, Recipe, RoleSpec, recipe_from_dict, recipe_from_string,
 )
 from mxtrain.convert import Conversion, convert, unconvert
+from mxtrain.graphs import make_graphed_step
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "recipe_from_dict", "recipe_from_string", "ROLE_NAMES",
     "Float8Recipe", "Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling",
     "Float8Tensor", "quantize_float8", "fake_quantize_float8", "convert", "unconvert", "Conversion",
+    "make_graphed_step",
     "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "Conv1d", "Conv2d", "mx_linear",
     "MXTensor", "quantize_mx", "fake_quantize_mx", "quantize_elemwise",
     "ElemFormat", "parse_format", "parse_elemwise_format", "formats", "recipes",

@@ -1,0 +1,343 @@
+"""Whole-model training throughput: tokens/s, peak memory and loss of Llama-family models, every side in one run.
+
+The headline benchmark. Each model is a ``transformers`` ``LlamaConfig`` with random weights and random
+tokens (nothing downloaded); every side trains the same model from the same seed with fused AdamW
+(bf16 parameters and optimizer state, pure bf16 training as a user would start), and the sides are
+alternated round by round in one process on one GPU. Sides:
+
+* ``hf``: Hugging Face ``LlamaForCausalLM`` (sdpa attention), eager; ``hf+compile``: the same under ``torch.compile``;
+* ``ao-tensorwise`` / ``ao-rowwise``: torchao float8 training (``convert_to_float8_training``, lm_head kept in
+  bf16, as torchao's own Llama recipe does) under ``torch.compile``;
+* ``mx:<recipe>``: ``mxtrain.integrations.convert_llama`` of the same model, eager, under ``mx_autocast``
+  (``<recipe>`` as ``recipe_from_string`` reads it; ``none`` runs the mxtrain model without a recipe);
+  ``mx:<recipe>+graph``: the whole step (forward, backward, optimizer) captured once in a CUDA graph and
+  replayed (``mxtrain.make_graphed_step``); ``mx:<recipe>+compile``: the model under ``torch.compile``.
+
+Throughput is timed with CUDA events over ``--steps`` steps after ``--warmup`` steps (compiling and capturing
+happen in the warm-up); ``vs hf`` divides by the ``hf`` side of the same round. ``issue ms`` is the host's
+time to issue one eager step (no synchronisation inside a step), which says whether the GPU waits for the host.
+
+    python benchmarks/bench_e2e.py --model llama-1b                       # all default sides
+    python benchmarks/bench_e2e.py --model smollm2-135m --sides hf,mx:mxfp8,mx:mxfp8+graph --rounds 2
+    python benchmarks/bench_e2e.py --model llama-1b --profile mx:fp8_current   # where one step's time goes
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import gc
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+import mxtrain
+
+MODELS = {
+    # name: (LlamaConfig fields, batch, sequence length)
+    "smollm2-135m": (dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
+                     8, 1024),
+    "llama-1b": (dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=True, rope_theta=500000.0),
+                 4, 2048),
+    "llama-8b-slice": (dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
+                            num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                            rope_theta=500000.0), 4, 2048),
+    "tiny": (dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True), 2, 64),
+}
+DEFAULT_SIDES = ("hf,hf+compile,ao-tensorwise,ao-rowwise,mx:none,mx:mxfp8,mx:fp8_current,mx:fp8_delayed,"
+                 "mx:fp8_block,mx:none+graph,mx:mxfp8+graph,mx:fp8_current+graph,mx:fp8_delayed+graph,"
+                 "mx:fp8_block+graph")
+
+
+def hf_config(name: str, layers: int | None):
+    from transformers import LlamaConfig
+
+    fields, _, _ = MODELS[name]
+    fields = dict(fields, max_position_embeddings=8192, rms_norm_eps=1e-5)
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**fields)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def parse_side(side: str) -> tuple[str, str | None, frozenset]:
+    """``side`` -> (kind, recipe spec, modes): kind in hf / ao / mx, modes a subset of {compile, graph}."""
+    base, *modes = side.split("+")
+    bad = set(modes) - {"compile", "graph"}
+    if bad or len(set(modes)) != len(modes):
+        raise ValueError(f"side {side!r}: modes after '+' must be compile and/or graph, got {modes}")
+    modes = frozenset(modes)
+    if base == "hf":
+        return "hf", None, modes
+    if base in ("ao-tensorwise", "ao-rowwise"):
+        return "ao", base.removeprefix("ao-"), modes | {"compile"}
+    if base.startswith("mx:"):
+        mxtrain.recipe_from_string(base[3:])  # refuse a bad spec before any side runs
+        return "mx", base[3:], modes
+    raise ValueError(f"unknown side {side!r}: expected hf, ao-tensorwise, ao-rowwise or mx:<recipe>, "
+                     "then +compile and/or +graph")
+
+
+def build(side: str, cfg, device, seed: int):
+    """(step function, parameters) of one side: ``step(ids, targets) -> loss`` runs forward and backward."""
+    from transformers import LlamaForCausalLM
+
+    kind, spec, modes = parse_side(side)
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+    if kind in ("hf", "ao"):
+        model = hf
+        if kind == "ao":
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(spec),
+                                       module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+        fwd = torch.compile(model) if "compile" in modes else model
+
+        def step(ids, targets):
+            logits = fwd(input_ids=ids).logits
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+            loss.backward()
+            return loss
+        return step, list(model.parameters())
+
+    from mxtrain.integrations.llama import convert_llama
+
+    model = convert_llama(hf, dtype=torch.bfloat16, device=device)
+    del hf
+    recipe = mxtrain.recipe_from_string(spec)
+    fwd = torch.compile(model) if "compile" in modes else model
+
+    def step(ids, targets):
+        with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
+            loss = fwd(ids, targets)
+        loss.backward()
+        return loss
+    return step, list(model.parameters())
+
+
+def batches(cfg, batch: int, seq: int, device, seed: int, count: int = 4):
+    """``count`` random (inputs, targets) pairs; each side sees the same ones in the same order."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (count, batch, seq + 1), device=device, generator=g)
+    return [(i[:, :-1].contiguous(), i[:, 1:].contiguous()) for i in ids]
+
+
+def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
+    """Build, warm up and time one side; returns its figures. Every side runs warmup + 3 + steps steps."""
+    _, _, modes = parse_side(side)
+    torch.cuda.reset_peak_memory_stats()
+    step, params = build(side, cfg, device, args.seed)
+    opt = torch.optim.AdamW(params, lr=args.lr, fused=True, capturable="graph" in modes)
+    data = batches(cfg, batch, seq, device, args.seed)
+    inputs, targets = (t.clone() for t in data[0])  # static buffers, refilled before each step
+    count = [0]
+
+    def train_step():
+        loss = step(inputs, targets)
+        opt.step()
+        opt.zero_grad(set_to_none="graph" not in modes)
+        return loss
+
+    def next_batch():
+        i, t = data[count[0] % len(data)]
+        inputs.copy_(i)
+        targets.copy_(t)
+        count[0] += 1
+
+    def run():
+        next_batch()
+        return train_step()
+
+    for _ in range(args.warmup - ("graph" in modes)):
+        run()
+    if "graph" in modes:  # the last warm-up step runs in make_graphed_step, the capture runs none
+        next_batch()
+        graphed = mxtrain.make_graphed_step(train_step, warmup=1)
+
+        def run():
+            next_batch()
+            return graphed()
+    torch.cuda.synchronize()
+    issue = []
+    for _ in range(3):  # host time to issue a step, the queue drained first
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        issue.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(args.steps):
+        loss = run()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / args.steps
+    return {"side": side, "ms": ms, "tokens_per_s": batch * seq / ms * 1e3, "issue_ms": 1e3 * min(issue),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": loss.item()}
+
+
+def mxtrain_kernel_names() -> set[str]:
+    """Names of mxtrain's own kernels (Triton functions and CUDA __global__s), read from its sources."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(mxtrain.__file__).parent
+    names = set()
+    for f in (root / "kernels").glob("*.py"):
+        names |= set(re.findall(r"@triton\.jit[^\n]*\n(?:\s*@[^\n]*\n)*\s*def (\w+)", f.read_text()))
+    for f in (root / "csrc").glob("*.cu*"):
+        names |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)", f.read_text()))
+    return names
+
+
+KERNEL_CLASSES = (  # (class, substrings of kernel names), first match wins
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "scaled_mm", "cublas")),
+    ("attention", ("flash", "fmha", "sdpa")),
+    ("optimizer", ("adam", "multi_tensor_apply")),
+    ("loss", ("softmax", "nll_loss", "cross_entropy", "logsumexp")),
+    ("norm", ("rms_norm", "layer_norm", "rmsnorm", "layernorm")),
+    ("copy / cat", ("catarray", "copy_kernel", "direct_copy")),
+)
+
+
+def profile_side(side: str, cfg, batch: int, seq: int, args, device) -> None:
+    """Kernel time per class and per op over a few eager steps, against the step's wall and host issue time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step, params = build(side, cfg, device, args.seed)
+    opt = torch.optim.AdamW(params, lr=args.lr, fused=True)
+    inputs, targets = batches(cfg, batch, seq, device, args.seed, count=1)[0]
+
+    def train_step():
+        step(inputs, targets)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(args.warmup):
+        train_step()
+    torch.cuda.synchronize()
+    ours = mxtrain_kernel_names()
+    n = 3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            train_step()
+        issued = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    per_class: dict[str, float] = collections.defaultdict(float)
+    per_kernel: dict[str, float] = collections.defaultdict(float)
+    launches = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.device_time_total <= 0 or \
+                getattr(e, "is_user_annotation", False) or "#" in e.name:
+            continue
+        launches += 1
+        name = e.name.lower()
+        if e.name.split("(")[0].split("<")[0].removeprefix("void ").strip() in ours:
+            cls = "mxtrain casts"
+        else:
+            cls = next((c for c, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other elementwise")
+        per_class[cls] += e.device_time_total / 1e3 / n
+        per_kernel[e.name[:150]] += e.device_time_total / 1e3 / n
+    busy = sum(per_class.values())
+    print(f"\nprofile {side} ({n} steps under the profiler, which slows the host): step {1e3 * wall / n:.1f} ms wall, "
+          f"issued in {1e3 * issued / n:.1f} ms, kernels busy {busy:.1f} ms, {launches // n} kernels a step")
+    print(f"{'class':<20}{'ms/step':>10}{'share':>8}")
+    for cls, t in sorted(per_class.items(), key=lambda kv: -kv[1]):
+        print(f"{cls:<20}{t:>10.2f}{t / busy:>8.1%}")
+    print(f"\n{'kernel (top 12)':<150}{'ms/step':>9}")
+    for k, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"{k:<150}{t:>9.2f}")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="llama-1b")
+    p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the model's)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--sides", default=DEFAULT_SIDES, help="comma-separated sides (see the module docstring)")
+    p.add_argument("--rounds", type=int, default=2, help="times each side runs, alternated with the others")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per side and round")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps first (compile, capture, autotune)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", default=None, metavar="SIDES", help="profile these eager sides instead of timing")
+    p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    args = p.parse_args()
+    for name in ("rounds", "steps", "warmup"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_e2e.py needs a CUDA device")
+    device = torch.device("cuda")
+    cfg = hf_config(args.model, args.layers)
+    _, batch, seq = MODELS[args.model]
+    batch, seq = args.batch or batch, args.seq or seq
+    torch.backends.cuda.matmul.allow_tf32 = True
+    if args.profile:
+        for side in args.profile.split(","):
+            parse_side(side)
+            profile_side(side, cfg, batch, seq, args, device)
+        return
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    for s in sides:
+        parse_side(s)
+    versions = f"torch {torch.__version__}"
+    for mod in ("transformers", "torchao", "triton"):
+        try:
+            versions += f", {mod} {__import__(mod).__version__}"
+        except ImportError:
+            pass
+    print(f"{datetime.date.today()} {torch.cuda.get_device_name()} {versions}\n"
+          f"{args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}, "
+          f"vocab {cfg.vocab_size}; {batch} x {seq} tokens a step; {args.steps} steps x {args.rounds} rounds")
+    results = []
+    for r in range(args.rounds):
+        order = sides if r % 2 == 0 else sides[::-1]
+        for side in order:
+            try:
+                res = run_side(side, cfg, batch, seq, args, device)
+            except Exception as e:  # one side failing must not lose the others' figures
+                res = {"side": side, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+                print(f"round {r}: {side} failed: {res['error']}", flush=True)
+            else:
+                print(f"round {r}: {side:<24} {res['ms']:8.1f} ms  {res['tokens_per_s']:9.0f} tok/s  "
+                      f"issue {res['issue_ms']:6.1f} ms  peak {res['peak_gib']:5.1f} GiB  loss {res['loss']:.4f}",
+                      flush=True)
+            res["round"] = r
+            results.append(res)
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch._dynamo.reset()
+    hf_ms = {r["round"]: r["ms"] for r in results if r["side"] == "hf" and "ms" in r}
+    print(f"\n{'side':<26}{'tok/s (best)':>13}{'vs hf':>12}{'issue ms':>10}{'peak GiB':>10}{'loss':>9}")
+    for side in sides:
+        rows = [r for r in results if r["side"] == side and "ms" in r]
+        if not rows:
+            print(f"{side:<26}{'failed':>13}")
+            continue
+        best = max(rows, key=lambda r: r["tokens_per_s"])
+        ratios = [hf_ms[r["round"]] / r["ms"] for r in rows if r["round"] in hf_ms]
+        ratio = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-"
+        print(f"{side:<26}{best['tokens_per_s']:>13.0f}{ratio:>12}{best['issue_ms']:>10.1f}"
+              f"{best['peak_gib']:>10.1f}{best['loss']:>9.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "versions": versions,
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
