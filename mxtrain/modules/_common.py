@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -203,6 +204,17 @@ def round_elemwise(t: torch.Tensor, recipe) -> torch.Tensor:
         return t
     return quantize_elemwise(t, recipe.elemwise_format, rounding=recipe.rounding,
                              subnormals=recipe.elemwise_subnormals)
+
+
+def autocast_boundary(x: torch.Tensor):
+    """``(x, context)`` for a module running a recipe: under ``torch.autocast`` on ``x``'s device, ``x`` cast
+    to the autocast dtype (the dtype torch's layer would return) and a context that turns autocast off for
+    the module's own ops, whose operand dtypes the recipe fixes; elsewhere ``x`` and a null context.
+    Parameters keep their dtype, and so do their gradients (as Transformer Engine's modules do)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return x, contextlib.nullcontext()
+    return x.to(torch.get_autocast_dtype(device)), torch.autocast(device, enabled=False)
 
 
 def check_input(x: torch.Tensor, features: int, name: str, what: str = "last dimension") -> None:

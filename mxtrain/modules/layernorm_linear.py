@@ -14,7 +14,7 @@ from torch import nn
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
-    check_input, check_mx_operands, recipe_generator, release_mx_operands, round_elemwise, source_cast_args,
+    autocast_boundary, check_input, check_mx_operands, recipe_generator, release_mx_operands, round_elemwise, source_cast_args,
     source_operands,
 )
 from mxtrain.modules._recipe_state import RecipeStateMixin
@@ -123,8 +123,10 @@ class LayerNormLinear(RecipeStateMixin, nn.Module):
             y = torch.nn.functional.linear(ln_out, self.weight, self.bias)
             return (y, ln_out) if self.return_layernorm_output else y
         cfg = (self.normalization, self.eps, self.zero_centered_gamma, self.return_layernorm_output)
-        return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.weight, self.bias,
-                                        cfg, self.forward_recipe(recipe))
+        x, no_autocast = autocast_boundary(x)
+        with no_autocast:
+            return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.weight,
+                                            self.bias, cfg, self.forward_recipe(recipe))
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, "

@@ -31,7 +31,7 @@ from mxtrain.kernels.activation_cast import activation_backward_cast, activation
 from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
-    check_input, check_mx_operands, free_saved, quantize_operand, recipe_generator, release_mx_operands,
+    autocast_boundary, check_input, check_mx_operands, free_saved, quantize_operand, recipe_generator, release_mx_operands,
     round_elemwise, source_cast_args, source_operands, weight_planes,
 )
 from mxtrain.modules._float8 import fused_float8_operands
@@ -257,8 +257,11 @@ class LayerNormMLP(RecipeStateMixin, nn.Module):
                          self.fc2_weight, fc2_bias)
         else:
             cfg = (self.normalization, self.eps, self.zero_centered_gamma, self.activation)
-            y = _LayerNormMLPFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
-                                      self.fc1_bias, self.fc2_weight, fc2_bias, cfg, self.forward_recipe(recipe))
+            x, no_autocast = autocast_boundary(x)
+            with no_autocast:
+                y = _LayerNormMLPFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
+                                          self.fc1_bias, self.fc2_weight, fc2_bias, cfg,
+                                          self.forward_recipe(recipe))
         return (y, self.fc2_bias) if self.return_bias else y
 
     def extra_repr(self) -> str:

@@ -17,7 +17,8 @@ from torch import nn
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.modules._common import (
-    check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, weight_planes,
+    autocast_boundary, check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands,
+    weight_planes,
 )
 from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin
@@ -111,7 +112,9 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     recipe = get_recipe()
     if recipe is None:
         return F.linear(x, weight, bias)
-    return _LinearFn.apply(x, weight, bias, recipe)
+    x, no_autocast = autocast_boundary(x)
+    with no_autocast:
+        return _LinearFn.apply(x, weight, bias, recipe)
 
 
 class Linear(RecipeStateMixin, nn.Linear):
@@ -128,7 +131,9 @@ class Linear(RecipeStateMixin, nn.Linear):
         recipe = get_recipe()
         if recipe is None:
             return F.linear(x, self.weight, self.bias)
-        return _LinearFn.apply(x, self.weight, self.bias, self.forward_recipe(recipe))
+        x, no_autocast = autocast_boundary(x)
+        with no_autocast:
+            return _LinearFn.apply(x, self.weight, self.bias, self.forward_recipe(recipe))
 
 
 def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
