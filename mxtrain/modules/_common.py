@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import torch
 
@@ -43,6 +44,18 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator,
     """
     if hasattr(t2d, "mx_gathered_plane"):
         return _gathered_operand(t2d, specs_axes, generator)
+    key = _cache_key(t2d, specs_axes, at_once)
+    if key is not None:
+        hit = _WEIGHT_CASTS.entries.get(key)
+        if hit is not None and hit[0]() is t2d and hit[1] == (t2d._version, t2d.data_ptr()):
+            return list(hit[2])
+    out = _quantize_operand(t2d, specs_axes, generator, at_once)
+    if key is not None:
+        _WEIGHT_CASTS.entries[key] = (weakref.ref(t2d), (t2d._version, t2d.data_ptr()), tuple(out))
+    return out
+
+
+def _quantize_operand(t2d: torch.Tensor, specs_axes, generator, at_once: bool) -> list:
     out: list = [None] * len(specs_axes)
     groups: dict = {}
     for i, (spec, axis) in enumerate(specs_axes):
@@ -63,6 +76,56 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator,
                       rounding=spec.rounding, seed=generator, **extra)
         _hand_out(mx, uses, now, out)
     return out
+
+
+class _WeightCastCache:
+    """Weight casts kept inside :func:`weight_cast_cache`: (weight, uses) -> (weakref, (version, address), planes)."""
+
+    def __init__(self):
+        self.depth, self.entries = 0, {}
+
+
+_WEIGHT_CASTS = _WeightCastCache()
+
+
+@contextlib.contextmanager
+def weight_cast_cache():
+    """Cast each weight once and reuse its quantized planes until the weight changes (gradient accumulation).
+
+    Inside the context a module's weight planes (forward and backward) are kept after their first
+    cast and reused while the parameter is the same object with the same version counter and
+    storage: an optimizer step or any in-place change recasts it, as Transformer Engine's
+    ``is_first_microbatch`` does by hand. Results are bit-identical to casting every time. Not cached:
+    stochastically rounded weights, DelayedScaling (its scale moves every forward), FSDP2-gathered
+    MX planes (they arrive cast), and casts under ``torch.compile`` or CUDA-graph capture. The planes
+    are freed when the outermost context exits; wrap one optimizer step's microbatches::
+
+        for step in range(steps):
+            with mxtrain.weight_cast_cache():
+                for micro in batches[step]:
+                    loss_fn(model(micro)).backward()
+            opt.step(); opt.zero_grad()
+    """
+    _WEIGHT_CASTS.depth += 1
+    try:
+        yield
+    finally:
+        _WEIGHT_CASTS.depth -= 1
+        if _WEIGHT_CASTS.depth == 0:
+            _WEIGHT_CASTS.entries.clear()
+
+
+def _cache_key(t2d: torch.Tensor, specs_axes, at_once: bool):
+    """The cache key of a weight cast, or None where it is not cached (see :func:`weight_cast_cache`)."""
+    if not _WEIGHT_CASTS.depth or not isinstance(t2d, torch.nn.Parameter) or torch.compiler.is_compiling():
+        return None
+    if t2d.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    for spec, _ in specs_axes:
+        if spec is not None and (getattr(spec, "rounding", None) == "stochastic"
+                                 or getattr(spec, "scaling", None) == "delayed"):
+            return None
+    return id(t2d), tuple(specs_axes), at_once
 
 
 def _hand_out(mx: MXTensor, uses, now: tuple[int, ...], out: list) -> None:
