@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mxtrain.formats import MAX_BLOCK_SIZE
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_MODES = ("floor", "rceil", "even")
 ROUNDINGS = ("even", "nearest", "floor", "stochastic")
@@ -26,8 +28,9 @@ def check_choice(value, allowed: tuple[str, ...], what: str) -> str:
 def check_block_size(block_size) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int (0 = one block per axis), got {type(block_size).__name__}")
-    if block_size < 0:
-        raise ValueError(f"block_size must be >= 0 (0 = one block for the whole axis), got {block_size}")
+    if not 0 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be in [0, {MAX_BLOCK_SIZE}] (0 = one block for the whole axis), "
+                         f"got {block_size}")
     return block_size
 
 
