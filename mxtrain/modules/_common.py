@@ -261,11 +261,14 @@ def check_mx_operands(ctx, module: str) -> None:
 
 
 def round_elemwise(t: torch.Tensor, recipe) -> torch.Tensor:
-    """Round a norm/activation result to the recipe's elementwise precision (identity when unset)."""
+    """Round a norm/activation result to the recipe's elementwise precision (identity when unset).
+    Stochastic rounding draws from the recipe's generator (:func:`recipe_generator`: seeded by
+    ``recipe.seed``, shared with the GEMM operands' rounding), torch's global RNG when the seed is None."""
     if recipe is None or recipe.elemwise_format is None:
         return t
+    gen = recipe_generator(recipe, t.device) if recipe.rounding == "stochastic" else None
     return quantize_elemwise(t, recipe.elemwise_format, rounding=recipe.rounding,
-                             subnormals=recipe.elemwise_subnormals)
+                             subnormals=recipe.elemwise_subnormals, seed=gen)
 
 
 def check_input(x: torch.Tensor, features: int, name: str, what: str = "last dimension") -> None:

@@ -19,6 +19,16 @@ def check_float_tensor(x, what: str = "x") -> None:
         raise TypeError(f"{what} must have dtype float32, bfloat16 or float16, got {x.dtype}{hint}")
 
 
+DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_dequantize_dtype(dtype) -> None:
+    """``dtype`` of a dequantized result: None (the dtype that was quantized) or a floating dtype."""
+    if dtype is not None and dtype not in DEQUANTIZE_DTYPES:
+        raise TypeError(f"dequantize gives floating-point values: dtype must be None (the quantized tensor's "
+                        f"dtype) or one of {', '.join(map(str, DEQUANTIZE_DTYPES))}, got {dtype!r}")
+
+
 def check_choice(value, allowed: tuple[str, ...], what: str) -> str:
     if not isinstance(value, str) or value.lower() not in allowed:
         raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
