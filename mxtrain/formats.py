@@ -155,6 +155,17 @@ ELEMENT_FORMATS: dict[str, ElemFormat] = {
 }
 MX_FORMAT_NAMES = tuple(ELEMENT_FORMATS)
 
+# Codes per packing group by element bits (mxtrain.quantization.packing): a packed block's length must
+# be a multiple of it. And the largest block size: a block is stored padded to its full size, so a
+# block far longer than any axis only allocates padding (0 gives one scale for the whole axis instead).
+PACK_GROUP = {8: 1, 6: 4, 4: 2, 2: 4}
+MAX_BLOCK_SIZE = 8192
+
+
+def pack_group(fmt: "str | ElemFormat") -> int:
+    """Codes per packing group of ``fmt``: a packed block size must be a multiple of it (1 for 8 bits)."""
+    return PACK_GROUP[parse_format(fmt).bits]
+
 # bfloatN: 8 exponent bits, fpN: 5 exponent bits (microxcaling's bfloat=N / fp=N).
 BFLOAT_MIN_BITS, BFLOAT_MAX_BITS = 10, 32
 FP_MIN_BITS, FP_MAX_BITS = 7, 32

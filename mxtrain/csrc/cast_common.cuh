@@ -90,11 +90,19 @@ __device__ __forceinline__ int swz(int r, int c) { return c ^ ((r >> 1) & 7); }
 
 __device__ __forceinline__ uint32_t abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
 
+// v * mul (one rounded product); with INF_NAN, NaN where v is +-Inf: the FP8 casts keep a non-finite
+// source value non-finite (satfinite would make it +-FMAX), as float8_cast.py's _scaled and the
+// reference's cast_to_fp8 (the MX cast needs no such step: a block with an Inf has a NaN scale)
+template <bool INF_NAN>
+__device__ __forceinline__ float scaled(float v, float mul) {
+  return (INF_NAN && isinf(v)) ? __uint_as_float(0x7FC00000u) : __fmul_rn(v, mul);
+}
+
 // ---- the columnwise plane through a transposed code tile (both casts) ------------------------
 
 // The 32 codes of each column of the pair at p[0], p[1] (rows r at p[r * LD]), every value times its
-// column's multiplier: 4 codes per word, in row order
-template <typename T, int FMT, int LD>
+// column's multiplier (see scaled for INF_NAN): 4 codes per word, in row order
+template <typename T, int FMT, int LD, bool INF_NAN = false>
 __device__ __forceinline__ void pair_codes(const T* p, float mul_a, float mul_b, uint32_t ca[8], uint32_t cb[8]) {
 #pragma unroll
   for (int r = 0; r < 32; r += 4) {
@@ -103,10 +111,10 @@ __device__ __forceinline__ void pair_codes(const T* p, float mul_a, float mul_b,
     load_pair<T>(p + (r + 1) * LD, a1, b1);
     load_pair<T>(p + (r + 2) * LD, a2, b2);
     load_pair<T>(p + (r + 3) * LD, a3, b3);
-    ca[r / 4] = codes2<FMT>(__fmul_rn(a0, mul_a), __fmul_rn(a1, mul_a)) |
-                (codes2<FMT>(__fmul_rn(a2, mul_a), __fmul_rn(a3, mul_a)) << 16);
-    cb[r / 4] = codes2<FMT>(__fmul_rn(b0, mul_b), __fmul_rn(b1, mul_b)) |
-                (codes2<FMT>(__fmul_rn(b2, mul_b), __fmul_rn(b3, mul_b)) << 16);
+    ca[r / 4] = codes2<FMT>(scaled<INF_NAN>(a0, mul_a), scaled<INF_NAN>(a1, mul_a)) |
+                (codes2<FMT>(scaled<INF_NAN>(a2, mul_a), scaled<INF_NAN>(a3, mul_a)) << 16);
+    cb[r / 4] = codes2<FMT>(scaled<INF_NAN>(b0, mul_b), scaled<INF_NAN>(b1, mul_b)) |
+                (codes2<FMT>(scaled<INF_NAN>(b2, mul_b), scaled<INF_NAN>(b3, mul_b)) << 16);
   }
 }
 

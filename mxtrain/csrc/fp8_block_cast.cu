@@ -11,7 +11,8 @@
 //   * block amax = max |v| with NaN counted as +Inf;
 //   * s = fp32(FMAX / max(amax, eps)) (round to nearest), FLT_MAX if that overflows, 1 for a zero or
 //     Inf amax, the exponent bits only with power-of-2 scales; scale-inverse = fp32(1 / s);
-//   * code = cvt.rn.satfinite(v * s) (one rounded fp32 product): ties to even, saturating to +-FMAX.
+//   * code = cvt.rn.satfinite(v * s) (one rounded fp32 product): ties to even, saturating to +-FMAX;
+//     a +-Inf source value gives NaN (scaled<true>: non-finite values propagate, docs/float8.md).
 //
 // The activations use the CUDA math library (erff, expf, tanhf: the functions torch's CUDA kernels
 // call, and libdevice's, which Triton calls), with the operation order of float8_cast.py and every
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(kThreads) fp8_block_cast_kernel(const Fp8Args 
       const float s = square ? tile_s : block_scale(row_amax[i], a);
       uint32_t c[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) c[j] = codes2<FMT>(__fmul_rn(v[2 * j], s), __fmul_rn(v[2 * j + 1], s));
+      for (int j = 0; j < 4; ++j) c[j] = codes2<FMT>(scaled<true>(v[2 * j], s), scaled<true>(v[2 * j + 1], s));
       if (row < a.M && col < a.N) {
         *reinterpret_cast<uint2*>(a.row + row * a.N + col) = make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
         if (!square && (tid & 15) == 0) a.rsi[row * a.nb_n + blockIdx.y] = __fdiv_rn(1.0f, s);
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) fp8_block_cast_kernel(const Fp8Args 
     sb = block_scale(max(max(pamax[cb_], pamax[kB + cb_]), max(pamax[2 * kB + cb_], pamax[3 * kB + cb_])), a);
   }
   uint32_t wa[8], wb[8];
-  pair_codes<T, FMT, kB>(&tile[32 * h][ca_], sa, sb, wa, wb);
+  pair_codes<T, FMT, kB, true>(&tile[32 * h][ca_], sa, sb, wa, wb);
   put_pair_codes<kB>(ctile, ca_, h, wa, wb);
   if (h == 0 && n_in) {
     if (!square) {

@@ -75,6 +75,13 @@ def _fp8_code(v, MBITS: tl.constexpr, EMIN: tl.constexpr):
 
 
 @triton.jit
+def _scaled(v, s):
+    """``v * s``, NaN where ``v`` is +-Inf: a non-finite source value stays non-finite (NaN) in FP8,
+    where saturation would hide it (the reference's ``cast_to_fp8``)."""
+    return tl.where(tl.abs(v) == float("inf"), float("nan"), v * s)
+
+
+@triton.jit
 def _saturate(v, FMAX: tl.constexpr):
     return tl.where(v != v, v, tl.minimum(tl.maximum(v, -FMAX), FMAX))
 
@@ -174,7 +181,7 @@ def _tensor_cast_kernel(x_ptr, g_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, sin
     else:
         s = _block_scale(zero + tl.load(amax_ptr), FMAX, EPS, POW2)
     tl.store(sinv_ptr + lanes * 0, tl.math.div_rn(zero + 1.0, s), mask=first)
-    q = _fp8_bytes(v * s[None, :], FMAX, MBITS, EMIN, GPU)
+    q = _fp8_bytes(_scaled(v, s[None, :]), FMAX, MBITS, EMIN, GPU)
     if ROW:
         tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
     if COL:
@@ -227,7 +234,7 @@ def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_p
         lanes = tl.arange(0, BM)
         amax = tl.zeros([BM], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
         s = _block_scale(amax, FMAX, EPS, POW2)
-        q = _fp8_bytes(x * s[:, None], FMAX, MBITS, EMIN, GPU)
+        q = _fp8_bytes(_scaled(x, s[:, None]), FMAX, MBITS, EMIN, GPU)
         si = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), s)
         if ROW:
             tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
@@ -238,13 +245,13 @@ def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_p
     else:
         if ROW:
             s = _block_scale(tl.max(a, axis=1), FMAX, EPS, POW2)  # [B]: one per row
-            q = _fp8_bytes(x * s[:, None], FMAX, MBITS, EMIN, GPU)
+            q = _fp8_bytes(_scaled(x, s[:, None]), FMAX, MBITS, EMIN, GPU)
             tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
             tl.store(rsi_ptr + rm * NB_N + pid_n, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s),
                      mask=rm < M)
         if COL:
             s = _block_scale(tl.max(a, axis=0), FMAX, EPS, POW2)  # [B]: one per column
-            q = _fp8_bytes(x * s[None, :], FMAX, MBITS, EMIN, GPU)
+            q = _fp8_bytes(_scaled(x, s[None, :]), FMAX, MBITS, EMIN, GPU)
             tl.store(col_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=mask_t)
             tl.store(csi_ptr + rn * NB_M + pid_m, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s),
                      mask=rn < N)

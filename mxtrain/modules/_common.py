@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import weakref
 
@@ -254,6 +255,68 @@ def free_saved(*tensors: torch.Tensor | None) -> None:
             t.untyped_storage().resize_(0)
 
 
+def empty_batch_forward(ctx, inputs: tuple, out):
+    """Forward of a zero-token batch: return ``out`` (the empty result torch's layer gives) without
+    quantizing anything (an empty tensor has no amax to record) and note the inputs' shapes for
+    :func:`empty_batch_backward`."""
+    ctx.empty_batch = tuple((t.shape, t.dtype, t.device) if isinstance(t, torch.Tensor) else None for t in inputs)
+    return out
+
+
+def empty_batch_backward(ctx) -> tuple | None:
+    """Gradients of a zero-token forward, as torch gives them: zeros shaped and typed as each input
+    that needs one (weights and biases: all-zero; the input: empty). None for any other forward."""
+    shapes = getattr(ctx, "empty_batch", None)
+    if shapes is None:
+        return None
+    return tuple(torch.zeros(s[0], dtype=s[1], device=s[2]) if s is not None and need else None
+                 for s, need in zip(shapes, ctx.needs_input_grad))
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes gradients through; differentiating them raises (see :func:`once_differentiable`)."""
+
+    @staticmethod
+    def forward(ctx, message, *grads):
+        ctx.message = message
+        return grads
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError(ctx.message)
+
+
+def once_differentiable(module: str):
+    """Decorate an mxtrain autograd Function's ``backward``: it runs without building a graph, and
+    under ``create_graph=True`` its gradients carry a node that raises a clear error when they are
+    differentiated in turn (double backward: quantized GEMMs and rounding have no useful second
+    derivative). A first-order ``create_graph=True`` backward still gives the usual gradients.
+    ``torch.autograd.function.once_differentiable``, with a message that names the module."""
+    message = (f"double backward through mxtrain {module} is not supported: its backward runs quantized GEMMs "
+               "(and rounding) that have no useful derivative. Compute second-order terms (gradient penalties, "
+               "Hessian-vector products) outside mx_autocast, where the module is its torch counterpart")
+
+    def wrap(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grad_outputs):
+            with torch.no_grad():
+                grads = backward(ctx, *grad_outputs)
+            if not (torch.is_grad_enabled()
+                    and any(isinstance(g, torch.Tensor) and g.requires_grad for g in grad_outputs)):
+                return grads
+            single = not isinstance(grads, tuple)
+            grads = (grads,) if single else grads
+            slots = [i for i, g in enumerate(grads) if isinstance(g, torch.Tensor)]
+            # detached leaves that require grad: the outputs then hang off the raising node
+            tracked = _NoDoubleBackward.apply(message, *(grads[i].detach().requires_grad_() for i in slots))
+            out = list(grads)
+            for i, g in zip(slots, tracked):
+                out[i] = g
+            return out[0] if single else tuple(out)
+        return wrapper
+    return wrap
+
+
 def check_mx_operands(ctx, module: str) -> None:
     if getattr(ctx, "mx_operands_released", False):
         raise RuntimeError(
@@ -262,11 +325,14 @@ def check_mx_operands(ctx, module: str) -> None:
 
 
 def round_elemwise(t: torch.Tensor, recipe) -> torch.Tensor:
-    """Round a norm/activation result to the recipe's elementwise precision (identity when unset)."""
+    """Round a norm/activation result to the recipe's elementwise precision (identity when unset).
+    Stochastic rounding draws from the recipe's generator (:func:`recipe_generator`: seeded by
+    ``recipe.seed``, shared with the GEMM operands' rounding), torch's global RNG when the seed is None."""
     if recipe is None or recipe.elemwise_format is None:
         return t
+    gen = recipe_generator(recipe, t.device) if recipe.rounding == "stochastic" else None
     return quantize_elemwise(t, recipe.elemwise_format, rounding=recipe.rounding,
-                             subnormals=recipe.elemwise_subnormals)
+                             subnormals=recipe.elemwise_subnormals, seed=gen)
 
 
 def autocast_boundary(x: torch.Tensor):

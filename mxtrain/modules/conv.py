@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxtrain.autocast import get_recipe
-from mxtrain.modules._common import recipe_generator
+from mxtrain.modules._common import once_differentiable, recipe_generator
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "mx_conv",
            "mx_conv_transpose", "fake_quantize_role", "unsupported_recipe"]
@@ -54,7 +54,7 @@ def fake_quantize_role(t: torch.Tensor, spec, axis: int, generator, groups: int 
 
     ``groups > 1``: ``axis`` is split into ``groups`` equal parts and no block crosses a part.
     """
-    if spec is None or spec.fmt is None:
+    if spec is None or spec.fmt is None or t.numel() == 0:  # an empty batch has no blocks to quantize
         return t.float()
     if not hasattr(spec, "scale_mode") or spec.scale_mode not in ("floor", "rceil", "even"):
         raise NotImplementedError(f"MX convolutions take MX role specs, got {type(spec).__name__} (FP8 recipes "
@@ -103,6 +103,7 @@ class _MXConvFn(torch.autograd.Function):
         return y.to(x.dtype)
 
     @staticmethod
+    @once_differentiable("convolution")
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dims, transposed, stride, padding, dilation, output_padding, groups = ctx.cfg

@@ -14,8 +14,8 @@ from torch import nn
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
-    autocast_boundary, check_input, check_mx_operands, recipe_generator, release_mx_operands, round_elemwise, source_cast_args,
-    source_operands,
+    autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
+    once_differentiable, recipe_generator, release_mx_operands, round_elemwise, source_cast_args, source_operands,
 )
 from mxtrain.modules._recipe_state import RecipeStateMixin
 from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
@@ -28,6 +28,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, weight, bias, cfg, recipe):
         normalization, eps, zc, return_ln = cfg
+        if x.numel() == 0:  # zero tokens: the norm's and the linear's empty results
+            y = empty_batch_forward(ctx, (x, ln_weight, ln_bias, weight, bias),
+                                    x.new_empty(*x.shape[:-1], weight.shape[0]))
+            return (y, x.new_empty(x.shape)) if return_ln else y
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
         needs_wgrad = ctx.needs_input_grad[3]
@@ -56,7 +60,10 @@ class _LayerNormLinearFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable("LayerNormLinear")
     def backward(ctx, dy, dln_extra=None):
+        if (grads := empty_batch_backward(ctx)) is not None:
+            return *grads, None, None
         check_mx_operands(ctx, "LayerNormLinear")
         x2d, ln_weight, ln_bias, weight, *stats = ctx.saved_tensors
         normalization, eps, zc, _ = ctx.cfg

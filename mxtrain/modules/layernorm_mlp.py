@@ -31,8 +31,9 @@ from mxtrain.kernels.activation_cast import activation_backward_cast, activation
 from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
-    autocast_boundary, check_input, check_mx_operands, free_saved, quantize_operand, recipe_generator, release_mx_operands,
-    round_elemwise, source_cast_args, source_operands, weight_planes,
+    autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward, free_saved,
+    once_differentiable, quantize_operand, recipe_generator, release_mx_operands, round_elemwise, source_cast_args,
+    source_operands, weight_planes,
 )
 from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
@@ -82,6 +83,9 @@ class _LayerNormMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, cfg, recipe):
         normalization, eps, zc, act = cfg
+        if x.numel() == 0:  # zero tokens: the block's empty result
+            return empty_batch_forward(ctx, (x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias),
+                                       x.new_empty(*x.shape[:-1], fc2_weight.shape[0]))
         # each GEMM's own view: a recipe with per-module state keeps fc1's and fc2's tensors apart
         role1, role2 = gemm_recipe(recipe, "fc1").role, gemm_recipe(recipe, "fc2").role
         gen = recipe_generator(recipe, x.device)
@@ -131,7 +135,10 @@ class _LayerNormMLPFn(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], fc2_weight.shape[0])
 
     @staticmethod
+    @once_differentiable("LayerNormMLP")
     def backward(ctx, dy):
+        if (grads := empty_batch_backward(ctx)) is not None:
+            return *grads, None, None
         check_mx_operands(ctx, "LayerNormMLP")
         x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight, *stats = ctx.saved_tensors
         normalization, eps, zc, act = ctx.cfg

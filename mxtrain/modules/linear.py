@@ -17,8 +17,8 @@ from torch import nn
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.modules._common import (
-    autocast_boundary, check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands,
-    weight_planes,
+    autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
+    once_differentiable, quantize_operand, recipe_generator, release_mx_operands, weight_planes,
 )
 from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin
@@ -80,6 +80,8 @@ def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool
 class _LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe):
+        if x.numel() == 0:  # zero tokens: nn.Linear's empty result
+            return empty_batch_forward(ctx, (x, weight, bias), x.new_empty(*x.shape[:-1], weight.shape[0]))
         gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
         y, x_col, w_col = mx_linear_forward(x2d, weight, bias, recipe, gen, ctx.needs_input_grad[1],
@@ -93,7 +95,10 @@ class _LinearFn(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @once_differentiable("Linear")
     def backward(ctx, dy):
+        if (grads := empty_batch_backward(ctx)) is not None:
+            return *grads, None
         check_mx_operands(ctx, "Linear")
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxtrain.autocast import get_recipe
-from mxtrain.modules._common import check_input, round_elemwise
+from mxtrain.modules._common import check_input, once_differentiable, round_elemwise
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -110,6 +110,7 @@ class _NormFn(torch.autograd.Function):
         return round_elemwise(out, recipe)
 
     @staticmethod
+    @once_differentiable("LayerNorm / RMSNorm")
     def backward(ctx, grad):
         x, weight, bias, *stats = ctx.saved_tensors
         normalization, eps, zc, recipe = ctx.cfg

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mxtrain.formats import MAX_BLOCK_SIZE
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_MODES = ("floor", "rceil", "even")
 ROUNDINGS = ("even", "nearest", "floor", "stochastic")
@@ -17,6 +19,16 @@ def check_float_tensor(x, what: str = "x") -> None:
         raise TypeError(f"{what} must have dtype float32, bfloat16 or float16, got {x.dtype}{hint}")
 
 
+DEQUANTIZE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_dequantize_dtype(dtype) -> None:
+    """``dtype`` of a dequantized result: None (the dtype that was quantized) or a floating dtype."""
+    if dtype is not None and dtype not in DEQUANTIZE_DTYPES:
+        raise TypeError(f"dequantize gives floating-point values: dtype must be None (the quantized tensor's "
+                        f"dtype) or one of {', '.join(map(str, DEQUANTIZE_DTYPES))}, got {dtype!r}")
+
+
 def check_choice(value, allowed: tuple[str, ...], what: str) -> str:
     if not isinstance(value, str) or value.lower() not in allowed:
         raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
@@ -26,8 +38,9 @@ def check_choice(value, allowed: tuple[str, ...], what: str) -> str:
 def check_block_size(block_size) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int (0 = one block per axis), got {type(block_size).__name__}")
-    if block_size < 0:
-        raise ValueError(f"block_size must be >= 0 (0 = one block for the whole axis), got {block_size}")
+    if not 0 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be in [0, {MAX_BLOCK_SIZE}] (0 = one block for the whole axis), "
+                         f"got {block_size}")
     return block_size
 
 

@@ -13,7 +13,10 @@ Numerics (Transformer Engine's, written out):
   previous scale; an Inf quotient -> fp32 max.
 * power-of-two scales: the scale rounded *down* to a power of two (never overflows).
 * cast: ``clamp(x * scale, -max_fp8, max_fp8)`` in fp32, then to the float8
-  dtype (round to nearest even). NaN stays NaN; ±Inf saturates to ±max_fp8.
+  dtype (round to nearest even). NaN stays NaN, and a ±Inf source value becomes
+  NaN (Transformer Engine saturates it to ±max_fp8; here, as in the MX formats,
+  a non-finite value reaches the GEMM result so a loss scaler or NaN check sees
+  it). A finite value whose product with the scale overflows still saturates.
 * ``scale_inv = 1 / scale`` in fp32; dequantize is ``fp8 * scale_inv`` in fp32.
 """
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from mxtrain.quantization._validate import check_dequantize_dtype
 from mxtrain.quantization.mxtensor import PlaneLookup
 
 __all__ = [
@@ -138,9 +142,12 @@ def amax_from_history(history: torch.Tensor, algo: str) -> torch.Tensor:
 
 
 def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Saturating cast ``clamp(x * scale, ±max) -> float8`` (round to nearest even; NaN stays NaN)."""
+    """Saturating cast ``clamp(x * scale, ±max) -> float8`` (round to nearest even); a NaN or ±Inf
+    element of ``x`` becomes NaN (non-finite values propagate; see the module docstring)."""
     fmax = FP8_MAX[fmt]
-    return (x.float() * scale).clamp_(-fmax, fmax).to(FP8_DTYPES[fmt])
+    xf = x.float()
+    y = (xf * scale).clamp_(-fmax, fmax)
+    return y.masked_fill_(xf.isinf(), float("nan")).to(FP8_DTYPES[fmt])
 
 
 # --- the quantized tensor -----------------------------------------------------------------
@@ -261,10 +268,12 @@ class Float8Tensor(PlaneLookup):
 
     def dequantize_blocked(self, dtype: torch.dtype | None = None, axis: int | None = None) -> torch.Tensor:
         """The values of one plane in its stored layout (reduction axis last): ``[K, M]`` for columnwise."""
+        check_dequantize_dtype(dtype)
         return self.plane(axis).values(dtype or self.dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None, axis: int | None = None) -> torch.Tensor:
         """The values of one plane in the logical shape, cast to ``dtype`` (default: the source dtype)."""
+        check_dequantize_dtype(dtype)
         p = self.plane(axis)
         v = p.values(dtype or self.dtype)
         return v.t() if (self.ndim >= 2 and p.axis == 0) else v

@@ -223,18 +223,20 @@ def fake_quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int =
     """``quantize_mx(...).dequantize()`` in one pass, same shape and dtype as ``x``.
 
     Bit-identical to the two-step path; it skips materialising codes. Used by the
-    CPU emulation of MX GEMM operands.
+    CPU emulation of MX GEMM operands. Differentiable with a straight-through
+    gradient (``d out / d x`` = identity, as torchao's ``to_mx`` and QAT fake
+    quantizers): the gradient of ``x`` is the gradient of the result, unchanged.
     """
     fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
     ax = normalize_axis(axis, x.ndim)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _StraightThrough.apply(x, fmt, block_size, ax, scale_mode, rounding, seed)
     generator = make_generator(seed, x.device) if rounding == "stochastic" else None
     rows, lead = _rows(x, ax)
     length = rows.shape[1]
     bs, nblocks = _geometry(length, block_size)
     out = _memory.empty(rows.shape, x.dtype, x.device)
-    # the tables write through out= buffers, which autograd refuses: a tensor that records a graph
-    # takes the reference (whose result records one too, as before)
-    if _use_tables(x.device, rounding) and not (x.requires_grad and torch.is_grad_enabled()):
+    if _use_tables(x.device, rounding):
         from mxtrain.quantization import lut
 
         lut.fake_quantize_rows(rows, bs, nblocks, fmt, scale_mode, rounding, out, LUT_CHUNK_ELEMENTS)
@@ -248,6 +250,18 @@ def fake_quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int =
         vals.mul_(scale_values(scale).unsqueeze(-1))
         out[lo:hi] = vals.reshape(hi - lo, -1)[:, :length]
     return out.reshape(*lead, length).movedim(-1, ax)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """:func:`fake_quantize_mx` with the straight-through estimator: the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, fmt, block_size, axis, scale_mode, rounding, seed):
+        return fake_quantize_mx(x.detach(), fmt, block_size, axis, scale_mode, rounding, seed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None, None, None
 
 
 @_no_dynamo

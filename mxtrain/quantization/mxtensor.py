@@ -12,9 +12,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from mxtrain.formats import ElemFormat, parse_format
+from mxtrain.formats import ELEMENT_FORMATS, MX_FORMAT_NAMES, ElemFormat, parse_format
+from mxtrain.quantization._validate import ROUNDINGS, SCALE_MODES, SUPPORTED_DTYPES, check_dequantize_dtype
 from mxtrain.quantization.mx import dequantize_plane
-from mxtrain.quantization.packing import unpack_codes
+from mxtrain.quantization.packing import packed_length, unpack_codes
 
 __all__ = ["MXPlane", "MXTensor"]
 
@@ -77,6 +78,9 @@ class MXTensor(PlaneLookup):
     :meth:`dequantize` of that axis returns the values cast to the asked dtype
     (exact when the values are fp32, or bf16 from a bf16 input: every MX value
     of a bf16 input is exact in bf16). ``nbytes`` counts codes and scales only.
+
+    ``MXTensor(...)`` checks every field (a known format, uint8 codes and scale bytes, shapes that
+    agree); kernels that have just written the parts build it with ``MXTensor._unchecked``.
     """
 
     planes: tuple[MXPlane, ...]
@@ -90,6 +94,7 @@ class MXTensor(PlaneLookup):
     values: tuple = ()
 
     def __post_init__(self):
+        self._check_fields()
         if not self.planes and not self.values:
             raise ValueError("an MXTensor needs at least one plane (or the dequantized values of one)")
         axes = [p.axis for p in self.planes]
@@ -106,6 +111,67 @@ class MXTensor(PlaneLookup):
             vaxes.append(entry[0])
         if len(set(vaxes)) != len(vaxes):
             raise ValueError(f"values must have distinct axes, got {vaxes}")
+
+    def _check_fields(self) -> None:
+        """The public constructor's checks: every field of the right kind, planes consistent with the shape."""
+        fmt = self.fmt.name if isinstance(self.fmt, ElemFormat) else self.fmt
+        try:
+            fmt = parse_format(fmt).name if isinstance(fmt, str) else None
+        except ValueError:
+            fmt = None
+        if fmt not in ELEMENT_FORMATS:
+            raise ValueError(f"MXTensor.fmt must name an MX element format ({', '.join(MX_FORMAT_NAMES)}), "
+                             f"got {self.fmt!r}")
+        object.__setattr__(self, "fmt", fmt)
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"MXTensor.block_size must be a positive int (elements per scale), got {bs!r}")
+        if not isinstance(self.shape, (tuple, torch.Size)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.shape):
+            raise ValueError(f"MXTensor.shape must be a tuple of non-negative ints, got {self.shape!r}")
+        object.__setattr__(self, "shape", tuple(self.shape))
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"MXTensor.dtype (the dtype that was quantized) must be one of "
+                            f"{', '.join(map(str, SUPPORTED_DTYPES))}, got {self.dtype!r}")
+        if self.scale_mode not in SCALE_MODES:
+            raise ValueError(f"MXTensor.scale_mode must be one of {', '.join(SCALE_MODES)}, got {self.scale_mode!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"MXTensor.rounding must be one of {', '.join(ROUNDINGS)}, got {self.rounding!r}")
+        if not isinstance(self.planes, tuple) or not isinstance(self.values, tuple):
+            raise TypeError("MXTensor.planes and MXTensor.values must be tuples")
+        for p in self.planes:
+            self._check_plane(p)
+
+    def _check_plane(self, p) -> None:
+        if not isinstance(p, MXPlane):
+            raise TypeError(f"MXTensor.planes must hold MXPlane objects, got {type(p).__name__}")
+        ndim = len(self.shape)
+        if isinstance(p.axis, bool) or not isinstance(p.axis, int) or not 0 <= p.axis < max(ndim, 1):
+            raise ValueError(f"MXPlane.axis must be an int in [0, {max(ndim, 1) - 1}] for shape {list(self.shape)}, "
+                             f"got {p.axis!r}")
+        for name in ("data", "scale"):
+            t = getattr(p, name)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+                what = "integer element codes" if name == "data" else "E8M0 scale bytes"
+                got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TypeError(f"MXPlane.{name} must be a torch.uint8 tensor ({what}), got {got}")
+        if p.data.device != p.scale.device:
+            raise ValueError(f"MXPlane.data and .scale must be on one device, got {p.data.device} and {p.scale.device}")
+        lead = self.shape[:p.axis] + self.shape[p.axis + 1:]
+        length = self.shape[p.axis] if ndim else 1
+        bs = max(length, 1) if self.whole_axis else self.block_size
+        nblocks = -(-length // bs)
+        codes = nblocks * bs
+        if p.packed:
+            try:
+                codes = packed_length(codes, self.fmt)
+            except ValueError as err:
+                raise ValueError(f"MXPlane packed: {err}") from None
+        want_data, want_scale = [*lead, codes], [*lead, nblocks]
+        if list(p.data.shape) != want_data or list(p.scale.shape) != want_scale:
+            raise ValueError(f"an MXTensor of shape {list(self.shape)}, {self.fmt}, block {bs} along axis {p.axis} "
+                             f"({'packed' if p.packed else 'unpacked'}) needs data {want_data} and scale "
+                             f"{want_scale}, got data {list(p.data.shape)} and scale {list(p.scale.shape)}")
 
     @classmethod
     def _unchecked(cls, planes: tuple, fmt: str, block_size: int, shape: tuple, dtype: torch.dtype,
@@ -171,6 +237,7 @@ class MXTensor(PlaneLookup):
         subnormals (tiny scales); fp32 is always exact. A plane carried only by
         its dequantized values (see ``values``) returns those, cast to ``dtype``.
         """
+        check_dequantize_dtype(dtype)
         carried = self.values_only(axis)
         if carried is not None:
             return carried[1].to(dtype or self.dtype)
@@ -193,6 +260,7 @@ class MXTensor(PlaneLookup):
         For the columnwise plane of a 2-D ``[M, K]`` tensor this is the ``[K, M]``
         transpose, which is the operand layout a GEMM reducing over M wants.
         """
+        check_dequantize_dtype(dtype)
         carried = self.values_only(axis)
         if carried is not None:
             # contiguous, as the codes path returns it (a GEMM on it then runs the same way)

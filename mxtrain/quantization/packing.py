@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from mxtrain.formats import ElemFormat, parse_format
+from mxtrain.formats import PACK_GROUP, ElemFormat, parse_format
 
-_GROUP = {4: 2, 2: 4, 6: 4}  # codes per packing group, by element bits
+_GROUP = PACK_GROUP  # codes per packing group, by element bits
 _GROUP_BYTES = {4: 1, 2: 1, 6: 3}
 
 

@@ -33,9 +33,11 @@ from mxtrain.formats import (
     BFLOAT_MIN_BITS,
     FP_MAX_BITS,
     FP_MIN_BITS,
+    MAX_BLOCK_SIZE,
     MX_FORMAT_NAMES,
     ElemFormat,
     parse_elemwise_format,
+    pack_group,
     parse_format,
 )
 
@@ -105,8 +107,19 @@ def _check_int(owner: str, name: str, value, *, minimum: int, maximum: int | Non
 
 
 def _check_block_size(owner: str, name: str, value) -> int:
-    return _check_int(owner, name, value, minimum=0, maximum=None,
+    return _check_int(owner, name, value, minimum=0, maximum=MAX_BLOCK_SIZE,
                       meaning="elements per shared scale; 0 = one scale for the whole axis")
+
+
+def _check_block_packs(owner: str, block_size: int, formats) -> None:
+    """Sub-byte codes are packed a group at a time (fp6: 4 codes in 3 bytes, fp4/int4: 2 a byte, int2:
+    4 a byte), so a block must hold whole groups."""
+    for fmt in dict.fromkeys(f for f in formats if f is not None):
+        group = pack_group(fmt)
+        if block_size % group:
+            raise ValueError(f"{owner}.block_size={block_size} cannot be packed for {fmt} elements, which are "
+                             f"packed {group} codes at a time: use a multiple of {group} (e.g. "
+                             f"{max(group, block_size - block_size % group)}), or 0 for one scale per axis")
 
 
 def _check_seed(owner: str, name: str, value) -> int | None:
@@ -343,6 +356,7 @@ class Recipe:
             raise TypeError("Recipe is the abstract base class; instantiate one of "
                             f"{', '.join(RECIPE_CLASSES)}")
         _run_field_checks(self)
+        _check_block_packs(type(self).__name__, self.block_size, self._role_formats().values())
 
     # -- the interface the modules consume --
 
