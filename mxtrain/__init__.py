@@ -12,7 +12,8 @@ from mxtrain import formats, recipes
 from mxtrain.autocast import get_recipe, is_autocast_enabled, mx_autocast
 from mxtrain.formats import ElemFormat, parse_elemwise_format, parse_format
 from mxtrain.modules import (
-    Conv1d, Conv2d, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, mx_linear, weight_cast_cache,
+    Conv1d, Conv2d, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, mx_linear,
+    weight_cast_cache,
 )
 from mxtrain.quantization import MXTensor, fake_quantize_mx, quantize_elemwise, quantize_mx
 from mxtrain.quantization.float8 import Float8Tensor, fake_quantize_float8, quantize_float8
@@ -33,6 +34,7 @@ __all__ = [
     "Float8Tensor", "quantize_float8", "fake_quantize_float8", "convert", "unconvert", "Conversion",
     "make_graphed_step", "weight_cast_cache",
     "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "Conv1d", "Conv2d", "mx_linear",
+    "GroupedLinear",
     "MXTensor", "quantize_mx", "fake_quantize_mx", "quantize_elemwise",
     "ElemFormat", "parse_format", "parse_elemwise_format", "formats", "recipes",
     # subpackages imported on demand: mxtrain.distributed (FSDP2), mxtrain.compat.mx (microxcaling API),

@@ -6,6 +6,7 @@ from mxtrain.modules.batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from mxtrain.modules.conv import (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, mx_conv,
                                   mx_conv_transpose)
 from mxtrain.modules.groupnorm import GroupNorm
+from mxtrain.modules.grouped_linear import GroupedLinear, mx_grouped_linear
 from mxtrain.modules.layernorm_linear import LayerNormLinear
 from mxtrain.modules.layernorm_mlp import LayerNormMLP
 from mxtrain.modules.linear import Linear, mx_linear
@@ -13,4 +14,5 @@ from mxtrain.modules.normalization import LayerNorm, RMSNorm
 
 __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "Conv1d", "Conv2d", "Conv3d",
            "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "GroupNorm", "BatchNorm1d", "BatchNorm2d",
-           "BatchNorm3d", "mx_linear", "mx_conv", "mx_conv_transpose", "ACTIVATIONS", "weight_cast_cache"]
+           "BatchNorm3d", "GroupedLinear", "mx_grouped_linear", "mx_linear", "mx_conv", "mx_conv_transpose",
+           "ACTIVATIONS", "weight_cast_cache"]

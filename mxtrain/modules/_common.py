@@ -221,11 +221,18 @@ def weight_planes(weight: torch.Tensor, role, need_dgrad: bool, generator):
     ``(row, None)`` and backward casts the dgrad plane itself (MX recipes: per phase, so FSDP2
     gathers only the plane each phase needs). The kept plane costs 1 byte per weight element
     between forward and backward, and saves backward an amax pass and a cast."""
+    uses = weight_uses(role, need_dgrad)
+    ops = quantize_operand(weight, uses, generator)
+    return ops[0], (ops[1] if len(uses) == 2 else None)
+
+
+def weight_uses(role, need_dgrad: bool) -> list:
+    """The (spec, axis) uses :func:`weight_planes` casts in forward: fprop's, and dgrad's with it where one
+    FP8 spec serves both."""
     fprop, dgrad = role("fprop_weight"), role("dgrad_weight")
     if need_dgrad and isinstance(fprop, Float8RoleSpec) and fprop.fmt is not None and dgrad == fprop:
-        row, col = quantize_operand(weight, [(fprop, 1), (dgrad, 0)], generator)
-        return row, col
-    return quantize_operand(weight, [(fprop, 1)], generator)[0], None
+        return [(fprop, 1), (dgrad, 0)]
+    return [(fprop, 1)]
 
 
 def release_mx_operands(ctx, *names: str) -> None:

@@ -25,11 +25,12 @@ from mxtrain.modules._recipe_state import RecipeStateMixin
 
 
 def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool, needs_dgrad: bool = False,
-                      x_operands=None):
+                      x_operands=None, w_operands=None):
     """Forward GEMM of a linear layer; returns ``(y, x_for_wgrad, w_for_dgrad)``.
 
     ``x_operands``: ``(fprop, wgrad)`` operands of the input already made (by a fused norm + cast);
-    ``x2d`` is then only the input's stand-in for its dtype.
+    ``x2d`` is then only the input's stand-in for its dtype. ``w_operands``: ``(fprop, dgrad | None)``
+    operands of the weight already made (GroupedLinear casts all experts' weights at once).
 
     MX recipes: only W's rowwise plane is made here (``w_for_dgrad`` is None);
     backward quantizes W columnwise from the (saved, version-checked) parameter,
@@ -40,7 +41,8 @@ def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool, n
     """
     x_row, x_col = x_operands if x_operands is not None else quantize_operand(
         x2d, linear_input_specs(recipe, needs_wgrad), generator)
-    w_row, w_col = weight_planes(weight, recipe.role, needs_dgrad, generator)
+    w_row, w_col = w_operands if w_operands is not None else weight_planes(weight, recipe.role, needs_dgrad,
+                                                                           generator)
     y = mx_gemm(x_row, w_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=bias)
     return y, (x_col if needs_wgrad else None), w_col
 
@@ -52,17 +54,21 @@ def linear_input_specs(recipe, needs_wgrad: bool) -> list:
 
 def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool, needs_wgrad: bool,
                        dx_dtype: torch.dtype = torch.float32, dw_dtype: torch.dtype = torch.float32, *,
-                       w_col=None, bias_dtype: torch.dtype | None = None):
+                       w_col=None, bias_dtype: torch.dtype | None = None, dy_operands=None):
     """dgrad and wgrad GEMMs of a linear layer: ``(dx | None, dw | None, db | None)``.
 
     ``w_col``: the dgrad weight plane if forward kept it (else cast here from ``weight``).
+    ``dy_operands``: ``(dgrad, wgrad)`` operands of ``dy2d`` already made (GroupedLinear).
     ``bias_dtype``: also return the bias gradient (sum of ``dy`` over tokens) in that dtype;
     FP8 recipes on the GPU take it from the pass that casts ``dy``.
     """
     specs = [(recipe.role("dgrad_grad_output") if needs_dgrad else None, 1),
              (recipe.role("wgrad_grad_output") if needs_wgrad else None, 0)]
-    fused = fused_float8_operands(dy2d, specs, dbias=bias_dtype is not None)
-    if fused is not None:
+    fused = fused_float8_operands(dy2d, specs, dbias=bias_dtype is not None) if dy_operands is None else None
+    if dy_operands is not None:
+        dy_row, dy_col = dy_operands
+        db = dy2d.sum(0, dtype=torch.float32) if bias_dtype is not None else None
+    elif fused is not None:
         (dy_row, dy_col), db = fused
     else:
         dy_row, dy_col = quantize_operand(dy2d, specs, generator, at_once=True)

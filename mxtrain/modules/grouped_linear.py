@@ -1,0 +1,417 @@
+"""GroupedLinear: the expert GEMMs of a Mixture-of-Experts layer, one weight per expert, under any recipe.
+
+As Transformer Engine's ``GroupedLinear``: parameters ``weight0 .. weight{n-1}`` (and ``bias0 ..``);
+``forward(x, m_splits)`` takes ``x [tokens, in_features]`` with the tokens already sorted by expert
+and ``m_splits[i]`` tokens (zero allowed) for expert ``i``, which computes ``x_i W_i^T + b_i``.
+Every expert computes what an ``mxtrain.Linear`` with its weight computes under the same recipe.
+
+Casts. Where the recipe's blocks stay inside one expert's rows, a tensor is cast for all experts
+in one quantize call and each expert takes its rows of the result: the rowwise planes (blocks
+along K or N) of the input, the grad-output and the stacked weights, and the columnwise planes
+(blocks along tokens) too, once each expert's rows are zero-padded to whole blocks (zeros change
+no scale and no code: the reference pads a ragged last block the same way). Per-tensor FP8
+scaling (current, delayed) has one scale per expert tensor, so it casts each expert apart.
+
+GEMMs. MX recipes with bf16 activations on CUDA run each pass as one grouped bf16 GEMM
+(``torch.nn.functional.grouped_mm``) of the dequantized operands, as ``mx_gemm`` does on Hopper;
+everything else (CPU, FP8 recipes: ``scaled_mm`` / the 128-block kernel per expert) runs
+``mx_linear_forward`` / ``mx_linear_backward`` per expert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mxtrain.autocast import get_recipe
+from mxtrain.kernels.dispatch import dequantize
+from mxtrain.modules._common import (
+    check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, weight_uses,
+)
+from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
+from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
+from mxtrain.quantization import MXTensor
+from mxtrain.quantization.float8 import Float8Tensor
+from mxtrain.recipes.float8 import Float8RoleSpec
+
+__all__ = ["GroupedLinear", "mx_grouped_linear"]
+
+# "auto": the grouped bf16 GEMM on CUDA (MX recipes, bf16 activations); "0": never (per-expert GEMMs);
+# "1": also off CUDA (tests run the grouped path on the CPU this way)
+GROUPED_MM = os.environ.get("MXTRAIN_GROUPED_MM", "auto")
+_grouped_mm_fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_GROUPED_MM_FAILED: set = set()
+
+
+def _row_unit(spec, axis: int) -> int | None:
+    """Rows of the stacked tensor one block of this use spans (1: blocks inside a row); None where one
+    scale covers a whole expert tensor (per-tensor FP8, whole-axis MX blocks along tokens)."""
+    if spec is None or spec.fmt is None:
+        return 1
+    if isinstance(spec, Float8RoleSpec):
+        return None if spec.block is None else spec.block[1 if axis == 0 else 0]
+    return 1 if axis != 0 else (spec.block_size or None)
+
+
+class _Operands:
+    """The operands of every expert for a list of (spec, axis) uses.
+
+    ``full[u]``: use ``u``'s operand of the whole stacked (for padded uses: padded) tensor, and
+    ``ends[u]`` the experts' end rows in it (for a grouped GEMM); None when cast per expert.
+    ``expert(e)``: expert ``e``'s own operands, as ``quantize_operand`` would make them of its rows.
+    """
+
+    def __init__(self, per_expert=None, full=None, starts=None, ends=None, splits=None):
+        self.per_expert, self.full, self.starts, self.ends, self.splits = per_expert, full, starts, ends, splits
+
+    def expert(self, e: int) -> list:
+        if self.per_expert is not None:
+            return self.per_expert[e]
+        return [_rows(op, self.starts[u][e], self.splits[e]) for u, op in enumerate(self.full)]
+
+
+def grouped_operands(stacked, parts, splits: list[int], uses_of, generator, at_once: bool = False) -> _Operands:
+    """Cast the experts' row blocks of a stacked 2-D tensor for their (spec, axis) uses.
+
+    ``stacked()`` returns the tensor with every expert's rows in order (``splits`` rows each),
+    ``parts`` each expert's rows alone, ``uses_of(e)`` expert ``e``'s uses. One quantize call per
+    group of uses where blocks stay inside an expert (see module doc), else one per expert.
+    """
+    uses = uses_of(0)
+    units = [_row_unit(spec, axis) for spec, axis in uses]
+    if None in units or any(hasattr(p, "mx_gathered_plane") for p in parts):
+        return _Operands(per_expert=[quantize_operand(p, uses_of(e), generator, at_once) for e, p in enumerate(parts)])
+    t2d = stacked()
+    starts = [0]
+    for n in splits[:-1]:
+        starts.append(starts[-1] + n)
+    full, use_starts, use_ends = [None] * len(uses), [None] * len(uses), [None] * len(uses)
+    plain = [u for u, unit in enumerate(units) if all(n % unit == 0 for n in splits)]
+    padded = [u for u in range(len(uses)) if u not in plain]
+    groups = [(plain, t2d, starts, splits)]
+    if padded:
+        unit = math.lcm(*(units[u] for u in padded))
+        lengths = [-(-n // unit) * unit for n in splits]
+        pstarts = [0]
+        for n in lengths[:-1]:
+            pstarts.append(pstarts[-1] + n)
+        rows = torch.cat([torch.arange(s, s + n, device=t2d.device) for s, n in zip(pstarts, splits)])
+        tp = t2d.new_zeros(sum(lengths), t2d.shape[1])
+        tp[rows] = t2d  # one index_put for all experts
+        groups.append((padded, tp, pstarts, lengths))
+    for members, t, st, lens in groups:
+        if not members:
+            continue
+        for u, op in zip(members, quantize_operand(t, [uses[u] for u in members], generator, at_once)):
+            full[u], use_starts[u], use_ends[u] = op, st, [s + n for s, n in zip(st, lens)]
+    return _Operands(full=full, starts=use_starts, ends=use_ends, splits=splits)
+
+
+def _rows(op, start: int, n: int):
+    """Rows ``[start, start + n)`` of an operand of a stacked tensor: the operand of those rows alone
+    (``start`` is a multiple of every block length along the rows)."""
+    if isinstance(op, torch.Tensor):
+        return op[start:start + n]
+    if isinstance(op, MXTensor):
+        planes = tuple(_mx_plane_rows(p, start, n, op.block_size) for p in op.planes)
+        values = tuple((a, v[start:start + n]) for a, v in op.values)
+        return MXTensor._unchecked(planes, op.fmt, op.block_size, (n, *op.shape[1:]), op.dtype, op.scale_mode,
+                                   op.rounding, op.whole_axis, values)
+    if isinstance(op, Float8Tensor):
+        planes = tuple(_float8_plane_rows(p, start, n) for p in op.planes)
+        return dataclasses.replace(op, planes=planes, shape=(n, *op.shape[1:]))
+    raise TypeError(f"not a GEMM operand: {type(op).__name__}")
+
+
+def _mx_plane_rows(p, start: int, n: int, block_size: int):
+    if p.axis != 0:  # blocks along the row: rows are rows of data and scale
+        return dataclasses.replace(p, data=p.data[start:start + n], scale=p.scale[start:start + n])
+    per_block = p.data.shape[-1] // p.scale.shape[-1]  # bytes of one block's codes (packed or not)
+    b0, b1 = start // block_size, -(-(start + n) // block_size)
+    return dataclasses.replace(p, data=p.data[:, b0 * per_block:b1 * per_block].contiguous(),
+                               scale=p.scale[:, b0:b1].contiguous())
+
+
+def _float8_plane_rows(p, start: int, n: int):
+    s = p.scale_inv
+    if p.axis != 0:
+        if p.block is not None:
+            s = s[start // p.block[0]:-(-(start + n) // p.block[0])]
+        return dataclasses.replace(p, data=p.data[start:start + n], scale_inv=s)
+    if p.block is not None:
+        s = s[:, start // p.block[1]:-(-(start + n) // p.block[1])].contiguous()
+    return dataclasses.replace(p, data=p.data[:, start:start + n].contiguous(), scale_inv=s)
+
+
+def _stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-D tensors one under the other: a view where they lie so in one storage (as GroupedLinear
+    allocates its weights), else a copy."""
+    t0 = tensors[0]
+    rows, step = t0.shape[0], t0.numel()
+    if all(t.is_contiguous() and t.dtype == t0.dtype and t.shape == t0.shape and t.device == t0.device
+           and t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr()
+           and t.storage_offset() == t0.storage_offset() + i * step for i, t in enumerate(tensors)):
+        return t0.as_strided((rows * len(tensors), t0.shape[1]), (t0.shape[1], 1))
+    return torch.cat(tensors)
+
+
+def _grouped_gemm_ok(x2d, specs, dims) -> bool:
+    """Whether this pass runs as one grouped bf16 GEMM: MX operands (values exact in bf16), bf16
+    activations, rows 16-byte aligned, a grouped GEMM in this torch and device."""
+    if GROUPED_MM == "0" or _grouped_mm_fn is None or x2d.dtype != torch.bfloat16:
+        return False
+    if GROUPED_MM != "1" and not x2d.is_cuda:
+        return False
+    if (x2d.device.type, x2d.device.index) in _GROUPED_MM_FAILED:
+        return False
+    return all(d % 8 == 0 for d in dims) and all(
+        s is not None and not isinstance(s, Float8RoleSpec) and s.fmt is not None for s in specs)
+
+
+def _grouped_mm(a, b, ends, device):
+    """``F.grouped_mm`` with fp32 output where the device has it (one rounding later), else bf16; None
+    (and per-expert GEMMs from then on) where it raises."""
+    offs = torch.tensor(ends, dtype=torch.int32, device=device)
+    try:
+        try:
+            return _grouped_mm_fn(a, b, offs=offs, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):
+            return _grouped_mm_fn(a, b, offs=offs)
+    except RuntimeError as err:
+        _GROUPED_MM_FAILED.add((device.type, device.index))
+        warnings.warn(f"GroupedLinear: the grouped GEMM failed on {device} ({err}); running per-expert GEMMs "
+                      "(MXTRAIN_GROUPED_MM=0 chooses them from the start)", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _expert_stack(w: torch.Tensor, num_gemms: int, rows: int) -> torch.Tensor:
+    """``[num_gemms, rows, K]`` view of stacked weight values (each expert's rows padded or not)."""
+    return w.view(num_gemms, w.shape[0] // num_gemms, w.shape[1])[:, :rows]
+
+
+def _values(op, axis: int) -> torch.Tensor:
+    """bf16 values of an MX operand's plane in the logical layout (exact: every MX value is a bf16 value)."""
+    return dequantize(op, torch.bfloat16, axis)
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, splits, recipe, num_gemms, *params):
+        weights, biases = params[:num_gemms], (params[num_gemms:] or (None,) * num_gemms)
+        needs_wgrad = any(ctx.needs_input_grad[4:4 + num_gemms])
+        needs_dgrad = ctx.needs_input_grad[0]
+        gen = recipe_generator(recipe, x.device)
+        recipes = [gemm_recipe(recipe, f"expert{e}") for e in range(num_gemms)]
+        n_out = weights[0].shape[0]
+        x_ops = grouped_operands(lambda: x, x.split(splits), splits,
+                                 lambda e: linear_input_specs(recipes[e], needs_wgrad), gen)
+        w_ops = grouped_operands(lambda: _stack_rows(list(weights)), weights, [n_out] * num_gemms,
+                                 lambda e: weight_uses(recipes[e].role, needs_dgrad), gen)
+        y = None
+        specs = [recipe.role("fprop_input"), recipe.role("fprop_weight")]
+        if x_ops.full is not None and w_ops.full is not None and _grouped_gemm_ok(x, specs, (x.shape[1], n_out)):
+            w = _expert_stack(_values(w_ops.full[0], 1), num_gemms, n_out)
+            y = _grouped_mm(_values(x_ops.full[0], 1), w.transpose(1, 2), x_ops.ends[0], x.device)
+            if y is not None:
+                if biases[0] is not None:
+                    rows = torch.repeat_interleave(torch.arange(num_gemms, device=x.device),
+                                                   torch.tensor(splits, device=x.device), output_size=x.shape[0])
+                    y = y.float() + torch.stack([b.float() for b in biases])[rows]
+                y = y.to(x.dtype)
+        if y is None:
+            ys = [mx_linear_forward(x, weights[e], biases[e], recipes[e], gen, needs_wgrad, needs_dgrad,
+                                    x_operands=x_ops.expert(e), w_operands=_pair(w_ops.expert(e)))[0]
+                  for e in range(num_gemms) if splits[e] > 0]
+            y = torch.cat(ys) if ys else x.new_empty(0, n_out)
+        # the wgrad input planes (snapshots) stay on ctx; a high-precision one is the input itself,
+        # saved so that autograd version-checks it (as mxtrain.Linear does)
+        x_hp = x if (needs_wgrad and isinstance(_first(x_ops, 1), torch.Tensor)) else None
+        ctx.save_for_backward(x_hp, *weights)
+        ctx.x_ops = None if x_hp is not None else x_ops
+        ctx.w_ops, ctx.recipe, ctx.recipes, ctx.gen, ctx.splits = w_ops, recipe, recipes, gen, splits
+        ctx.has_bias = biases[0] is not None
+        ctx.dtypes = (x.dtype, [w.dtype for w in weights], [None if b is None else b.dtype for b in biases])
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        check_mx_operands(ctx, "GroupedLinear")
+        x_hp, *weights = ctx.saved_tensors
+        num_gemms, splits, recipes = len(weights), ctx.splits, ctx.recipes
+        need_dx = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[4:4 + num_gemms]
+        need_b = ctx.needs_input_grad[4 + num_gemms:] if ctx.has_bias else (False,) * num_gemms
+        x_ops = ctx.x_ops if x_hp is None else grouped_operands(
+            lambda: x_hp, x_hp.split(splits), splits, lambda e: [(None, 1), (None, 0)], None)
+        dy = dy.contiguous()
+        dy_ops = grouped_operands(lambda: dy, dy.split(splits), splits, lambda e: [
+            (recipes[e].role("dgrad_grad_output") if need_dx else None, 1),
+            (recipes[e].role("wgrad_grad_output") if any(need_w) else None, 0)], ctx.gen, at_once=True)
+        w_cols = ctx.w_ops
+        if need_dx and _first(w_cols, 1) is None:  # MX: the dgrad plane is cast in backward
+            w_cols = grouped_operands(lambda: _stack_rows(weights), weights, [weights[0].shape[0]] * num_gemms,
+                                      lambda e: [(None, 1), (recipes[e].role("dgrad_weight"), 0)], ctx.gen)
+        out = _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
+        if out is None:
+            out = _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
+        dx, dws, dbs = out
+        release_mx_operands(ctx, "x_ops", "w_ops")
+        return (dx, None, None, None, *dws, *(dbs if ctx.has_bias else ()))
+
+
+def _pair(ops: list) -> tuple:
+    return ops[0], (ops[1] if len(ops) > 1 else None)
+
+
+def _first(ops: _Operands, use: int):
+    """Expert 0's operand for ``use`` (every expert's is of the same kind), None if there is no such use."""
+    got = ops.expert(0)
+    return got[use] if use < len(got) else None
+
+
+def _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b):
+    x_dtype, w_dtypes, b_dtypes = ctx.dtypes
+    dxs, dws, dbs = [], [], []
+    for e, n in enumerate(ctx.splits):
+        w = weights[e]
+        if n == 0:  # no tokens: zero gradients, no GEMM
+            dws.append(torch.zeros_like(w) if need_w[e] else None)
+            dbs.append(torch.zeros(w.shape[0], dtype=b_dtypes[e], device=w.device) if need_b[e] else None)
+            continue
+        start = sum(ctx.splits[:e])
+        dx, dw, db = mx_linear_backward(dy[start:start + n], x_ops.expert(e)[1], w, ctx.recipes[e], ctx.gen,
+                                        need_dx, need_w[e], x_dtype, w_dtypes[e],
+                                        w_col=_pair(w_cols.expert(e))[1] if need_dx else None,
+                                        bias_dtype=b_dtypes[e] if need_b[e] else None,
+                                        dy_operands=tuple(dy_ops.expert(e)))
+        dxs.append(dx)
+        dws.append(dw)
+        dbs.append(db)
+    dx = (torch.cat(dxs) if dxs else dy.new_zeros(0, weights[0].shape[1]).to(x_dtype)) if need_dx else None
+    return dx, dws, dbs
+
+
+def _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b):
+    """dgrad and wgrad as one grouped GEMM each (see :func:`_grouped_gemm_ok`); None where they do not apply."""
+    recipe, num_gemms = ctx.recipe, len(weights)
+    n_out, n_in = weights[0].shape
+    if dy_ops.full is None or x_ops.full is None or (need_dx and w_cols.full is None):
+        return None
+    specs = ([recipe.role("dgrad_grad_output"), recipe.role("dgrad_weight")] if need_dx else []) + (
+        [recipe.role("wgrad_grad_output"), recipe.role("wgrad_input")] if any(need_w) else [])
+    if not _grouped_gemm_ok(dy, specs, (n_in, n_out)):
+        return None
+    dx = dw = None
+    if need_dx:
+        w = _expert_stack(_values(w_cols.full[1], 0), num_gemms, n_out)
+        dx = _grouped_mm(_values(dy_ops.full[0], 1), w, dy_ops.ends[0], dy.device)
+        if dx is None:
+            return None
+        dx = dx.to(ctx.dtypes[0])
+    if any(need_w):
+        if dy_ops.ends[1] != x_ops.ends[1]:
+            return None  # different padding of the two wgrad operands (block lengths differ): per expert
+        dw = _grouped_mm(_values(dy_ops.full[1], 0).t(), _values(x_ops.full[1], 0), dy_ops.ends[1], dy.device)
+        if dw is None:
+            return None
+    dws = [dw[e].to(ctx.dtypes[1][e]) if need_w[e] else None for e in range(num_gemms)]
+    dbs = [s.to(ctx.dtypes[2][e]) if need_b[e] else None
+           for e, s in enumerate(dy.split(ctx.splits))
+           for s in [s.sum(0, dtype=torch.float32)]]
+    return dx, dws, dbs
+
+
+def _check_splits(m_splits, num_gemms: int, tokens: int) -> list[int]:
+    if isinstance(m_splits, torch.Tensor):
+        m_splits = m_splits.tolist()
+    try:
+        splits = [int(n) for n in m_splits]
+        if any(n != m for n, m in zip(splits, m_splits)):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise TypeError(f"m_splits must be a list of {num_gemms} non-negative ints (tokens per expert), "
+                        f"got {m_splits!r}") from None
+    if len(splits) != num_gemms or any(n < 0 for n in splits):
+        raise ValueError(f"m_splits must hold {num_gemms} non-negative token counts (one per expert), got {splits}")
+    if sum(splits) != tokens:
+        raise ValueError(f"m_splits sums to {sum(splits)} but the input has {tokens} tokens (rows); the tokens "
+                         "must be sorted by expert and counted exactly once")
+    return splits
+
+
+def mx_grouped_linear(x, m_splits, weights, biases=None) -> torch.Tensor:
+    """Functional form: expert ``i`` computes ``x_i W_i^T + b_i`` on its ``m_splits[i]`` rows of ``x [tokens, in]``
+    (MX / FP8 GEMMs under ``mx_autocast``, as :class:`GroupedLinear`)."""
+    weights = list(weights)
+    check_input(x, weights[0].shape[1], "mx_grouped_linear")
+    if x.ndim != 2:
+        raise ValueError(f"mx_grouped_linear expects a 2-D input [tokens, {weights[0].shape[1]}], got {list(x.shape)}")
+    splits = _check_splits(m_splits, len(weights), x.shape[0])
+    recipe = get_recipe()
+    if recipe is None:
+        ys = [F.linear(xe, w, None if biases is None else biases[e]) for e, (xe, w) in enumerate(
+            zip(x.split(splits), weights))]
+        return torch.cat(ys)
+    return _GroupedLinearFn.apply(x, splits, recipe, len(weights), *weights, *(biases or ()))
+
+
+class GroupedLinear(RecipeStateMixin, nn.Module):
+    """``num_gemms`` linear layers applied to consecutive row blocks of one input (MoE experts).
+
+    Parameters ``weight{i} [out_features, in_features]`` and ``bias{i}`` (Transformer Engine's names), each
+    initialised as ``nn.Linear``'s. The weights are allocated in one buffer, so that the casts (and the
+    grouped GEMM) read all of them without a copy; they are ordinary parameters all the same.
+    ``forward(x, m_splits)``: ``x [tokens, in_features]`` sorted by expert, ``m_splits`` the token count of
+    each expert (a list of ints, or a 1-D tensor, zeros allowed); returns ``[tokens, out_features]``.
+    Under DelayedScaling each expert's tensors have their own amax histories (slots ``expert{i}.input``
+    ...), kept in this module's ``_extra_state``.
+    """
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"GroupedLinear {name} must be a positive int, got {v!r}")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.use_bias = bool(bias)
+        kw = {"device": device, "dtype": dtype}
+        weights = torch.empty(num_gemms, out_features, in_features, **kw)
+        for i in range(num_gemms):
+            self.register_parameter(f"weight{i}", nn.Parameter(weights[i]))
+            self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **kw)) if bias else None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for i in range(self.num_gemms):
+            init_linear_(getattr(self, f"weight{i}").data, None if not self.use_bias else getattr(self, f"bias{i}").data)
+
+    @property
+    def weights(self) -> list[nn.Parameter]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> list[nn.Parameter] | None:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else None
+
+    def forward(self, x: torch.Tensor, m_splits) -> torch.Tensor:
+        check_input(x, self.in_features, "GroupedLinear")
+        if x.ndim != 2:
+            raise ValueError(f"GroupedLinear expects a 2-D input [tokens, {self.in_features}] sorted by expert, "
+                             f"got {list(x.shape)}")
+        splits = _check_splits(m_splits, self.num_gemms, x.shape[0])
+        recipe = get_recipe()
+        if recipe is None:
+            return mx_grouped_linear(x, splits, self.weights, self.biases)
+        return _GroupedLinearFn.apply(x, splits, self.forward_recipe(recipe), self.num_gemms, *self.weights,
+                                      *(self.biases or ()))
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.use_bias}")

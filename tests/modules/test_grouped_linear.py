@@ -1,0 +1,190 @@
+"""mxtrain.GroupedLinear: bit for bit against a loop of per-expert mxtrain.Linear under every recipe family."""
+
+import pytest
+import torch
+
+import mxtrain
+import importlib
+
+gl_module = importlib.import_module("mxtrain.modules.grouped_linear")
+from mxtrain.recipes import MXRecipe
+
+RECIPES = {
+    "mxfp8": lambda: mxtrain.MXFP8Recipe(),
+    "mxfp4": lambda: mxtrain.MXFP4Recipe(),  # packed codes: two per byte
+    "mxfp6_b16_floor": lambda: mxtrain.MXFP6Recipe(block_size=16, scale_mode="floor"),
+    "mxint8": lambda: mxtrain.MXINT8Recipe(),
+    "mx_fwd_only": lambda: MXRecipe(fprop_input="fp8_e4m3", fprop_weight="fp8_e4m3"),  # backward in hp
+    "fp8_current": lambda: mxtrain.Float8CurrentScaling(),
+    "fp8_delayed": lambda: mxtrain.DelayedScaling(amax_history_len=4),
+    "fp8_block": lambda: mxtrain.Float8BlockScaling(),
+}
+PER_TENSOR = ("fp8_current", "fp8_delayed")
+# tokens per expert: empty experts, counts that are not multiples of any block (32, 128), one of a whole block
+SPLITS = {"ragged_empty": [0, 37, 5, 0, 70], "whole_blocks": [32, 0, 64], "all_one_expert": [0, 0, 19]}
+
+
+def _pair(num, in_f, out_f, bias, dtype, seed=0):
+    torch.manual_seed(seed)
+    grouped = gl_module.GroupedLinear(num, in_f, out_f, bias=bias).to(dtype)
+    linears = [mxtrain.Linear(in_f, out_f, bias=bias).to(dtype) for _ in range(num)]
+    with torch.no_grad():
+        for e, lin in enumerate(linears):
+            lin.weight.copy_(getattr(grouped, f"weight{e}"))
+            if bias:
+                lin.bias.copy_(getattr(grouped, f"bias{e}"))
+    return grouped, linears
+
+
+def _step(grouped, linears, recipe, splits, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens, in_f, out_f = sum(splits), grouped.in_features, grouped.out_features
+    x = torch.randn(tokens, in_f, generator=g).to(dtype)
+    dy = torch.randn(tokens, out_f, generator=g).to(dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with mxtrain.mx_autocast(recipe=recipe):
+        y1 = grouped(x1, splits)
+        ys = []
+        for lin, xe, n in zip(linears, x2.split(splits), splits):
+            # mxtrain.Linear does not take 0 tokens under MX and FP8 block recipes: an empty expert
+            # contributes no rows and zero gradients
+            if n > 0 or recipe.short_name in PER_TENSOR:
+                ys.append(lin(xe))
+        y2 = torch.cat(ys)
+    y1.backward(dy)
+    y2.backward(dy)
+    return (y1, x1.grad), (y2, x2.grad)
+
+
+def _assert_same_grads(grouped, linears):
+    for e, lin in enumerate(linears):
+        for name in ("weight", "bias"):
+            ref = getattr(lin, name)
+            if ref is None:
+                continue
+            got = getattr(grouped, f"{name}{e}").grad
+            want = ref.grad if ref.grad is not None else torch.zeros_like(ref)
+            assert got.dtype == want.dtype
+            assert torch.equal(got, want), f"{name}{e} gradient differs"
+
+
+CASES = [(r, "ragged_empty") for r in RECIPES] + [(r, "whole_blocks") for r in ("mxfp8", "fp8_current", "fp8_block")] \
+    + [("mxfp4", "all_one_expert")]
+
+
+@pytest.mark.parametrize("recipe,splits", CASES, ids=[f"{r}-{s}" for r, s in CASES])
+def test_matches_loop_of_linears(recipe, splits):
+    recipe, splits = RECIPES[recipe](), SPLITS[splits]
+    # out_features 48: the weight's columnwise (dgrad) blocks of 32 / 128 do not divide it, so the
+    # stacked weights are padded per expert too
+    grouped, linears = _pair(len(splits), 64, 48, True, torch.float32)
+    (y1, dx1), (y2, dx2) = _step(grouped, linears, recipe, splits, torch.float32, seed=1)
+    assert torch.equal(y1, y2)
+    assert torch.equal(dx1, dx2)
+    _assert_same_grads(grouped, linears)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "fp8_current", "fp8_block"])
+def test_bf16_no_bias_matches_loop(recipe):
+    recipe, splits = RECIPES[recipe](), [17, 0, 40, 3]
+    grouped, linears = _pair(4, 96, 64, False, torch.bfloat16)
+    (y1, dx1), (y2, dx2) = _step(grouped, linears, recipe, splits, torch.bfloat16, seed=2)
+    assert y1.dtype == torch.bfloat16
+    assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
+    _assert_same_grads(grouped, linears)
+
+
+def test_delayed_scaling_state_per_expert_and_checkpoint():
+    recipe, splits = RECIPES["fp8_delayed"](), [9, 0, 23]
+    grouped, linears = _pair(3, 32, 16, True, torch.float32)
+    for step in range(3):  # scales from the histories of earlier steps: the loop stays bit-identical
+        (y1, dx1), (y2, dx2) = _step(grouped, linears, recipe, splits, torch.float32, seed=10 + step)
+        assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
+        _assert_same_grads(grouped, linears)
+        for p in [*grouped.parameters(), *(q for lin in linears for q in lin.parameters())]:
+            p.grad = None
+    state = grouped.recipe_state
+    for e, lin in enumerate(linears):
+        for tensor in ("input", "weight", "grad_output"):
+            i, j = state.slots[f"expert{e}.{tensor}"], lin.recipe_state.slots[tensor]
+            assert torch.equal(state.amax_history[:, i], lin.recipe_state.amax_history[:, j])
+            assert torch.equal(state.scale[i], lin.recipe_state.scale[j])
+    # checkpoint: a fresh module loading the state dict continues exactly as the original
+    sd = grouped.state_dict()
+    assert "_extra_state" in sd and {f"weight{e}" for e in range(3)} <= set(sd)
+    restored = gl_module.GroupedLinear(3, 32, 16)
+    restored.load_state_dict(sd)
+    x = torch.randn(sum(splits), 32)
+    with mxtrain.mx_autocast(recipe=recipe):
+        assert torch.equal(grouped(x, splits), restored(x, splits))
+
+
+def test_weights_share_one_buffer_and_load_like_te():
+    m = gl_module.GroupedLinear(3, 8, 4)
+    assert [k for k in m.state_dict()] == ["weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]
+    w = m.weights
+    assert w[1].data_ptr() == w[0].data_ptr() + w[0].numel() * w[0].element_size()
+    assert gl_module._stack_rows(w).data_ptr() == w[0].data_ptr()  # the casts read them without a copy
+    m2 = gl_module.GroupedLinear(3, 8, 4)
+    m2.load_state_dict(m.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters()))
+    # outside autocast: per-expert F.linear
+    x = torch.randn(7, 8)
+    y = m(x, [2, 0, 5])
+    assert torch.allclose(y[:2], torch.nn.functional.linear(x[:2], w[0], m.bias0))
+    assert torch.allclose(y[2:], torch.nn.functional.linear(x[2:], w[2], m.bias2))
+
+
+def test_casts_one_call_over_all_experts(monkeypatch):
+    """MXFP8: x, dy and the weights are cast for all experts at once (rowwise and, padded, columnwise)."""
+    calls = []
+    real = gl_module.quantize_operand
+
+    def counting(t2d, specs_axes, *args, **kwargs):
+        calls.append((tuple(t2d.shape), tuple(a for s, a in specs_axes if s is not None)))
+        return real(t2d, specs_axes, *args, **kwargs)
+
+    monkeypatch.setattr(gl_module, "quantize_operand", counting)
+    m = gl_module.GroupedLinear(4, 64, 64)
+    x = torch.randn(50, 64, requires_grad=True)
+    with mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()):
+        m(x, [10, 0, 0, 40]).sum().backward()
+    # forward: x rowwise, x columnwise (padded to 32 + 64 rows), weights rowwise; backward: dy both ways,
+    # the weights' dgrad plane
+    assert calls == [((50, 64), (1,)), ((96, 64), (0,)), ((256, 64), (1,)),
+                     ((50, 64), (1,)), ((96, 64), (0,)), ((256, 64), (0,))]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_gemm_path_close_to_loop(monkeypatch, bias):
+    """The grouped bf16 GEMM path (CUDA's by default), run on the CPU: the loop's result up to bf16 rounding."""
+    monkeypatch.setattr(gl_module, "GROUPED_MM", "1")
+    splits = [0, 37, 5, 0, 70]
+    grouped, linears = _pair(5, 64, 48, bias, torch.bfloat16)
+    (y1, dx1), (y2, dx2) = _step(grouped, linears, mxtrain.MXFP8Recipe(), splits, torch.bfloat16, seed=3)
+    torch.testing.assert_close(y1, y2, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(dx1, dx2, rtol=1.6e-2, atol=1e-2)
+    for e, lin in enumerate(linears):
+        torch.testing.assert_close(getattr(grouped, f"weight{e}").grad, lin.weight.grad if lin.weight.grad is not None
+                                   else torch.zeros_like(lin.weight), rtol=1.6e-2, atol=5e-2)
+
+
+def test_bad_inputs_raise_clearly():
+    m = gl_module.GroupedLinear(3, 8, 4)
+    x = torch.randn(6, 8)
+    with pytest.raises(ValueError, match="sums to 5 but the input has 6 tokens"):
+        m(x, [1, 2, 2])
+    with pytest.raises(ValueError, match="3 non-negative token counts"):
+        m(x, [6, 0])
+    with pytest.raises(ValueError, match="non-negative"):
+        m(x, [7, -1, 0])
+    with pytest.raises(TypeError, match="list of 3 non-negative ints"):
+        m(x, [1.5, 2.5, 2])
+    with pytest.raises(ValueError, match="2-D input"):
+        m(x.reshape(2, 3, 8), [2, 2, 2])
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        m(torch.randn(6, 5), [2, 2, 2])
+    with pytest.raises(ValueError, match="num_gemms must be a positive int"):
+        gl_module.GroupedLinear(0, 8, 4)
+    # a tensor of counts works as a list does
+    assert m(x, torch.tensor([1, 2, 3])).shape == (6, 4)
