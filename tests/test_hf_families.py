@@ -220,3 +220,40 @@ def test_config_checks():
         LlamaConfig(**shape, activation="gelu")
     with pytest.raises(ValueError, match="unknown family"):
         family_config("phi3", LlamaConfig(**shape))
+
+
+# ------------------------------------------------------------------------ examples/finetune_llm.py
+
+def _finetune_script():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "finetune_llm.py"
+    spec = importlib.util.spec_from_file_location("finetune_llm_families", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SMOKE = ["--data", "random", "--seq-len", "16", "--batch-size", "2", "--eval-batches", "1", "--no-progress",
+         "--no-initial-eval", "--steps", "2", "--recipe", "mxfp8"]
+
+
+def test_finetune_example_random_family():
+    ft = _finetune_script()
+    base, _ = ft.load_base(ft.build_parser().parse_args(["--random-init", "--shape", "tiny", "--family", "gemma2",
+                                                          "--data", "random"]), 0)
+    assert base.config.model_type == "gemma2" and base.config.sandwich_norms
+    res = ft.main(["--random-init", "--shape", "tiny", "--family", "qwen3"] + SMOKE)[0]
+    assert len(res["history"]["train"]) == 2 and all(torch.isfinite(torch.tensor(res["history"]["train"])))
+
+
+def test_finetune_example_local_transformers_dir(tmp_path):
+    """--model DIR: a saved transformers model of another family is converted and trained."""
+    tiny_hf("qwen2").save_pretrained(tmp_path)
+    ft = _finetune_script()
+    args = ft.build_parser().parse_args(["--model", str(tmp_path), "--data", "random", "--layers", "1"])
+    base, tok = ft.load_base(args, 0)
+    assert tok is None and base.config.model_type == "qwen2" and base.config.num_hidden_layers == 1
+    assert base.config.sliding_window is None and base.config.layer_types is None  # only layer 1 slid
+    res = ft.main(["--model", str(tmp_path)] + SMOKE)[0]
+    assert all(torch.isfinite(torch.tensor(res["history"]["train"])))
