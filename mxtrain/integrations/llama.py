@@ -133,7 +133,8 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type {self.model_type!r} is not a supported family; allowed: {', '.join(FAMILIES)}")
+            raise ValueError(f"model_type {self.model_type!r} is not a supported family; "
+                             f"allowed: {', '.join(FAMILIES)}")
         if self.activation not in _HF_ACTIVATION:
             raise ValueError(f"activation must be a gated one of {', '.join(_HF_ACTIVATION)}, got {self.activation!r}")
         if self.attention_out_bias is None:
@@ -588,8 +589,8 @@ def to_hf_config(cfg: LlamaConfig):
 
 
 def to_hf_model(model: MXLlamaForCausalLM, dtype: torch.dtype | None = None):
-    """The ``transformers`` causal LM of ``model``'s family holding a copy of its weights (ready for
-    ``save_pretrained``): with the config :func:`convert_hf` kept, else one from :func:`to_hf_config`."""
+    """The ``transformers`` causal LM of ``model``'s family holding a copy of its weights, on the CPU
+    (ready for ``save_pretrained``): with the config :func:`convert_hf` kept, else one from :func:`to_hf_config`."""
     from transformers import AutoModelForCausalLM
 
     hf_config = getattr(model, "hf_config", None)
@@ -604,7 +605,8 @@ def to_hf_model(model: MXLlamaForCausalLM, dtype: torch.dtype | None = None):
     # built on the CPU (not the meta device): its non-persistent buffers (rotary frequencies, Gemma's
     # embedding scale) are computed at construction; the random weights are then replaced
     hf = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
-    missing, unexpected = hf.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    state = {k: v.to(device="cpu", dtype=dtype) for k, v in state.items()}
+    missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
         raise ValueError(f"the {model.config.model_type} model does not match the mapped weights: missing {missing}, "
