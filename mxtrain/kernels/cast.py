@@ -280,6 +280,30 @@ if HAVE_TRITON:
             return g * s * (1.0 + x * (1.0 - s))
 
     @triton.jit
+    def _gate_activation(x, ACT: tl.constexpr, GPU: tl.constexpr):
+        """The gate's activation of a gated ACT: 6 swiglu silu, 7 geglu gelu, 8 reglu relu, 9 geglu_tanh gelu_tanh."""
+        if ACT == 6:
+            return _activation(x, 5, GPU)
+        elif ACT == 7:
+            return _activation(x, 1, GPU)
+        elif ACT == 9:
+            return _activation(x, 2, GPU)
+        else:
+            return _activation(x, 3, GPU)
+
+    @triton.jit
+    def _gate_act_bwd(x, g, ACT: tl.constexpr, GPU: tl.constexpr):
+        """``g * act'(x)`` of the gate's activation of a gated ACT (as :func:`_gate_activation`)."""
+        if ACT == 6:
+            return _act_bwd(x, g, 5, GPU)
+        elif ACT == 7:
+            return _act_bwd(x, g, 1, GPU)
+        elif ACT == 9:
+            return _act_bwd(x, g, 2, GPU)
+        else:
+            return _act_bwd(x, g, 3, GPU)
+
+    @triton.jit
     def _store_codes(codes, base_ptr, rows, row_stride, row_mask, c0, LP, R: tl.constexpr, C: tl.constexpr,
                      BITS: tl.constexpr):
         """Store int32 codes [R, C] (columns c0.. of a plane whose padded length is LP), packed."""
@@ -329,7 +353,7 @@ if HAVE_TRITON:
         dbias_ptr=None, DBIAS: tl.constexpr = False,
     ):
         """Cast a [M, K] tile grid; with ACT > 0 the input is first mapped through an activation
-        (6 swiglu, 7 geglu, 8 reglu take act(x[:, :K]) * x[:, K:], K = GATE_OFF) and rounded to
+        (6 swiglu, 7 geglu, 8 reglu, 9 geglu_tanh take act(x[:, :K]) * x[:, K:], K = GATE_OFF) and rounded to
         the output dtype (OUT_KIND), optionally written to ``y_ptr``, and that is what gets cast.
         GRAD: the activation's gradient ``g * act'(x)`` instead (every ACT; ``g`` at ``g_ptr``, row stride
         ``stride_gm``; gated: the output is [M, 2N] with GATE_OFF = N, ``g`` [M, N]; GPU: libdevice as
@@ -364,8 +388,8 @@ if HAVE_TRITON:
             up = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + (cg[None, :] + GATE_OFF) * stride_xk,
                                 mask=in_mask, other=0), BF16_BITS)
             g = _widen(tl.load(g_ptr + rm[:, None] * stride_gm + cg[None, :], mask=in_mask, other=0), BF16_BITS)
-            act_a = _round_to_dtype(_activation(a, 5 if ACT == 6 else (1 if ACT == 7 else 3), GPU), OUT_KIND)
-            d_a = _act_bwd(a, _round_to_dtype(g * up, OUT_KIND), 5 if ACT == 6 else (1 if ACT == 7 else 3), GPU)
+            act_a = _round_to_dtype(_gate_activation(a, ACT, GPU), OUT_KIND)
+            d_a = _gate_act_bwd(a, _round_to_dtype(g * up, OUT_KIND), ACT, GPU)
             x = tl.where(first[None, :], d_a, g * act_a)
         else:
             x = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=in_mask, other=0),
@@ -379,7 +403,7 @@ if HAVE_TRITON:
             elif ACT >= 6:  # gated: act(gate) rounded to the dtype, times up, rounded again (as torch in bf16)
                 up = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + (rk[None, :] + GATE_OFF) * stride_xk,
                                     mask=in_mask, other=0), BF16_BITS)
-                a = _round_to_dtype(_activation(x, 5 if ACT == 6 else (1 if ACT == 7 else 3), False), OUT_KIND)
+                a = _round_to_dtype(_gate_activation(x, ACT, False), OUT_KIND)
                 x = _round_to_dtype(a * up, OUT_KIND)
             else:
                 x = _round_to_dtype(_activation(x, ACT, False), OUT_KIND)
@@ -694,9 +718,9 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
     grad_args, parts = {}, None
     if grad is not None:
         g_shape = (M, K // 2) if act >= 6 else (M, K)
-        if not 1 <= act <= 8 or (act >= 6 and K % 2) or tuple(grad.shape) != g_shape or grad.dtype != x2.dtype \
+        if not 1 <= act <= 9 or (act >= 6 and K % 2) or tuple(grad.shape) != g_shape or grad.dtype != x2.dtype \
                 or grad.stride(1) != 1:
-            raise ValueError(f"the activation gradient cast takes an activation id 1-8 and a gradient of shape "
+            raise ValueError(f"the activation gradient cast takes an activation id 1-9 and a gradient of shape "
                              f"{list(g_shape)} (the activation output's) in the input's dtype with contiguous "
                              f"rows; got act {act}, {list(grad.shape)} {grad.dtype}, strides {grad.stride()}")
         parts = torch.empty(triton.cdiv(m_extent, bm), K, dtype=torch.float32, device=dev) if dbias else None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GATED = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu}
+GATED = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu,
+         "geglu_tanh": lambda h: F.gelu(h, approximate="tanh")}  # Gemma's MLP (gelu_pytorch_tanh)
 PLAIN = {
     "gelu": F.gelu,
     "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),

@@ -221,7 +221,7 @@ class LayerNormMLP(RecipeStateMixin, nn.Module):
         hidden_size, ffn_hidden_size: widths.
         bias: give fc1 and fc2 biases.
         normalization: ``"LayerNorm"`` or ``"RMSNorm"``.
-        activation: gelu, gelu_tanh, relu, squared_relu, silu, swiglu, geglu, reglu.
+        activation: gelu, gelu_tanh, relu, squared_relu, silu, swiglu, geglu, reglu, geglu_tanh.
         eps, zero_centered_gamma: as in :class:`LayerNormLinear`.
         return_bias: return ``(output_without_fc2_bias, fc2_bias)`` so the caller can fuse the bias add.
     """

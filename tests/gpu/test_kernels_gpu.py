@@ -322,11 +322,12 @@ def test_norm_cast_gpu(kind, shape, dtype, fmt):
     torch.testing.assert_close(r.rstd, torch.rsqrt(var + 1e-5), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("act", ("gelu", "gelu_tanh", "relu", "squared_relu", "silu", "swiglu", "geglu", "reglu"))
+@pytest.mark.parametrize("act", ("gelu", "gelu_tanh", "relu", "squared_relu", "silu", "swiglu", "geglu", "reglu",
+                                 "geglu_tanh"))
 def test_activation_cast_gpu(act):
-    from mxtrain.kernels.activation_cast import activation_cast, torch_activation
+    from mxtrain.kernels.activation_cast import ACTIVATION_IDS, activation_cast, torch_activation
 
-    gated = act in ("swiglu", "geglu", "reglu")
+    gated = ACTIVATION_IDS[act] >= 6
     g = torch.Generator(device=DEV).manual_seed(9)
     for shape, dtype, fmt in (((4096, 4096), torch.bfloat16, "fp8_e4m3"), ((1000, 1480), torch.float32, "int8")):
         h = (torch.randn(shape[0], shape[1] * (2 if gated else 1), generator=g, device=DEV) * 3).to(dtype)

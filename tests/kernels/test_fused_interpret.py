@@ -68,7 +68,7 @@ def test_norm_cast_3d_rowwise_and_fallback(kdevice):
 @pytest.mark.parametrize("act", tuple(ACTIVATION_IDS))
 def test_activation_cast(kdevice, act, dtype):
     g = torch.Generator().manual_seed(1)
-    gated = act in ("swiglu", "geglu", "reglu")
+    gated = ACTIVATION_IDS[act] >= 6
     h = (torch.randn(40, 144 if gated else 72, generator=g) * 3).to(dtype)
     h[3, 5] = float("nan")
     h = h.to(kdevice)
@@ -111,7 +111,7 @@ def test_activation_backward_cast(kdevice, monkeypatch, act, dtype):
 
     assert act in GRAD_FUSED
     monkeypatch.setattr(acts, "activation_backward", lambda *a: pytest.fail("fell back to torch's backward"))
-    gated = act in ("swiglu", "geglu", "reglu")
+    gated = ACTIVATION_IDS[act] >= 6
     g = torch.Generator().manual_seed(5)
     h = (torch.randn(70, 96, generator=g) * 3).to(dtype)  # 70 rows: a ragged columnwise block
     grad = torch.randn(70, 48 if gated else 96, generator=g).to(dtype)

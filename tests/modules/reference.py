@@ -39,8 +39,8 @@ RECIPES = {
     "mxfp8_no_bwd": mxtrain.MXFP8Recipe(quantize_backward=False),
 }
 
-ACTIVATION_NAMES = ("gelu", "gelu_tanh", "relu", "squared_relu", "silu", "swiglu", "geglu", "reglu")
-GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu")
+ACTIVATION_NAMES = ("gelu", "gelu_tanh", "relu", "squared_relu", "silu", "swiglu", "geglu", "reglu", "geglu_tanh")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu", "geglu_tanh")
 
 
 # --- numerics helpers ---------------------------------------------------------------------
@@ -105,7 +105,8 @@ def ref_activation(h: torch.Tensor, name: str) -> torch.Tensor:
     """Transformer Engine's activations; gated ones are ``act(first half) * second half``."""
     if name in GATED_ACTIVATIONS:
         gate, up = h.chunk(2, dim=-1)
-        act = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu}[name]
+        act = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu,
+               "geglu_tanh": lambda g: F.gelu(g, approximate="tanh")}[name]
         return act(gate) * up
     if name == "gelu":
         return F.gelu(h)
