@@ -27,3 +27,18 @@ def test_train_your_own_model_snippet_runs():
     assert type(model.blocks[0].c_attn) is nn.Linear and type(model.ln_f) is nn.LayerNorm
     assert model.lm_head.weight is model.wte.weight
     assert torch.isfinite(scope["loss"]) and 4.0 < scope["loss"].item() < 7.0   # about ln(256) = 5.5 at init
+
+
+def test_convert_keeps_the_state_dict_the_section_promises():
+    # "keeping the very same Parameter objects, so tied weights, optimizers and state dicts stay as they were"
+    import torch
+    import mxtrain
+    scope = {}
+    exec(compile(readme_snippet("Train your own model").split("model = GPT()")[0], "README.md", "exec"), scope)  # noqa: S102
+    model = scope["GPT"]()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = list(model.parameters())
+    mxtrain.convert(model, mxtrain.MXFP8Recipe(), exclude="lm_head")
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
