@@ -1,4 +1,4 @@
-"""Every relative link in README.md, docs/*.md and benchmarks/*.md names a file of the repository, and every
+"""Every relative link in README.md, docs/, benchmarks/*.md and the package's *.md names a file of the repository, and every
 ``#anchor`` a heading of the page it points to (GitHub's heading ids). No network: web links are not checked."""
 
 import pathlib
@@ -8,7 +8,8 @@ from urllib.parse import unquote
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-PAGES = sorted([REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("benchmarks/*.md")])
+PAGES = sorted([REPO / "README.md", *REPO.glob("docs/**/*.md"), *REPO.glob("benchmarks/*.md"),
+                *REPO.glob("mxtrain/**/*.md")])
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 CODE_SPAN = re.compile(r"(`+).+?\1", re.S)
