@@ -1,5 +1,6 @@
-"""Every relative link in README.md, docs/, benchmarks/*.md and the package's *.md names a file of the repository, and every
-``#anchor`` a heading of the page it points to (GitHub's heading ids). No network: web links are not checked."""
+"""Every relative link in README.md, docs/, benchmarks/*.md and the package's *.md names a file of the repository,
+and every ``#anchor`` a heading of the page it points to (GitHub's heading ids). No network: web links are not
+checked."""
 
 import pathlib
 import re

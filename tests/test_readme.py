@@ -34,7 +34,8 @@ def test_convert_keeps_the_state_dict_the_section_promises():
     import torch
     import mxtrain
     scope = {}
-    exec(compile(readme_snippet("Train your own model").split("model = GPT()")[0], "README.md", "exec"), scope)  # noqa: S102
+    classes = readme_snippet("Train your own model").split("model = GPT()")[0]
+    exec(compile(classes, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
     model = scope["GPT"]()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = list(model.parameters())
