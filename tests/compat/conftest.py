@@ -8,18 +8,21 @@ import pytest
 import torch
 
 MICROXCALING = pathlib.Path(__file__).resolve().parents[2] / "third_party" / "microxcaling"
+MICROXCALING_COMMIT = "7bc41952de39"  # the microxcaling commit the compat layer is compared against
+ENABLE_HINT = ("to run them, from the repository root: git clone https://github.com/microsoft/microxcaling "
+               f"third_party/microxcaling && git -C third_party/microxcaling checkout {MICROXCALING_COMMIT}")
 
 
 def load_microxcaling():
     """microxcaling's ``mx`` package, or skip the test when third_party/microxcaling is absent."""
     if not (MICROXCALING / "mx" / "__init__.py").is_file():
-        pytest.skip("third_party/microxcaling is not checked out")
+        pytest.skip(f"third_party/microxcaling is not checked out; {ENABLE_HINT}")
     if str(MICROXCALING) not in sys.path:
         sys.path.insert(0, str(MICROXCALING))
     try:
         return importlib.import_module("mx")
     except Exception as err:  # pragma: no cover - depends on the environment
-        pytest.skip(f"microxcaling does not import here: {err}")
+        pytest.skip(f"microxcaling (third_party/microxcaling) does not import here: {err}")
 
 
 @pytest.fixture(scope="session")
