@@ -46,21 +46,20 @@ def test_convert_keeps_the_state_dict_the_section_promises():
 
 
 def test_mx_autocast_with_torch_autocast_as_the_readme_says():
-    # "an fp32 input gives an fp32 output ... a converted layer's output is its fp32 MX result rounded to bf16
-    # (still returned as fp32)" on the CPU, in either order of the two with blocks
+    # "returns what torch's layer returns there ... exactly the layer run on the bf16 input", either order
     import torch
     import mxtrain
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    assert "its fp32 MX result rounded to bf16" in text  # the statement this test keeps true
+    assert "exactly the layer run on the bf16 input" in text  # the statement this test keeps true
     torch.manual_seed(0)
     layer, x = mxtrain.Linear(64, 32, bias=False), torch.randn(8, 64)
     recipe = mxtrain.MXFP8Recipe()
     with mxtrain.mx_autocast(recipe=recipe):
-        exact = layer(x)
+        exact = layer(x.bfloat16())
     with mxtrain.mx_autocast(recipe=recipe), torch.autocast("cpu", dtype=torch.bfloat16):
         inner = layer(x)
         plain = torch.nn.functional.linear(x, layer.weight)
     with torch.autocast("cpu", dtype=torch.bfloat16), mxtrain.mx_autocast(recipe=recipe):
         outer = layer(x)
-    assert plain.dtype == torch.bfloat16 and exact.dtype == inner.dtype == outer.dtype == torch.float32
-    assert torch.equal(inner, exact.bfloat16().float()) and torch.equal(outer, inner)
+    assert plain.dtype == exact.dtype == inner.dtype == outer.dtype == torch.bfloat16
+    assert torch.equal(inner, exact) and torch.equal(outer, inner)
