@@ -440,6 +440,17 @@ def parse_args(argv=None):
         p.error(f"--compare names a recipe twice: {', '.join(names)}")
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
+    if args.books:
+        from mxtrain.data import AUSTEN_BOOKS
+        from mxtrain.data.austen import _resolve_books  # the names load_austen accepts
+        try:
+            _resolve_books([b.strip() for b in args.books.split(",")])
+        except KeyError:
+            p.error(f"--books {args.books!r}: allowed are comma-separated keys ({', '.join(AUSTEN_BOOKS)}) or titles")
+    if args.shape != "smollm2-135m" and not args.random_init:
+        p.error(f"--shape {args.shape} applies to a random model: add --random-init")
+    if args.random_init and args.shape == "tiny" and args.data != "random":
+        p.error("--shape tiny has a 512-token vocabulary: use it with --data random")
     try:
         device = torch.device(args.device)
     except RuntimeError as err:

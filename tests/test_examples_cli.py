@@ -200,11 +200,18 @@ def test_train_lm_argument_checks(train_lm, argv, message, capsys):
     (["--eval-batches", "0"], "argument --eval-batches: 0 is not allowed"),
     (["--compare", "bf16,mxfp9"], "unknown recipe"),
     (["--resume"], "--resume needs --ckpt-dir"),
+    (["--books", "persuasion,dracula"], "--books 'persuasion,dracula': allowed are comma-separated keys"),
+    (["--shape", "tiny"], "--shape tiny applies to a random model: add --random-init"),
+    (["--random-init", "--shape", "tiny"], "use it with --data random"),
 ])
 def test_finetune_argument_checks(finetune, argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         finetune.parse_args(argv)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_finetune_accepts_book_keys_and_titles(finetune):
+    assert finetune.parse_args(["--books", "persuasion,Pride and Prejudice"]).books == "persuasion,Pride and Prejudice"
 
 
 TINY_LM = ["--data", "random", "--steps", "2", "--d-model", "32", "--heads", "2", "--layers", "1", "--seq-len", "8",
