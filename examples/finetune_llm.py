@@ -16,10 +16,10 @@ torch's SDPA; the embedding, final norm and tied LM head stay in high precision.
 
 Every recipe of ``--compare`` starts from the same weights and sees the same
 batches; the table gives the train loss (mean of the last 10 steps), the
-held-out loss before and after fine-tuning, tokens/s and peak memory. With
-several recipes the plot shows their loss curves. The recipe ``bf16`` means "no MX":
-it computes in ``--dtype`` (fp32 by default) and its row is labelled with that dtype. Under ``torchrun`` each
-decoder layer and the root are wrapped with FSDP2 ``fully_shard`` (gloo on CPU,
+held-out loss before and after fine-tuning, tokens/s and peak memory; the plot
+shows the loss curves. The recipe ``bf16`` means "no MX": it computes in
+``--dtype`` (fp32 by default) and its row is labelled with that dtype. Under
+``torchrun`` each decoder layer and the root are wrapped with FSDP2 ``fully_shard`` (gloo on CPU,
 NCCL on GPU). ``--ckpt-dir`` saves torch.distributed.checkpoint (DCP) checkpoints
 (model, optimizer, scheduler, step, loss history); ``--resume`` continues from the
 newest one.
