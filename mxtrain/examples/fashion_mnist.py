@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mxtrain.cli import STUDY_DESCRIPTION, HelpFormatter, add_study_arguments, check_writable_dir, resolve_study_args
 from mxtrain.compat import mx as mxtrain_mx
 
 __all__ = ["FashionCNN", "StudyConfig", "parse_config", "run_config", "run_study", "main", "TABLE1", "TABLE2",
@@ -365,7 +366,8 @@ def _plot(results: dict, path: Path) -> bool:
     return True
 
 
-def _write(out: Path, results: dict, epochs: int, search, meta) -> None:
+def _write(out: Path, results: dict, epochs: int, search, meta) -> list[str]:
+    """Write the study's files into ``out``; returns the names written (no plot without matplotlib)."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "runs.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -379,7 +381,7 @@ def _write(out: Path, results: dict, epochs: int, search, meta) -> None:
         json.dump({"meta": meta, "epochs": epochs, "runs": [asdict(r) for r in results.values()],
                    "search": search}, f, indent=1)
     (out / "tables.md").write_text(_tables_markdown(results, epochs, search, meta))
-    _plot(results, out / "study.png")
+    return ["runs.csv", "runs.json", "tables.md"] + (["study.png"] if _plot(results, out / "study.png") else [])
 
 
 def _subprocess_run(cfg: StudyConfig, epochs: int, common: dict, workdir: Path):
@@ -456,6 +458,13 @@ def run_study(configs: list[str] | None = None, epochs: int = 10, subset: int | 
     ``prior``: study folders whose runs count as already done (not retrained; their
     failures prune the search).
     """
+    for name, value in (("epochs", epochs), ("batch_size", batch_size), ("jobs", jobs)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be a whole number >= 1")
+    if subset is not None and (not isinstance(subset, int) or subset < 1):
+        raise ValueError(f"subset={subset!r}: must be None (all images) or a whole number >= 1")
+    if search_epochs is not None and (not isinstance(search_epochs, int) or search_epochs < 1):
+        raise ValueError(f"search_epochs={search_epochs!r}: must be None (= epochs) or a whole number >= 1")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for, but torch sees no CUDA device")
@@ -480,10 +489,10 @@ def run_study(configs: list[str] | None = None, epochs: int = 10, subset: int | 
         for r in json.loads((Path(folder) / "runs.json").read_text())["runs"]:
             results[r["config"].removeprefix("search:")] = RunResult(**r)
     parsed = [c for c in parsed if len(results.get(c.name, RunResult("", None, None, None, {})).accuracy) < epochs]
-    state = {"search": None}
+    state = {"search": None, "files": []}
 
     def write(res=None):
-        _write(out, {**results, **(res or {})}, epochs, state["search"], meta)
+        state["files"] = _write(out, {**results, **(res or {})}, epochs, state["search"], meta)
 
     results.update(_train_many(parsed, epochs, data, common, jobs, out / "jobs", log, progress, write))
     write()
@@ -527,7 +536,7 @@ def run_study(configs: list[str] | None = None, epochs: int = 10, subset: int | 
                 failed.append(cand)
             write()
     write()
-    return {"results": results, "search": state["search"], "out": str(out), "meta": meta}
+    return {"results": results, "search": state["search"], "out": str(out), "meta": meta, "files": state["files"]}
 
 
 def merge_studies(folders, out) -> Path:
@@ -557,33 +566,10 @@ def _cpu_name() -> str:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The study's options (shared with ``mxtrain study fashion-mnist``, see :mod:`mxtrain.cli`)."""
     p = parser or argparse.ArgumentParser(prog="python -m mxtrain.examples.fashion_mnist",
-                                          description=__doc__.split("\n\n")[0])
-    p.add_argument("--epochs", type=int, default=10, help="epochs per configuration (default 10)")
-    p.add_argument("--subset", type=int, default=None,
-                   help="use only the first N training and N test images (default: all 60000 / 10000)")
-    p.add_argument("--configs", type=str, default=None,
-                   help="comma-separated configurations, e.g. 'fp32+fp32,int8+bfloat16,int4/fp6_e2m3+fp10' "
-                        "(default: fp32+fp32 and the lab's two tables)")
-    p.add_argument("--out", type=str, default="runs/fashion_mnist", help="output folder (default runs/fashion_mnist)")
-    p.add_argument("--device", type=str, default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--search", dest="search", action="store_true", default=None,
-                   help="search the fewest bits keeping --target accuracy (default: on without --configs)")
-    p.add_argument("--no-search", dest="search", action="store_false")
-    p.add_argument("--search-only", action="store_true", help="skip the tables, only search")
-    p.add_argument("--search-epochs", type=int, default=None, help="epochs per search run (default: --epochs)")
-    p.add_argument("--search-max-runs", type=int, default=12, help="most search runs to train (default 12)")
-    p.add_argument("--target", type=float, default=90.0, help="accuracy the search must keep (default 90)")
-    p.add_argument("--jobs", type=int, default=1, help="configurations trained at once, one process each (default 1)")
-    p.add_argument("--merge", nargs="+", default=None, metavar="DIR",
-                   help="only combine the runs.json of these study folders into --out (tables and plot)")
-    p.add_argument("--prior", nargs="+", default=(), metavar="DIR",
-                   help="study folders whose runs count as done (not retrained; their failures prune the search)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return p
+                                          description=STUDY_DESCRIPTION, formatter_class=HelpFormatter)
+    return add_study_arguments(p)
 
 
 def main(argv=None) -> int:
@@ -592,15 +578,21 @@ def main(argv=None) -> int:
 
 
 def run_from_args(args) -> int:
+    """Run the study (or ``--merge``) as the parsed options say; the files written are listed at the end."""
+    resolve_study_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.merge:
         out = merge_studies(args.merge, args.out)
         print((out / "tables.md").read_text())
         return 0
-    configs = [c for c in args.configs.split(",") if c.strip()] if args.configs else None
+    configs = [c for c in args.configs.split(",") if c.strip()] if args.configs is not None else None
+    if configs == [] and not args.search_only:
+        print("error: --configs names no configuration; give e.g. --configs fp32+fp32,int8+bfloat16", file=sys.stderr)
+        return 2
     if args.search_only:
         configs, args.search = [], True
+    check_writable_dir(args.out, "--out")
     try:
         if configs:
             for c in configs:
@@ -613,7 +605,7 @@ def run_from_args(args) -> int:
                     target=args.target, search_max_runs=args.search_max_runs, jobs=args.jobs, prior=args.prior,
                     progress=not args.quiet)
     print(Path(res["out"], "tables.md").read_text())
-    print(f"wrote {res['out']}/runs.csv, runs.json, tables.md, study.png")
+    print(f"wrote {', '.join(res['files'])} in {res['out']}")
     return 0
 
 
