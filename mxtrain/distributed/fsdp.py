@@ -250,6 +250,9 @@ class MXAllGatherWeight(torch.Tensor):
     def mx_gathered_plane(self, spec, axis: int) -> None:
         return None  # not all-gathered (used without FSDP): the module quantizes the weight itself
 
+    def mx_keep_dgrad_plane(self, spec) -> bool:
+        return True  # as any weight that is not all-gathered
+
     def high_precision(self) -> torch.Tensor:
         return self._data
 
@@ -494,7 +497,8 @@ class MXAllGatherWeight(torch.Tensor):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (buf,) = all_gather_outputs
         if out is None:
-            state = _GatheredState(name=self._info.name, inner=[buf.new_empty(0, dtype=torch.uint8)])
+            state = _GatheredState(name=self._info.name, inner=[buf.new_empty(0, dtype=torch.uint8)],
+                                   activation_checkpointing=self._info.activation_checkpointing)
             result = MXGatheredWeight(metadata["shape"], param_dtype, buf.device, state)
         else:
             if not isinstance(out, MXGatheredWeight):
@@ -522,6 +526,7 @@ class _GatheredState:
     hp: torch.Tensor | None = None
     planes: dict = field(default_factory=dict)  # axis -> (role spec, MXTensor / Float8Tensor holding that one plane)
     delayed_updates: int | None = None  # DelayedScaling: the state's update count the FP8 codes were cast at
+    activation_checkpointing: bool = False
 
     def fill(self, buf: torch.Tensor, meta: dict) -> None:
         world, shape = meta["world"], meta["shape"]
@@ -704,6 +709,14 @@ class MXGatheredWeight(torch.Tensor):
         if spec is None or spec.fmt is None:
             return None
         entry = self._state.planes.get(axis % 2)
+        row = self._state.planes.get(1)
+        if entry is None and axis % 2 == 0 and row is not None and isinstance(row[1], Float8Tensor):
+            # an FP8 dgrad plane asked for in forward (see mx_keep_dgrad_plane): the transpose of the
+            # gathered codes (and block scales) is the full weight's, exactly
+            p = row[1].plane(1)
+            col = Float8Plane(p.data.t().contiguous(), p.scale_inv if p.block is None else p.scale_inv.t().contiguous(),
+                              0, p.block)
+            entry = (row[0], dataclasses.replace(row[1], planes=(col,)))
         if entry is None or entry[0] != spec:
             return None
         if isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed":
@@ -711,6 +724,15 @@ class MXGatheredWeight(torch.Tensor):
                 return None  # the module's scales were updated after the cast: these codes are stale
             spec.state.record(spec.slot, entry[1].amax)  # what the module's own cast of the weight records
         return entry[1]
+
+    def mx_keep_dgrad_plane(self, spec) -> bool:
+        """Whether a forward that makes the dgrad plane should keep it for backward (see ``weight_planes``).
+
+        Backward's all-gather brings the dgrad plane, so forward keeps nothing, except for
+        DelayedScaling under activation checkpointing: one process's backward then uses the plane
+        its first forward made, at the scale before the recomputed forward's update."""
+        return (self._state.activation_checkpointing and isinstance(spec, Float8RoleSpec)
+                and spec.scaling == "delayed")
 
     def high_precision(self) -> torch.Tensor:
         """The full high-precision weight; raises when this gather brought MX planes only."""

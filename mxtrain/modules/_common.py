@@ -156,11 +156,11 @@ def weight_planes(weight: torch.Tensor, role, need_dgrad: bool, generator):
     ``(row, None)`` and backward casts the dgrad plane itself (MX recipes: per phase, so FSDP2
     gathers only the plane each phase needs). The kept plane costs 1 byte per weight element
     between forward and backward, and saves backward an amax pass and a cast. A weight all-gathered
-    by FSDP2 (``mx_gathered_plane``) is not kept: backward's all-gather brings the dgrad plane, and
-    keeping it would hold every layer's full weight between the passes."""
+    by FSDP2 says whether to keep it (``mx_keep_dgrad_plane``): mostly not, as backward's all-gather
+    brings the dgrad plane and keeping it would hold every layer's full weight between the passes."""
     fprop, dgrad = role("fprop_weight"), role("dgrad_weight")
     if (need_dgrad and isinstance(fprop, Float8RoleSpec) and fprop.fmt is not None and dgrad == fprop
-            and not hasattr(weight, "mx_gathered_plane")):
+            and (not hasattr(weight, "mx_keep_dgrad_plane") or weight.mx_keep_dgrad_plane(fprop))):
         row, col = quantize_operand(weight, [(fprop, 1), (dgrad, 0)], generator)
         return row, col
     return quantize_operand(weight, [(fprop, 1)], generator)[0], None

@@ -157,9 +157,12 @@ def make_opt(model):
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
 
-def train_steps(model, opt, batches, recipe, rank, world, sharded: bool, start=0, no_sync=False):
+def train_steps(model, opt, batches, recipe, rank, world, sharded: bool, start=0, no_sync=False, sum_grads=False):
     """Per-step global mean loss (fp32). ``no_sync``: FSDP2's gradient-accumulation switches (no
-    reduce-scatter and no reshard after backward until the last microbatch)."""
+    reduce-scatter and no reshard after backward until the last microbatch). ``sum_grads``: each rank
+    backpropagates its loss divided by the world size, so that every gradient tensor holds the values
+    one process computes (delayed scales do not follow a factor of 2), and the reduced gradients are
+    multiplied back by it (exact for a power-of-two world; gloo has no pre-scaled reduce-scatter)."""
     import torch.distributed as dist
 
     losses = []
@@ -175,11 +178,15 @@ def train_steps(model, opt, batches, recipe, rank, world, sharded: bool, start=0
                 idx, tgt = idx[rank * b:(rank + 1) * b], tgt[rank * b:(rank + 1) * b]
             with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
                 loss = model(idx, tgt) / len(mbs)
-            loss.backward()
+            (loss / world if sharded and sum_grads else loss).backward()
             total += loss.detach()
         if sharded:
             dist.all_reduce(total)
             total /= world
+            if sum_grads:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(world)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total.item())
@@ -306,24 +313,32 @@ def count_all_gather_bytes(rank, world, device, recipe, mx: bool, mp):
 
 
 def parity(rank, world, device, recipe, *, steps=4, micro=1, reshard_after_forward=True, mixed=False, ac=False,
-           no_sync=False, prefetch=0, ref_recipe=None, fp8_shapes=False, b=B):
+           no_sync=False, prefetch=0, ref_recipe=None, fp8_shapes=False, b=B, sum_grads=False, vs_plain=False):
     """FSDP2 losses against one process (rank 0) on the whole batch; ``ref_recipe``: the one-process
-    recipe where ``recipe`` holds a process group (FP8 amax reductions)."""
+    recipe where ``recipe`` holds a process group (FP8 amax reductions). ``vs_plain``: also train with
+    FSDP2's own high-precision all-gathers (the modules cast the full weight) as ``plain``."""
     batches = global_batches(steps, micro, world, device, b=b)
     model = shard(build(0, device, mixed=mixed, checkpoint=ac, recipe=recipe, fp8_shapes=fp8_shapes), world,
                   reshard_after_forward=reshard_after_forward, ac=ac, prefetch=prefetch, recipe=recipe)
     rec = PlaneRecorder()
     try:
-        dist_losses = train_steps(model, make_opt(model), batches, recipe, rank, world, True, no_sync=no_sync)
+        dist_losses = train_steps(model, make_opt(model), batches, recipe, rank, world, True, no_sync=no_sync,
+                                  sum_grads=sum_grads)
     finally:
         rec.close()
+    plain = None
+    if vs_plain:
+        model = shard(build(0, device, mixed=mixed, checkpoint=ac, recipe=recipe, fp8_shapes=fp8_shapes), world,
+                      mx=False, reshard_after_forward=reshard_after_forward, ac=ac, prefetch=prefetch)
+        plain = train_steps(model, make_opt(model), batches, recipe, rank, world, True, no_sync=no_sync,
+                            sum_grads=sum_grads)
     ref_losses = None
     if rank == 0:
         ref_recipe = ref_recipe or recipe
         ref = build(0, device, mixed=mixed, checkpoint=ac, recipe=ref_recipe, fp8_shapes=fp8_shapes)
         ref_losses = train_steps(ref, make_opt(ref), batches, ref_recipe, rank, world, False)
     return {"dist": dist_losses, "ref": ref_losses, "rel": rel(dist_losses, ref_losses) if rank == 0 else None,
-            "hits": rec.hits, "misses": rec.misses}
+            "hits": rec.hits, "misses": rec.misses, "plain": plain}
 
 
 def scenario_core(rank, world, device, out):
@@ -364,7 +379,7 @@ def scenario_core(rank, world, device, out):
         "mxfp8_prefetch": parity(rank, world, device, fp8, prefetch=1, steps=3),
         "mxfp8_prefetch_no_reshard": parity(rank, world, device, fp8, prefetch=1, steps=2, reshard_after_forward=False),
         "mxfp8_mixed": parity(rank, world, device, fp8, mixed=True, steps=3),
-        # FP8 (non-MX) recipes gather the weight in high precision and cast it after the gather
+        # an FP8 recipe: the weights travel as FP8 codes (tests/distributed/test_fsdp_fp8.py checks them closely)
         "fp8_current": parity(rank, world, device, mxtrain.recipes.recipe_from_string("fp8_current"), steps=2),
     }
     res["mp_bf16_trains"] = mp_bf16_run(rank, world, device, fp8)
@@ -423,7 +438,7 @@ def scenario_fp8(rank, world, device, out):
         res["bytes"][name] = count_all_gather_bytes(rank, world, device, recipe, True, torch.bfloat16)
         res["bytes"][name + "_fp32_params"] = count_all_gather_bytes(rank, world, device, recipe, True, None)
         # 128 tokens per rank: Float8BlockScaling's wgrad blocks (128 tokens) then never straddle ranks
-        kw = dict(ref_recipe=ref, b=8)
+        kw = dict(ref_recipe=ref, b=8, sum_grads=True, vs_plain=True)
         res["parity"][name] = parity(rank, world, device, recipe, steps=3, **kw)
         res["parity"][name + "_mixed"] = parity(rank, world, device, recipe, steps=2, mixed=True, fp8_shapes=True, **kw)
         res["parity"][name + "_no_reshard"] = parity(rank, world, device, recipe, steps=2, reshard_after_forward=False,
