@@ -1,4 +1,4 @@
-"""FSDP2 weight all-gathers that carry MX bytes instead of bf16.
+"""FSDP2 weight all-gathers that carry MX bytes (or FP8 codes) instead of bf16.
 
 Users shard with torch's own ``fully_shard`` and launch with ``torchrun``;
 :func:`enable_mx_all_gather` swaps the GEMM weights of mxtrain modules for
@@ -28,6 +28,11 @@ implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
 * Outside ``mx_autocast`` (and for roles that must see high precision: a role
   with no format, stochastic rounding) the gather sends the high-precision shard.
 * Gradients (reduce-scatter) stay in high precision; nothing changes there.
+* FP8 recipes (Float8CurrentScaling, DelayedScaling, Float8BlockScaling) send FP8
+  codes only, 1 byte per element: every rank makes the same scale(s) from one batched
+  amax all-reduce per FSDP group (per tensor, or per 128 x 128 block) or, for delayed
+  scaling, from the module's state; the dgrad plane is the transpose of the gathered
+  codes (see ``_fp8_input`` and ``_GatheredState._fill_fp8``).
 
 The recipe is read with :func:`mxtrain.get_recipe` when the forward all-gather
 runs (FSDP's pre-forward hook runs inside the caller's ``mx_autocast``) and is
@@ -36,7 +41,8 @@ remembered on the weight, because the backward all-gather runs outside it.
 Private FSDP2 attributes used (checked on torch 2.11-2.13): the FSDP state
 registry (``torch.distributed._composable_state._module_state_mapping``),
 ``FSDPState._fsdp_param_groups``, ``FSDPParamGroup._training_state`` /
-``_reshard_after_forward`` / ``reshard_after_backward`` / ``fsdp_params``, and
+``_reshard_after_forward`` / ``reshard_after_backward`` / ``fsdp_params``,
+``FSDPParam._orig_size`` / ``mesh_info.shard_process_group`` (FP8 amax all-reduces), and
 ``FSDPParam.all_gather_outputs`` (reset when the size of what a weight sends
 changes, e.g. MX in training then high precision in an evaluation outside
 ``mx_autocast``).
@@ -58,14 +64,15 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from mxtrain.recipes import RoleSpec
-from mxtrain.recipes.float8 import BLOCK_LEN, Float8RoleSpec
+from mxtrain.recipes.float8 import BLOCK_LEN, Float8Recipe, Float8RoleSpec
 from mxtrain.autocast import get_recipe
 from mxtrain.formats import parse_format
 from mxtrain.kernels.cuda_cast import cast_planes_into, dequantize_fp8_at
 from mxtrain.kernels.dispatch import quantize, quantize_float8
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import (
-    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, block_amax, cast_to_fp8, compute_scale, tensor_amax,
+    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, block_amax, cast_to_fp8, compute_scale,
+    tensor_amax,
 )
 from mxtrain.quantization.mxtensor import MXPlane
 
@@ -857,7 +864,6 @@ def enable_quantized_all_gather(model: nn.Module, *, activation_checkpointing: b
             (``block_size`` is ignored); an FP8 recipe needs no shape check (its codes are padded
             as FSDP pads, and a 128 x 128 block that spans two ranks gets its scale from an all-reduce).
     """
-    from mxtrain.recipes.float8 import Float8Recipe
 
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor

@@ -500,7 +500,8 @@ def _recipe_states(model):
     for name, m in model.named_modules():
         st = getattr(m, "recipe_state", None)
         if st is not None:
-            out[name] = {k: (v.cpu().tolist() if isinstance(v, torch.Tensor) else v) for k, v in st.state_dict().items()}
+            out[name] = {k: (v.cpu().tolist() if isinstance(v, torch.Tensor) else v)
+                         for k, v in st.state_dict().items()}
     return out
 
 
