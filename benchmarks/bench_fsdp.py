@@ -7,6 +7,8 @@ AdamW), trained on random activations. Modes:
 * ``bf16``          bf16 compute (no mx_autocast), bf16 all-gathers: plain FSDP2
 * ``mxfp8+bf16ag``  MXFP8 GEMMs, bf16 all-gathers (``enable_mx_all_gather`` not called)
 * ``mxfp8+mxag``    MXFP8 GEMMs, MXFP8 all-gathers (codes + E8M0 scales in one uint8 buffer)
+* ``fp8_current+bf16ag`` / ``fp8_current+fp8ag`` (also ``fp8_delayed``, ``fp8_block``): an FP8 recipe's
+  GEMMs with bf16 all-gathers / FP8 all-gathers (codes; scales from one amax all-reduce per block)
 
 All-gather time is the time of the collective kernels themselves (CUDA events around
 each ``all_gather_single`` / ``all_gather_into_tensor`` call on FSDP's all-gather
@@ -17,6 +19,7 @@ compute in a real step, so the step-time difference is what users see.
     torchrun --nproc_per_node=2 benchmarks/bench_fsdp.py --layers 4 --hidden 8192 --ffn 32768  # the same, 4 wide blocks
     ... --modes bf16,mxfp8+mxag,bf16,mxfp8+mxag   # alternated repeats in one call
     torchrun --nproc_per_node=2 benchmarks/bench_fsdp.py --layers 2 --hidden 256 --ffn 1024 --batch 2 --seq 128  # CPU
+    ... --modes bf16,fp8_current+bf16ag,fp8_current+fp8ag,fp8_block+fp8ag   # the FP8 recipes
     ... --forward-prefetch 2 --backward-prefetch 2   # FSDP2 explicit prefetching (every mode)
     ... --json out.json --markdown out.md      # rank 0 writes the results
 """
@@ -99,7 +102,12 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-MODES = ("bf16", "mxfp8+bf16ag", "mxfp8+mxag")
+DEFAULT_MODES = ("bf16", "mxfp8+bf16ag", "mxfp8+mxag")
+# mode -> (recipe string for recipe_from_string, quantized all-gathers)
+GEMM_MODES = {"mxfp8+bf16ag": ("mxfp8", False), "mxfp8+mxag": ("mxfp8", True),
+              **{f"{r}+{ag}": (r, ag == "fp8ag") for r in ("fp8_current", "fp8_delayed", "fp8_block")
+                 for ag in ("bf16ag", "fp8ag")}}
+MODES = ("bf16", *GEMM_MODES)
 
 
 def build(mode, args, device, rank):
@@ -110,15 +118,15 @@ def build(mode, args, device, rank):
         raise SystemExit(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     torch.manual_seed(0)
     model = Stack(args.layers, args.hidden, args.ffn, device)
-    if mode == "mxfp8+mxag":
-        enable_mx_all_gather(model)
+    recipe = None if mode == "bf16" else mxtrain.recipe_from_string(GEMM_MODES[mode][0])
+    if mode != "bf16" and GEMM_MODES[mode][1]:
+        enable_mx_all_gather(model, recipe=recipe)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for blk in model.blocks:
         fully_shard(blk, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     set_block_prefetch(model.blocks, args.forward_prefetch, args.backward_prefetch)  # 0: FSDP2's default order
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    recipe = None if mode == "bf16" else mxtrain.MXFP8Recipe()
     g = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(args.batch, args.seq, args.hidden, device=device, dtype=torch.bfloat16, generator=g)
     return model, opt, recipe, x
@@ -181,7 +189,7 @@ def model_arguments(p: argparse.ArgumentParser, steps: int) -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--modes", default=",".join(MODES),
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated, from {', '.join(MODES)}; a mode may repeat (alternated runs in one "
                         f"call: each row's 'vs bf16' is against the last bf16 run before it)")
     p.add_argument("--forward-prefetch", type=int, default=0, metavar="N",

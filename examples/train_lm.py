@@ -12,7 +12,7 @@ The attention projections are ``mxtrain.LayerNormLinear`` (qkv) and
 ``mxtrain.Linear`` (out); the MLPs are ``mxtrain.LayerNormMLP``. Attention itself
 is torch's SDPA. Under ``torchrun`` every block and the root are wrapped with
 torch's FSDP2 ``fully_shard`` (gloo on CPU, NCCL on GPU), and the weights of the
-mxtrain modules are all-gathered as MX bytes (``mxtrain.distributed.enable_mx_all_gather``,
+mxtrain modules are all-gathered as MX bytes, or FP8 codes under an FP8 recipe (``enable_mx_all_gather``,
 called before ``fully_shard``; ``--no-mx-all-gather`` sends them in high precision).
 Checkpoints are written with torch.distributed.checkpoint (``mxtrain.distributed.checkpoint``)
 and load into any number of ranks.
@@ -157,7 +157,7 @@ def train(spec: str, args, device, rank: int, world: int, data=None) -> dict:
         from torch.distributed.fsdp import fully_shard
         if args.mx_all_gather and recipe is not None:
             from mxtrain.distributed import enable_mx_all_gather
-            enable_mx_all_gather(model, block_size=recipe.block_size, strict=False)  # before fully_shard
+            enable_mx_all_gather(model, recipe=recipe, strict=False)  # before fully_shard (MX or FP8 recipes)
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)

@@ -17,11 +17,13 @@ See docs/distributed.md.
 
 from mxtrain.distributed.fsdp import (
     MXAllGatherWeight, MXGatheredWeight, all_gather_stats, check_mx_all_gather_shapes, check_shard_shape,
-    disable_mx_all_gather, enable_mx_all_gather, mx_weight_names, reset_all_gather_stats, set_block_prefetch,
+    disable_mx_all_gather, enable_mx_all_gather, enable_quantized_all_gather, mx_weight_names, reset_all_gather_stats,
+    set_block_prefetch,
 )
 
 __all__ = [
-    "MXAllGatherWeight", "MXGatheredWeight", "enable_mx_all_gather", "disable_mx_all_gather",
+    "MXAllGatherWeight", "MXGatheredWeight", "enable_quantized_all_gather", "enable_mx_all_gather",
+    "disable_mx_all_gather",
     "check_mx_all_gather_shapes", "check_shard_shape", "mx_weight_names", "all_gather_stats",
     "reset_all_gather_stats", "set_block_prefetch",
 ]

@@ -1,4 +1,4 @@
-"""FSDP2 weight all-gathers that carry MX bytes instead of bf16.
+"""FSDP2 weight all-gathers that carry MX bytes (or FP8 codes) instead of bf16.
 
 Users shard with torch's own ``fully_shard`` and launch with ``torchrun``;
 :func:`enable_mx_all_gather` swaps the GEMM weights of mxtrain modules for
@@ -28,6 +28,11 @@ implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
 * Outside ``mx_autocast`` (and for roles that must see high precision: a role
   with no format, stochastic rounding) the gather sends the high-precision shard.
 * Gradients (reduce-scatter) stay in high precision; nothing changes there.
+* FP8 recipes (Float8CurrentScaling, DelayedScaling, Float8BlockScaling) send FP8
+  codes only, 1 byte per element: every rank makes the same scale(s) from one batched
+  amax all-reduce per FSDP group (per tensor, or per 128 x 128 block) or, for delayed
+  scaling, from the module's state; the dgrad plane is the transpose of the gathered
+  codes (see ``_fp8_input`` and ``_GatheredState._fill_fp8``).
 
 The recipe is read with :func:`mxtrain.get_recipe` when the forward all-gather
 runs (FSDP's pre-forward hook runs inside the caller's ``mx_autocast``) and is
@@ -36,7 +41,8 @@ remembered on the weight, because the backward all-gather runs outside it.
 Private FSDP2 attributes used (checked on torch 2.11-2.13): the FSDP state
 registry (``torch.distributed._composable_state._module_state_mapping``),
 ``FSDPState._fsdp_param_groups``, ``FSDPParamGroup._training_state`` /
-``_reshard_after_forward`` / ``reshard_after_backward`` / ``fsdp_params``, and
+``_reshard_after_forward`` / ``reshard_after_backward`` / ``fsdp_params``,
+``FSDPParam._orig_size`` / ``mesh_info.shard_process_group`` (FP8 amax all-reduces), and
 ``FSDPParam.all_gather_outputs`` (reset when the size of what a weight sends
 changes, e.g. MX in training then high precision in an evaluation outside
 ``mx_autocast``).
@@ -58,15 +64,21 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from mxtrain.recipes import RoleSpec
+from mxtrain.recipes.float8 import BLOCK_LEN, Float8Recipe, Float8RoleSpec
 from mxtrain.autocast import get_recipe
 from mxtrain.formats import parse_format
 from mxtrain.kernels.cuda_cast import cast_planes_into, dequantize_fp8_at
-from mxtrain.kernels.dispatch import quantize
+from mxtrain.kernels.dispatch import quantize, quantize_float8
 from mxtrain.quantization import MXTensor
+from mxtrain.quantization.float8 import (
+    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, block_amax, cast_to_fp8, compute_scale,
+    tensor_amax,
+)
 from mxtrain.quantization.mxtensor import MXPlane
 
 __all__ = [
-    "MXAllGatherWeight", "MXGatheredWeight", "enable_mx_all_gather", "disable_mx_all_gather",
+    "MXAllGatherWeight", "MXGatheredWeight", "enable_quantized_all_gather", "enable_mx_all_gather",
+    "disable_mx_all_gather",
     "mx_weight_names", "all_gather_stats", "reset_all_gather_stats", "check_mx_all_gather_shapes",
 ]
 
@@ -93,8 +105,11 @@ def mx_weight_names(module: nn.Module) -> tuple[str, ...]:
 class _Stats:
     gathers: int = 0
     mx_gathers: int = 0
+    fp8_gathers: int = 0
     bytes_sent: int = 0  # per rank, summed over gathers (what this rank contributes)
     elements: int = 0  # weight elements those gathers covered (per rank)
+    amax_reductions: int = 0  # FP8 gathers: batched all-reduces of weight amaxes
+    amax_bytes: int = 0  # what this rank put into them
     planes: dict = field(default_factory=dict)  # "rowwise"/"columnwise"/"both"/"high_precision" -> count
 
 
@@ -102,9 +117,14 @@ _STATS = _Stats()
 
 
 def all_gather_stats() -> dict:
-    """What this process's MX-weight all-gathers sent so far (bytes are this rank's contribution)."""
+    """What this process's quantized-weight all-gathers sent so far (bytes are this rank's contribution).
+
+    ``bytes_per_element`` counts the all-gathers; ``wire_bytes_per_element`` adds the FP8
+    recipes' amax all-reduces."""
     s = dataclasses.asdict(_STATS)
     s["bytes_per_element"] = s["bytes_sent"] / s["elements"] if s["elements"] else float("nan")
+    s["wire_bytes_per_element"] = ((s["bytes_sent"] + s["amax_bytes"]) / s["elements"] if s["elements"]
+                                   else float("nan"))
     return s
 
 
@@ -161,6 +181,7 @@ class _WeightInfo:
 
     name: str
     activation_checkpointing: bool = False
+    gemm: str = ""  # LayerNormMLP's "fc1" / "fc2": the GEMM whose DelayedScaling slots the weight uses
     recipe: Any = None  # the recipe of the last forward all-gather (backward reuses it)
     recipe_seen: bool = False
 
@@ -236,6 +257,9 @@ class MXAllGatherWeight(torch.Tensor):
     def mx_gathered_plane(self, spec, axis: int) -> None:
         return None  # not all-gathered (used without FSDP): the module quantizes the weight itself
 
+    def mx_keep_dgrad_plane(self, spec) -> bool:
+        return True  # as any weight that is not all-gathered
+
     def high_precision(self) -> torch.Tensor:
         return self._data
 
@@ -269,17 +293,21 @@ class MXAllGatherWeight(torch.Tensor):
             roles = [DGRAD, FPROP] if both else [DGRAD]
         else:
             roles = [FPROP, DGRAD]
-        uses = None
-        if recipe is not None:
+        uses = fp8 = None
+        if recipe is not None and isinstance(recipe.role("fprop_weight"), Float8RoleSpec):
+            fp8 = self._fp8_uses(recipe, roles, phase, group, module)
+        elif recipe is not None:
             uses = [(recipe.role(role), axis) for role, axis in roles]
             if any(not isinstance(spec, RoleSpec) or spec.fmt is None or spec.rounding == "stochastic"
                    for spec, _ in uses):
-                # the module needs the high-precision weight (unquantized role, or a non-MX recipe
-                # such as the FP8 ones, which quantize the gathered weight themselves) or quantizes
-                # it itself (stochastic rounding: the draws for the full weight cannot be split by shard)
+                # the module needs the high-precision weight (unquantized role, or a recipe this
+                # all-gather does not know) or quantizes it itself (stochastic rounding: the draws
+                # for the full weight cannot be split by shard)
                 uses = None
 
-        if uses is None:
+        if fp8 is not None:
+            inputs, meta = self._fp8_input(fp8, fsdp_param, group, orig_size, world, param_dtype)
+        elif uses is None:
             inputs, meta = self._high_precision_input(orig_size, world, param_dtype)
         else:
             inputs, meta = self._mx_input(uses, orig_size, world, param_dtype)
@@ -291,6 +319,7 @@ class MXAllGatherWeight(torch.Tensor):
             fsdp_param.all_gather_outputs = []
         _STATS.gathers += 1
         _STATS.mx_gathers += meta["kind"] == "mx"
+        _STATS.fp8_gathers += meta["kind"] == "fp8"
         _STATS.bytes_sent += inputs[0].numel() * inputs[0].element_size()
         _STATS.elements += self.numel()
         _STATS.planes[meta["what"]] = _STATS.planes.get(meta["what"], 0) + 1
@@ -348,10 +377,135 @@ class MXAllGatherWeight(torch.Tensor):
         return (buf,), {"kind": "mx", "what": what, "planes": planes, "shape": tuple(orig_size),
                         "dtype": param_dtype, "world": world}
 
+    # ---- FP8 recipes (Float8CurrentScaling, DelayedScaling, Float8BlockScaling)
+
+    def _fp8_uses(self, recipe, roles, phase, group, module):
+        """The ``(Float8RoleSpec, axis)`` uses this gather serves from FP8 codes, or None (high precision).
+
+        One rowwise cast serves both planes: the dgrad plane is the transpose of the gathered codes
+        (with the transposed block scales), exactly what casting the full weight gives."""
+        TrainingState = _fsdp_training_state_enum()
+        if getattr(recipe, "make_state", None) is not None:  # DelayedScaling: the module's scales
+            from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
+
+            if not isinstance(module, RecipeStateMixin):
+                return None
+            keep = not getattr(group, "reshard_after_backward", True)
+            if keep and (phase == TrainingState.PRE_BACKWARD or not group._reshard_after_forward):
+                # the gathered weight would also serve the next forward, which updates the scales first
+                return None
+            if phase == TrainingState.FORWARD or (phase == TrainingState.PRE_BACKWARD
+                                                  and self._info.activation_checkpointing):
+                # the module's forward (or its recompute) updates its scales before it casts; update them
+                # now so the codes carry the scale it will use (its own update then finds nothing new)
+                bound = module.forward_recipe(recipe)
+            elif phase == TrainingState.PRE_BACKWARD and module.recipe_state is not None:
+                bound = recipe.bind(module.recipe_state)
+            else:
+                return None
+            recipe = gemm_recipe(bound, self._info.gemm)
+        uses = [(recipe.role(role), axis) for role, axis in roles]
+        specs = {spec for spec, _ in uses}
+        if len(specs) != 1:
+            return None
+        (spec,) = specs
+        if not isinstance(spec, Float8RoleSpec) or spec.fmt is None or spec.block not in (None, (BLOCK_LEN, BLOCK_LEN)):
+            return None
+        return uses
+
+    def _local_amax(self, block, orig_size, rank: int, world: int, param_dtype) -> torch.Tensor:
+        """This shard's part of the weight's amax: a 0-d amax, or for 128 x 128 blocks the full weight's
+        ``[ceil(N/128), ceil(K/128)]`` grid with this rank's rows filled in (0 elsewhere), for an all-reduce MAX."""
+        x = self._data
+        if block is None:
+            a = tensor_amax(x)
+        else:
+            n, k = orig_size
+            r0 = rank * (-(-n // world))
+            a = torch.zeros((-(-n // BLOCK_LEN), -(-k // BLOCK_LEN)), dtype=torch.float32, device=x.device)
+            if x.shape[0]:
+                top = r0 % BLOCK_LEN  # the shard starts inside a block: align it (the pad rows are zeros)
+                part = block_amax(torch.nn.functional.pad(x, (0, 0, top, 0)) if top else x, block)
+                a[r0 // BLOCK_LEN:r0 // BLOCK_LEN + part.shape[0]] = part
+        # the cast sees the weight in param_dtype; rounding is monotonic and symmetric, so the amax of
+        # the rounded weight is the rounded amax
+        return a.to(param_dtype).float()
+
+    def _global_amax(self, spec, fsdp_param, group, pg, param_dtype) -> torch.Tensor:
+        """The full weight's amax (or block-amax grid), from one all-reduce for every weight of the FSDP group.
+
+        The first weight of a group to be gathered reduces the amaxes of all of them and leaves each
+        its result; the others take theirs (if their data has not changed since)."""
+        key = (spec.block, param_dtype)
+        hit = getattr(fsdp_param, "_mxtrain_fp8_amax", None)
+        fsdp_param._mxtrain_fp8_amax = None
+        if hit is not None and hit[0] == key and hit[1] == self._data._version:
+            return hit[2]
+        members = [fp for fp in group.fsdp_params if isinstance(fp._sharded_local_tensor, MXAllGatherWeight)]
+        if not any(fp is fsdp_param for fp in members):
+            members.append(fsdp_param)
+        rank, world = pg.rank(), pg.size()
+        pieces = [(self if fp is fsdp_param else fp._sharded_local_tensor)._local_amax(
+            spec.block, tuple(fp._orig_size), rank, world, param_dtype) for fp in members]
+        flat = torch.cat([p.reshape(-1) for p in pieces])
+        all_reduce_amax(flat, pg)
+        _STATS.amax_reductions += 1
+        _STATS.amax_bytes += flat.numel() * flat.element_size()
+        mine = None
+        for fp, piece, red in zip(members, pieces, flat.split([p.numel() for p in pieces])):
+            red = red.view(piece.shape)
+            if fp is fsdp_param:
+                mine = red
+            else:
+                fp._mxtrain_fp8_amax = (key, fp._sharded_local_tensor._data._version, red)
+        return mine
+
+    def _fp8_input(self, uses, fsdp_param, group, orig_size, world, param_dtype):
+        """This rank's rows as FP8 codes (uint8, padded to FSDP's shard rows); the scale(s) in the metadata.
+
+        Every rank derives the same scales from the all-reduced amax (current, block) or from the
+        module's state (delayed), so only the codes travel: 1 byte per element."""
+        spec = uses[0][0]
+        n, k = orig_size
+        rows = self._local_rows(orig_size, world)
+        pg = fsdp_param.mesh_info.shard_process_group
+        amax = self._global_amax(spec, fsdp_param, group, pg, param_dtype)
+        x = self._data.to(param_dtype)
+        fmt, fmax = spec.fmt, FP8_MAX[spec.fmt]
+        if spec.block is None:
+            if spec.scaling == "delayed":
+                scale = spec.state.scale_for(spec.slot, fmt, x.device)
+            else:
+                scale = compute_scale(amax, fmax, power_of_2=spec.power_of_2_scales, epsilon=spec.amax_epsilon)
+            q = quantize_float8(x, fmt, axes=(1,), scale=scale)
+            codes, scale_inv = q.planes[0].data, q.scale_inv
+        else:
+            scale = compute_scale(amax, fmax, power_of_2=spec.power_of_2_scales, epsilon=spec.amax_epsilon)
+            scale_inv, amax = torch.reciprocal(scale), None
+            r0, length = pg.rank() * rows, x.shape[0]
+            if r0 % BLOCK_LEN == 0 and (length % BLOCK_LEN == 0 or r0 + length == n):
+                # whole blocks: their scales from this shard are the full weight's (the fast cast)
+                codes = quantize_float8(x, fmt, axes=(1,), block=spec.block, power_of_2_scales=spec.power_of_2_scales,
+                                        amax_epsilon=spec.amax_epsilon).planes[0].data
+            else:  # a block spans two ranks: cast with the global block scales
+                s = scale[torch.arange(r0, r0 + length, device=x.device) // BLOCK_LEN]
+                codes = cast_to_fp8(x, s.repeat_interleave(BLOCK_LEN, dim=1)[:, :k], fmt)
+        buf = codes.view(torch.uint8)
+        if buf.shape[0] != rows:  # uneven sharding: FSDP wants every rank's input padded to the same rows
+            buf = torch.cat([buf, buf.new_zeros((rows - buf.shape[0], k))])
+        axes = {axis for _, axis in uses}
+        what = "both" if len(axes) > 1 else ("rowwise" if 1 in axes else "columnwise")
+        updates = spec.state.updates if spec.scaling == "delayed" else None
+        return (buf.contiguous(),), {
+            "kind": "fp8", "what": what, "shape": tuple(orig_size), "dtype": param_dtype, "world": world,
+            "fmt": fmt, "block": spec.block, "scale_inv": scale_inv, "amax": amax,
+            "specs": {axis: spec for spec, axis in uses}, "updates": updates}
+
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (buf,) = all_gather_outputs
         if out is None:
-            state = _GatheredState(name=self._info.name, inner=[buf.new_empty(0, dtype=torch.uint8)])
+            state = _GatheredState(name=self._info.name, inner=[buf.new_empty(0, dtype=torch.uint8)],
+                                   activation_checkpointing=self._info.activation_checkpointing)
             result = MXGatheredWeight(metadata["shape"], param_dtype, buf.device, state)
         else:
             if not isinstance(out, MXGatheredWeight):
@@ -377,10 +531,15 @@ class _GatheredState:
     name: str
     inner: list
     hp: torch.Tensor | None = None
-    planes: dict = field(default_factory=dict)  # axis -> (RoleSpec, MXTensor holding that one plane)
+    planes: dict = field(default_factory=dict)  # axis -> (role spec, MXTensor / Float8Tensor holding that one plane)
+    delayed_updates: int | None = None  # DelayedScaling: the state's update count the FP8 codes were cast at
+    activation_checkpointing: bool = False
 
     def fill(self, buf: torch.Tensor, meta: dict) -> None:
         world, shape = meta["world"], meta["shape"]
+        if meta["kind"] == "fp8":
+            self._fill_fp8(buf, meta)
+            return
         if meta["kind"] == "hp":
             self.planes = {}
             self.hp = buf.view(-1, *shape[1:])[: shape[0]]
@@ -423,6 +582,34 @@ class _GatheredState:
         # The planes are copied out: give the all-gather output's memory back now rather than
         # at reshard (FSDP reallocates it before the next all-gather).
         _free(buf)
+
+    def _fill_fp8(self, buf: torch.Tensor, meta: dict) -> None:
+        """FP8 planes of the full weight: the gathered rows are its rowwise codes as they are (rank r's
+        are rows r*rows..), the dgrad plane their transpose; the scale (or the 128 x 128 block scales,
+        transposed for the dgrad plane) is the one every rank cast with."""
+        self.hp = None
+        n, k = meta["shape"]
+        fp8 = FP8_DTYPES[meta["fmt"]]
+        row = buf.view(fp8).view(-1, k)[:n]
+        block, scale_inv = meta["block"], meta["scale_inv"]
+        planes = {}
+        for axis, spec in meta["specs"].items():
+            if axis == 1:
+                plane = Float8Plane(row, scale_inv, 1, block)
+            else:
+                arena = self.inner[0]
+                if arena.numel() != n * k:
+                    _free(arena)
+                    arena = self.inner[0] = torch.empty(n * k, dtype=torch.uint8, device=buf.device)
+                col = arena.view(fp8).view(k, n)
+                col.copy_(row.t())
+                plane = Float8Plane(col, scale_inv if block is None else scale_inv.t().contiguous(), 0, block)
+            planes[axis] = (spec, Float8Tensor((plane,), meta["fmt"], (n, k), meta["dtype"], meta["amax"]))
+        self.planes, self.delayed_updates = planes, meta["updates"]
+        if 0 not in planes:
+            _free(self.inner[0])
+        if 1 not in planes:  # backward needs the transpose only: give the gathered codes back now
+            _free(buf)
 
     def _fill_values(self, per_rank: torch.Tensor, meta: dict) -> None:
         """Each gathered plane as the full weight's dequantized values (bf16 for bf16 params), written
@@ -522,14 +709,37 @@ class MXGatheredWeight(torch.Tensor):
             "MX " + ", ".join("rowwise" if a == 1 else "columnwise" for a in sorted(s.planes)) or "nothing")
         return f"MXGatheredWeight(name={s.name!r}, shape={list(self.shape)}, dtype={self.dtype}, holds={what})"
 
-    def mx_gathered_plane(self, spec, axis: int) -> MXTensor | None:
-        """The all-gathered MX plane for ``(spec, axis)``, or None when it was not gathered for that spec."""
+    def mx_gathered_plane(self, spec, axis: int) -> MXTensor | Float8Tensor | None:
+        """The all-gathered MX or FP8 plane for ``(spec, axis)``, or None when it was not gathered for that spec.
+
+        For DelayedScaling it records the weight's amax in the module's state, as the module's cast would."""
         if spec is None or spec.fmt is None:
             return None
         entry = self._state.planes.get(axis % 2)
+        row = self._state.planes.get(1)
+        if entry is None and axis % 2 == 0 and row is not None and isinstance(row[1], Float8Tensor):
+            # an FP8 dgrad plane asked for in forward (see mx_keep_dgrad_plane): the transpose of the
+            # gathered codes (and block scales) is the full weight's, exactly
+            p = row[1].plane(1)
+            col = Float8Plane(p.data.t().contiguous(), p.scale_inv if p.block is None else p.scale_inv.t().contiguous(),
+                              0, p.block)
+            entry = (row[0], dataclasses.replace(row[1], planes=(col,)))
         if entry is None or entry[0] != spec:
             return None
+        if isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed":
+            if spec.state.updates != self._state.delayed_updates:
+                return None  # the module's scales were updated after the cast: these codes are stale
+            spec.state.record(spec.slot, entry[1].amax)  # what the module's own cast of the weight records
         return entry[1]
+
+    def mx_keep_dgrad_plane(self, spec) -> bool:
+        """Whether a forward that makes the dgrad plane should keep it for backward (see ``weight_planes``).
+
+        Backward's all-gather brings the dgrad plane, so forward keeps nothing, except for
+        DelayedScaling under activation checkpointing: one process's backward then uses the plane
+        its first forward made, at the scale before the recomputed forward's update."""
+        return (self._state.activation_checkpointing and isinstance(spec, Float8RoleSpec)
+                and spec.scaling == "delayed")
 
     def high_precision(self) -> torch.Tensor:
         """The full high-precision weight; raises when this gather brought MX planes only."""
@@ -625,9 +835,14 @@ def _state_dict_unwrap_hook(module, state_dict, prefix, local_metadata):
                 state_dict[key] = _plain(state_dict[key])
 
 
-def enable_mx_all_gather(model: nn.Module, *, activation_checkpointing: bool = False, strict: bool = True,
-                         world_size: int | None = None, block_size: int = 32) -> list[str]:
-    """Make FSDP2 all-gather the GEMM weights of every mxtrain module in ``model`` as MX bytes.
+def enable_quantized_all_gather(model: nn.Module, *, activation_checkpointing: bool = False, strict: bool = True,
+                                world_size: int | None = None, block_size: int = 32, recipe=None) -> list[str]:
+    """Make FSDP2 all-gather the GEMM weights of every mxtrain module in ``model`` quantized.
+
+    Under an MX recipe each weight travels as MX bytes; under an FP8 recipe
+    (Float8CurrentScaling, DelayedScaling, Float8BlockScaling) as FP8 codes, its
+    scale(s) made by every rank from one batched amax all-reduce (or, for delayed
+    scaling, from the module's state). ``enable_mx_all_gather`` is the same function.
 
     Call it **before** ``fully_shard`` (FSDP2 sets up its all-gather extension when it
     wraps a parameter) and before creating the optimizer (the weights become new
@@ -645,12 +860,20 @@ def enable_mx_all_gather(model: nn.Module, *, activation_checkpointing: bool = F
         world_size: ranks that will shard the weights (default: the default process
             group's size when initialized, else no shape check here; the all-gather checks again).
         block_size: the recipe block size to check shapes against.
+        recipe: the recipe the model will train with, if known: its block size is checked
+            (``block_size`` is ignored); an FP8 recipe needs no shape check (its codes are padded
+            as FSDP pads, and a 128 x 128 block that spans two ranks gets its scale from an all-reduce).
     """
+
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     if world_size is None and dist.is_available() and dist.is_initialized():
         world_size = dist.get_world_size()
+    if isinstance(recipe, Float8Recipe):
+        world_size = None
+    elif recipe is not None:
+        block_size = recipe.block_size
     converted, skipped = [], []
     for mod_name, m in model.named_modules():
         names = mx_weight_names(m)
@@ -664,7 +887,7 @@ def enable_mx_all_gather(model: nn.Module, *, activation_checkpointing: bool = F
             if isinstance(p, DTensor):
                 raise RuntimeError(f"enable_mx_all_gather: {fqn} is already sharded (a DTensor); call "
                                    "enable_mx_all_gather(model) before fully_shard")
-            if world_size is not None and world_size > 1:
+            if world_size is not None and world_size > 1:  # MX: whole blocks per rank
                 try:
                     check_shard_shape(fqn, tuple(p.shape), world_size, (block_size,))
                 except ValueError as e:
@@ -672,7 +895,8 @@ def enable_mx_all_gather(model: nn.Module, *, activation_checkpointing: bool = F
                         raise
                     skipped.append(str(e))
                     continue
-            info = _WeightInfo(name=fqn, activation_checkpointing=activation_checkpointing)
+            gemm = pname.removesuffix("_weight") if pname != "weight" else ""
+            info = _WeightInfo(name=fqn, activation_checkpointing=activation_checkpointing, gemm=gemm)
             setattr(m, pname, nn.Parameter(MXAllGatherWeight(p.detach(), info), requires_grad=p.requires_grad))
             converted.append(fqn)
         if not getattr(m, "_mx_all_gather_hook", False):
@@ -682,6 +906,9 @@ def enable_mx_all_gather(model: nn.Module, *, activation_checkpointing: bool = F
         warnings.warn("enable_mx_all_gather: these weights keep high-precision all-gathers:\n" + "\n".join(skipped),
                       stacklevel=2)
     return converted
+
+
+enable_mx_all_gather = enable_quantized_all_gather
 
 
 def disable_mx_all_gather(model: nn.Module) -> list[str]:

@@ -220,17 +220,20 @@ def weight_planes(weight: torch.Tensor, role, need_dgrad: bool, generator):
     uses one spec (current / block scaling) and backward will need it: ``(row, col)``; else
     ``(row, None)`` and backward casts the dgrad plane itself (MX recipes: per phase, so FSDP2
     gathers only the plane each phase needs). The kept plane costs 1 byte per weight element
-    between forward and backward, and saves backward an amax pass and a cast."""
-    uses = weight_uses(role, need_dgrad)
+    between forward and backward, and saves backward an amax pass and a cast. A weight all-gathered
+    by FSDP2 says whether to keep it (``mx_keep_dgrad_plane``): mostly not, as backward's all-gather
+    brings the dgrad plane and keeping it would hold every layer's full weight between the passes."""
+    uses = weight_uses(role, need_dgrad, weight)
     ops = quantize_operand(weight, uses, generator)
     return ops[0], (ops[1] if len(uses) == 2 else None)
 
 
-def weight_uses(role, need_dgrad: bool) -> list:
+def weight_uses(role, need_dgrad: bool, weight: torch.Tensor | None = None) -> list:
     """The (spec, axis) uses :func:`weight_planes` casts in forward: fprop's, and dgrad's with it where one
-    FP8 spec serves both."""
+    FP8 spec serves both (and ``weight``, if FSDP2-gathered, wants its dgrad plane kept)."""
     fprop, dgrad = role("fprop_weight"), role("dgrad_weight")
-    if need_dgrad and isinstance(fprop, Float8RoleSpec) and fprop.fmt is not None and dgrad == fprop:
+    if (need_dgrad and isinstance(fprop, Float8RoleSpec) and fprop.fmt is not None and dgrad == fprop
+            and (not hasattr(weight, "mx_keep_dgrad_plane") or weight.mx_keep_dgrad_plane(fprop))):
         return [(fprop, 1), (dgrad, 0)]
     return [(fprop, 1)]
 

@@ -8,6 +8,8 @@ Scenarios (each writes ``OUT_DIR/<scenario>.json`` from rank 0):
            forward on/off; grad accumulation; activation checkpointing; mixed modules)
   ckpt     DCP save at step 3, resume in fresh objects, compare with the uninterrupted run;
            leaves the checkpoint and the losses for ``load1`` (one process, other world size)
+  fp8      FP8 recipes (current, delayed, block scaling): gathered FP8 planes vs one process, bytes,
+           training parity, DCP resume
   load1    (plain python, world size 1) load the 2-rank checkpoint, train on, compare
   fault [TAG]         train 8 steps with a checkpoint every 2; with MXTRAIN_FAULT_STEP=k rank 1
                       SIGKILLs itself at step k; rank 0 logs losses to OUT_DIR/TAG_losses.jsonl
@@ -36,12 +38,13 @@ from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, s
 from mxtrain.distributed import fsdp as mxfsdp
 from mxtrain.distributed.fsdp import MXGatheredWeight
 from mxtrain.kernels.dispatch import quantize
+from mxtrain.quantization.float8 import Float8Tensor, quantize_float8
 
 VOCAB, D, T, B = 64, 64, 16, 2  # B*T = 32 tokens per rank: wgrad token blocks never straddle ranks
 
 
 class Block(nn.Module):
-    def __init__(self, mixed: bool):
+    def __init__(self, mixed: bool, fp8_shapes: bool = False):
         super().__init__()
         self.qkv = mxtrain.LayerNormLinear(D, 3 * D)
         self.proj = mxtrain.Linear(3 * D, D)
@@ -53,20 +56,27 @@ class Block(nn.Module):
             self.down = mxtrain.Linear(80, D, bias=False)
             self.odd = mxtrain.Linear(D, 48)
             self.odd_out = nn.Linear(48, D)
+        self.fp8_shapes = fp8_shapes
+        if fp8_shapes:  # FP8 all-gathers: 49 rows (25 + 24: uneven shards), 256 rows (whole 128 x 128 blocks per rank)
+            self.uneven = mxtrain.Linear(D, 49)
+            self.wide = mxtrain.Linear(D, 256)
+            self.fp8_out = nn.Linear(49 + 256, D)
 
     def forward(self, x):
         x = x + self.proj(F.gelu(self.qkv(x)))
         x = x + self.mlp(x)
         if self.mixed:
             x = x + self.down(F.relu(self.up(x))) + self.odd_out(self.odd(x))
+        if self.fp8_shapes:
+            x = x + self.fp8_out(torch.cat([self.uneven(x), self.wide(x)], -1))
         return x
 
 
 class Net(nn.Module):
-    def __init__(self, n_blocks=2, mixed=False, checkpoint=False, recipe=None):
+    def __init__(self, n_blocks=2, mixed=False, checkpoint=False, recipe=None, fp8_shapes=False):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList(Block(mixed) for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(Block(mixed, fp8_shapes) for _ in range(n_blocks))
         self.norm = nn.LayerNorm(D)
         self.head = nn.Linear(D, VOCAB, bias=False)
         self.checkpoint, self.recipe = checkpoint, recipe
@@ -105,25 +115,25 @@ def setup():
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def global_batches(steps, micro, world, device, seed=0):
+def global_batches(steps, micro, world, device, seed=0, b=B):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         mbs = []
         for _ in range(micro):
-            idx = torch.randint(0, VOCAB, (world * B, T), generator=g)
-            tgt = torch.randint(0, VOCAB, (world * B, T), generator=g)
+            idx = torch.randint(0, VOCAB, (world * b, T), generator=g)
+            tgt = torch.randint(0, VOCAB, (world * b, T), generator=g)
             mbs.append((idx.to(device), tgt.to(device)))
         out.append(mbs)
     return out
 
 
-def build(seed, device, mixed=False, checkpoint=False, recipe=None):
+def build(seed, device, mixed=False, checkpoint=False, recipe=None, fp8_shapes=False):
     torch.manual_seed(seed)
-    return Net(mixed=mixed, checkpoint=checkpoint, recipe=recipe).to(device)
+    return Net(mixed=mixed, checkpoint=checkpoint, recipe=recipe, fp8_shapes=fp8_shapes).to(device)
 
 
-def shard(model, world, *, mx=True, reshard_after_forward=True, mp=None, ac=False, prefetch=0):
+def shard(model, world, *, mx=True, reshard_after_forward=True, mp=None, ac=False, prefetch=0, recipe=None):
     """FSDP2 on each block and the root; ``prefetch`` > 0 sets FSDP2's explicit prefetching: each block
     gathers the next ``prefetch`` blocks' weights in its forward and the previous ones in its backward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -132,7 +142,7 @@ def shard(model, world, *, mx=True, reshard_after_forward=True, mp=None, ac=Fals
         import warnings
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mxdist.enable_mx_all_gather(model, activation_checkpointing=ac, strict=False)
+            mxdist.enable_mx_all_gather(model, activation_checkpointing=ac, strict=False, recipe=recipe)
     kw = {"reshard_after_forward": reshard_after_forward}
     if mp is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp, reduce_dtype=torch.float32)
@@ -147,9 +157,12 @@ def make_opt(model):
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
 
-def train_steps(model, opt, batches, recipe, rank, world, sharded: bool, start=0, no_sync=False):
+def train_steps(model, opt, batches, recipe, rank, world, sharded: bool, start=0, no_sync=False, sum_grads=False):
     """Per-step global mean loss (fp32). ``no_sync``: FSDP2's gradient-accumulation switches (no
-    reduce-scatter and no reshard after backward until the last microbatch)."""
+    reduce-scatter and no reshard after backward until the last microbatch). ``sum_grads``: each rank
+    backpropagates its loss divided by the world size, so that every gradient tensor holds the values
+    one process computes (delayed scales do not follow a factor of 2), and the reduced gradients are
+    multiplied back by it (exact for a power-of-two world; gloo has no pre-scaled reduce-scatter)."""
     import torch.distributed as dist
 
     losses = []
@@ -161,14 +174,19 @@ def train_steps(model, opt, batches, recipe, rank, world, sharded: bool, start=0
                 model.set_requires_gradient_sync(last)
                 model.set_reshard_after_backward(last)
             if sharded:
-                idx, tgt = idx[rank * B:(rank + 1) * B], tgt[rank * B:(rank + 1) * B]
+                b = idx.shape[0] // world
+                idx, tgt = idx[rank * b:(rank + 1) * b], tgt[rank * b:(rank + 1) * b]
             with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
                 loss = model(idx, tgt) / len(mbs)
-            loss.backward()
+            (loss / world if sharded and sum_grads else loss).backward()
             total += loss.detach()
         if sharded:
             dist.all_reduce(total)
             total /= world
+            if sum_grads:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(world)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total.item())
@@ -195,7 +213,11 @@ class PlaneRecorder:
             if spec is not None and spec.fmt is not None:
                 d = rec.hits if mx is not None else rec.misses
                 d[key] = d.get(key, 0) + 1
-            if mx is not None:  # codes + scales, or (gathered as values) the dequantized values
+            if isinstance(mx, Float8Tensor):  # FP8 codes + scale-inverse, and (delayed) the module's scale now
+                p = mx.plane(axis)
+                now = spec.state.scale[spec.state.slots[spec.slot]].clone() if spec.scaling == "delayed" else None
+                rec.planes[key] = (spec, mx, p.data.clone(), p.scale_inv.clone(), now)
+            elif mx is not None:  # codes + scales, or (gathered as values) the dequantized values
                 vals = mx.dequantized_values(axis)
                 if vals is not None:
                     rec.planes[key] = (spec, mx, vals.clone(), None)
@@ -291,21 +313,32 @@ def count_all_gather_bytes(rank, world, device, recipe, mx: bool, mp):
 
 
 def parity(rank, world, device, recipe, *, steps=4, micro=1, reshard_after_forward=True, mixed=False, ac=False,
-           no_sync=False, prefetch=0):
-    batches = global_batches(steps, micro, world, device)
-    model = shard(build(0, device, mixed=mixed, checkpoint=ac, recipe=recipe), world,
-                  reshard_after_forward=reshard_after_forward, ac=ac, prefetch=prefetch)
+           no_sync=False, prefetch=0, ref_recipe=None, fp8_shapes=False, b=B, sum_grads=False, vs_plain=False):
+    """FSDP2 losses against one process (rank 0) on the whole batch; ``ref_recipe``: the one-process
+    recipe where ``recipe`` holds a process group (FP8 amax reductions). ``vs_plain``: also train with
+    FSDP2's own high-precision all-gathers (the modules cast the full weight) as ``plain``."""
+    batches = global_batches(steps, micro, world, device, b=b)
+    model = shard(build(0, device, mixed=mixed, checkpoint=ac, recipe=recipe, fp8_shapes=fp8_shapes), world,
+                  reshard_after_forward=reshard_after_forward, ac=ac, prefetch=prefetch, recipe=recipe)
     rec = PlaneRecorder()
     try:
-        dist_losses = train_steps(model, make_opt(model), batches, recipe, rank, world, True, no_sync=no_sync)
+        dist_losses = train_steps(model, make_opt(model), batches, recipe, rank, world, True, no_sync=no_sync,
+                                  sum_grads=sum_grads)
     finally:
         rec.close()
+    plain = None
+    if vs_plain:
+        model = shard(build(0, device, mixed=mixed, checkpoint=ac, recipe=recipe, fp8_shapes=fp8_shapes), world,
+                      mx=False, reshard_after_forward=reshard_after_forward, ac=ac, prefetch=prefetch)
+        plain = train_steps(model, make_opt(model), batches, recipe, rank, world, True, no_sync=no_sync,
+                            sum_grads=sum_grads)
     ref_losses = None
     if rank == 0:
-        ref = build(0, device, mixed=mixed, checkpoint=ac, recipe=recipe)
-        ref_losses = train_steps(ref, make_opt(ref), batches, recipe, rank, world, False)
+        ref_recipe = ref_recipe or recipe
+        ref = build(0, device, mixed=mixed, checkpoint=ac, recipe=ref_recipe, fp8_shapes=fp8_shapes)
+        ref_losses = train_steps(ref, make_opt(ref), batches, ref_recipe, rank, world, False)
     return {"dist": dist_losses, "ref": ref_losses, "rel": rel(dist_losses, ref_losses) if rank == 0 else None,
-            "hits": rec.hits, "misses": rec.misses}
+            "hits": rec.hits, "misses": rec.misses, "plain": plain}
 
 
 def scenario_core(rank, world, device, out):
@@ -346,10 +379,78 @@ def scenario_core(rank, world, device, out):
         "mxfp8_prefetch": parity(rank, world, device, fp8, prefetch=1, steps=3),
         "mxfp8_prefetch_no_reshard": parity(rank, world, device, fp8, prefetch=1, steps=2, reshard_after_forward=False),
         "mxfp8_mixed": parity(rank, world, device, fp8, mixed=True, steps=3),
-        # FP8 (non-MX) recipes gather the weight in high precision and cast it after the gather
+        # an FP8 recipe: the weights travel as FP8 codes (tests/distributed/test_fsdp_fp8.py checks them closely)
         "fp8_current": parity(rank, world, device, mxtrain.recipes.recipe_from_string("fp8_current"), steps=2),
     }
     res["mp_bf16_trains"] = mp_bf16_run(rank, world, device, fp8)
+    res["seconds"] = time.time() - t0
+    return res
+
+
+def fp8_recipe_pairs():
+    """FP8 recipes for FSDP2 (activation amaxes all-reduced over the ranks, as one process sees the whole
+    batch) and the same recipes for one process."""
+    import torch.distributed as dist
+
+    g = dist.group.WORLD
+    return {"current": (mxtrain.Float8CurrentScaling(amax_reduction_group=g), mxtrain.Float8CurrentScaling()),
+            "delayed": (mxtrain.DelayedScaling(amax_reduction_group=g), mxtrain.DelayedScaling()),
+            "block": (mxtrain.Float8BlockScaling(), mxtrain.Float8BlockScaling())}
+
+
+def check_fp8_planes(rank, world, device, recipe, mp, reshard_after_forward=True, steps=2):
+    """Every FP8 plane the GEMMs got equals casting the full weight in one process (codes, scale-inverse,
+    amax); delayed scaling with the module's scale at that moment."""
+    model = shard(build(1, device, mixed=True, fp8_shapes=True), world, reshard_after_forward=reshard_after_forward,
+                  mp=mp, recipe=recipe)
+    rec = PlaneRecorder()
+    try:
+        batches = global_batches(steps, 1, world, device, seed=5)
+        train_steps(model, torch.optim.SGD(model.parameters(), lr=0.0), batches, recipe, rank, world, True)
+    finally:
+        rec.close()
+    fulls = {name: p.full_tensor() for name, p in mx_weights(model)}
+    bad = []
+    for key, (spec, q, data, scale_inv, now) in rec.planes.items():
+        name, axis = key.rsplit(":", 1)
+        full = fulls[name].to(mp or fulls[name].dtype)
+        kw = (dict(scale=now) if spec.scaling == "delayed" else
+              dict(block=spec.block, power_of_2_scales=spec.power_of_2_scales, amax_epsilon=spec.amax_epsilon))
+        ref = quantize_float8(full, spec.fmt, axes=int(axis), **kw)
+        p = ref.plane(int(axis))
+        ok = (ref.shape == q.shape and ref.dtype == q.dtype and ref.fmt == q.fmt and p.block == q.plane(int(axis)).block
+              and torch.equal(p.data.view(torch.uint8), data.view(torch.uint8)) and torch.equal(p.scale_inv, scale_inv)
+              and (ref.amax is None) == (q.amax is None) and (ref.amax is None or torch.equal(ref.amax, q.amax)))
+        if not ok:
+            bad.append(key)
+    return {"checked": len(rec.planes), "bad": bad, "hits": rec.hits, "misses": rec.misses}
+
+
+def scenario_fp8(rank, world, device, out):
+    """FP8 recipes' all-gathers: planes against one process, bytes, training parity, DCP resume."""
+    res = {"world": world, "device": str(device)}
+    t0 = time.time()
+    pairs = fp8_recipe_pairs()
+    res["planes"], res["bytes"], res["parity"], res["ckpt"] = {}, {}, {}, {}
+    for name, (recipe, ref) in pairs.items():
+        res["planes"][name] = check_fp8_planes(rank, world, device, recipe, None)
+        res["planes"][name + "_bf16_params"] = check_fp8_planes(rank, world, device, recipe, torch.bfloat16)
+        res["bytes"][name] = count_all_gather_bytes(rank, world, device, recipe, True, torch.bfloat16)
+        res["bytes"][name + "_fp32_params"] = count_all_gather_bytes(rank, world, device, recipe, True, None)
+        # 128 tokens per rank: Float8BlockScaling's wgrad blocks (128 tokens) then never straddle ranks
+        kw = dict(ref_recipe=ref, b=8, sum_grads=True, vs_plain=True)
+        res["parity"][name] = parity(rank, world, device, recipe, steps=3, **kw)
+        res["parity"][name + "_mixed"] = parity(rank, world, device, recipe, steps=2, mixed=True, fp8_shapes=True, **kw)
+        res["parity"][name + "_no_reshard"] = parity(rank, world, device, recipe, steps=2, reshard_after_forward=False,
+                                                     **kw)
+        res["parity"][name + "_act_ckpt"] = parity(rank, world, device, recipe, steps=3, ac=True, **kw)
+        res["parity"][name + "_grad_accum_no_sync"] = parity(rank, world, device, recipe, steps=2, micro=2,
+                                                             no_sync=True, **kw)
+        res["ckpt"][name] = scenario_ckpt(rank, world, device, out, recipe=recipe, tag=f"ckpt_{name}",
+                                          fp8_shapes=True, b=8)
+    res["planes"]["delayed_no_reshard"] = check_fp8_planes(rank, world, device, pairs["delayed"][0], None,
+                                                           reshard_after_forward=False)
+    res["parity"]["high_precision"] = parity(rank, world, device, None, steps=2, b=8)
     res["seconds"] = time.time() - t0
     return res
 
@@ -393,34 +494,49 @@ def state_dict_types(model):
     return sorted(types)
 
 
-def scenario_ckpt(rank, world, device, out):
+def _recipe_states(model):
+    """Per-module recipe states (DelayedScaling histories and scales) as comparable lists."""
+    out = {}
+    for name, m in model.named_modules():
+        st = getattr(m, "recipe_state", None)
+        if st is not None:
+            out[name] = {k: (v.cpu().tolist() if isinstance(v, torch.Tensor) else v)
+                         for k, v in st.state_dict().items()}
+    return out
+
+
+def scenario_ckpt(rank, world, device, out, recipe=None, tag="ckpt", fp8_shapes=False, b=B):
     import torch.distributed as dist
 
-    recipe = mxtrain.MXFP8Recipe()
+    recipe = recipe or mxtrain.MXFP8Recipe()
     steps, cut = 6, 3
-    batches = global_batches(steps, 1, world, device, seed=3)
+    batches = global_batches(steps, 1, world, device, seed=3, b=b)
     # uninterrupted
-    model = shard(build(0, device, mixed=True), world)
+    model = shard(build(0, device, mixed=True, fp8_shapes=fp8_shapes), world, recipe=recipe)
     opt = make_opt(model)
     full = train_steps(model, opt, batches, recipe, rank, world, True)
     # interrupted: train to `cut`, save, rebuild everything, load, continue
-    model = shard(build(0, device, mixed=True), world)
+    model = shard(build(0, device, mixed=True, fp8_shapes=fp8_shapes), world, recipe=recipe)
     opt = make_opt(model)
     first = train_steps(model, opt, batches[:cut], recipe, rank, world, True)
-    ckpt_dir = os.path.join(out, "ckpt")
+    ckpt_dir = os.path.join(out, tag)
     path = save_checkpoint(ckpt_dir, cut, model, opt, extra={"losses": first})
     types = state_dict_types(model)
     full_weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu()
-                    for k, v in model.state_dict().items()}
-    if rank == 0:
+                    for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    recipe_states = _recipe_states(model)
+    if rank == 0 and tag == "ckpt":
         torch.save(full_weights, os.path.join(out, "weights_at_cut.pt"))
     del model, opt
-    model = shard(build(123, device, mixed=True), world)  # other init: the load must overwrite it
+    # other init: the load must overwrite it
+    model = shard(build(123, device, mixed=True, fp8_shapes=fp8_shapes), world, recipe=recipe)
     opt = make_opt(model)
     latest = latest_checkpoint(ckpt_dir)
     extra = load_checkpoint(latest, model, opt)
-    loaded = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for k, v in model.state_dict().items()}
+    loaded = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for k, v in model.state_dict().items()
+              if isinstance(v, torch.Tensor)}
     same_weights = all(torch.equal(loaded[k], full_weights[k]) for k in full_weights)
+    same_weights = same_weights and _recipe_states(model) == recipe_states
     resumed = train_steps(model, opt, batches, recipe, rank, world, True, start=cut)
     dist.barrier()
     return {"full": full, "first": first, "resumed": resumed, "extra_losses": extra.get("losses"),
@@ -491,6 +607,8 @@ def main():
     try:
         if scenario == "core":
             res = scenario_core(rank, world, device, out)
+        elif scenario == "fp8":
+            res = scenario_fp8(rank, world, device, out)
         elif scenario == "ckpt":
             res = scenario_ckpt(rank, world, device, out)
             res["world"] = world

@@ -154,3 +154,18 @@ def test_set_block_prefetch_rejects_bad_counts(bad):
         set_block_prefetch([], forward=bad)
     with pytest.raises(ValueError, match="backward prefetch must be a non-negative int"):
         set_block_prefetch([], backward=bad)
+
+
+def test_recipe_decides_the_shape_check():
+    from mxtrain.distributed import enable_quantized_all_gather
+
+    assert enable_quantized_all_gather is enable_mx_all_gather  # the recipe-neutral name, same function
+    # fc1 [96, 64] over 2 ranks: 48 rows each, not whole MX blocks of 32 (dim 0); FP8 codes need no whole blocks
+    with pytest.raises(ValueError, match=r"48 rows per rank"):
+        enable_quantized_all_gather(nn.Sequential(mxtrain.LayerNormMLP(64, 96)), world_size=2,
+                                    recipe=mxtrain.MXFP8Recipe())
+    for recipe in (mxtrain.Float8CurrentScaling(), mxtrain.DelayedScaling(), mxtrain.Float8BlockScaling()):
+        m = nn.Sequential(mxtrain.LayerNormMLP(64, 96), mxtrain.Linear(64, 49))  # 49 rows: uneven shards
+        assert enable_quantized_all_gather(m, world_size=2, recipe=recipe) == ["0.fc1_weight", "0.fc2_weight",
+                                                                               "1.weight"]
+    assert m[0].fc1_weight._info.gemm == "fc1" and m[1].weight._info.gemm == ""  # DelayedScaling slots
