@@ -149,7 +149,7 @@ def train(recipe_name: str, args, device, rank: int, world: int) -> dict:
         from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint
         path = latest_checkpoint(ckpt_dir)
         if path is not None:
-            meta = load_checkpoint(path, model, opt)
+            meta = load_checkpoint(path, model, opt, recipe=recipe, allow_recipe_change=args.allow_recipe_change)
             start, history = meta["step"], meta["history"]
             sched.load_state_dict(meta["sched"])
             for _ in range(start):  # the data stream continues where it stopped
@@ -177,7 +177,7 @@ def train(recipe_name: str, args, device, rank: int, world: int) -> dict:
         if ckpt_dir and ((args.save_every and (step + 1) % args.save_every == 0) or step + 1 == args.steps):
             from mxtrain.distributed.checkpoint import save_checkpoint
             save_checkpoint(ckpt_dir, step + 1, model, opt,
-                            extra={"sched": sched.state_dict(), "history": history, "recipe": recipe_name})
+                            extra={"sched": sched.state_dict(), "history": history}, recipe=recipe)
     elapsed = max(time.perf_counter() - t0, 1e-9)
     result = {
         "recipe": recipe_name,
@@ -221,6 +221,8 @@ def main(argv=None):
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
                    "--ckpt-dir (any world size)")
+    p.add_argument("--allow-recipe-change", action="store_true", help="with --resume, accept a checkpoint saved "
+                   "under another recipe (refused otherwise)")
     args = p.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

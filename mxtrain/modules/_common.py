@@ -26,6 +26,25 @@ def recipe_generator(recipe, device: torch.device) -> torch.Generator | None:
     return gen
 
 
+def generator_states() -> list[dict]:
+    """The state of every stochastic-rounding generator of this process (for checkpoints)."""
+    return [{"seed": seed, "device": str(device), "state": gen.get_state()}
+            for (seed, device), gen in _GENERATORS.items()]
+
+
+def set_generator_states(states: list[dict]) -> None:
+    """Restore generators saved by :func:`generator_states` (created if this process has none yet);
+    generators of seeds not in ``states`` start afresh from their seed, as in a new process."""
+    restored = {}
+    for entry in states:
+        key = (int(entry["seed"]), torch.device(entry["device"]))
+        gen = _GENERATORS.get(key) or torch.Generator(device=key[1])
+        gen.set_state(entry["state"])
+        restored[key] = gen
+    _GENERATORS.clear()
+    _GENERATORS.update(restored)
+
+
 def quantize_operand(t2d: torch.Tensor, specs_axes, generator,
                      at_once: bool = False) -> list["MXTensor | torch.Tensor"]:
     """Quantize a 2-D tensor for several (RoleSpec, axis) uses; identical specs share one call.

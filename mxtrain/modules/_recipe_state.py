@@ -21,7 +21,8 @@ forward, so a run resumes exactly.
 
 from __future__ import annotations
 
-__all__ = ["RecipeStateMixin", "gemm_recipe", "EXTRA_STATE_KEY", "STATE_TYPES"]
+__all__ = ["RecipeStateMixin", "gemm_recipe", "EXTRA_STATE_KEY", "STATE_TYPES", "recipe_state_modules", "recipe_states",
+           "load_recipe_states"]
 
 EXTRA_STATE_KEY = "_extra_state"
 _ATTR = "_mxtrain_recipe_state"
@@ -88,3 +89,37 @@ def gemm_recipe(recipe, gemm: str):
     for_gemm = getattr(recipe, "for_gemm", None)
     return recipe if for_gemm is None else for_gemm(gemm)
 
+
+
+def recipe_state_modules(model) -> list[str]:
+    """Names (as ``named_modules`` gives them) of the modules in ``model`` that can keep recipe state."""
+    return [name for name, m in model.named_modules() if isinstance(m, RecipeStateMixin)]
+
+
+def recipe_states(model) -> dict:
+    """``{module name: state_dict()}`` of every module of ``model`` that keeps recipe state now."""
+    return {name: m.recipe_state.state_dict() for name, m in model.named_modules()
+            if isinstance(m, RecipeStateMixin) and m.recipe_state is not None}
+
+
+def load_recipe_states(model, states: dict) -> None:
+    """Give each recipe-state module of ``model`` its entry of ``states`` (from :func:`recipe_states`),
+    created if the module has none yet; modules without an entry forget theirs. Raises on names or
+    kinds ``model`` cannot take, before changing any module."""
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, RecipeStateMixin)}
+    unknown = sorted(set(states) - set(modules))
+    if unknown:
+        raise ValueError(f"recipe state saved for modules this model lacks: {unknown[:5]}"
+                         f"{' ...' if len(unknown) > 5 else ''}")
+    built = {}
+    for name, d in states.items():
+        cls = STATE_TYPES.get(d.get("kind")) if isinstance(d, dict) else None
+        if cls is None:
+            raise ValueError(f"recipe state of {name!r}: not an mxtrain recipe state (expected a dict with "
+                             f"'kind' in {sorted(STATE_TYPES)})")
+        built[name] = cls.from_state_dict(d)
+    for name, m in modules.items():
+        if name in built:
+            m.__dict__[_ATTR] = built[name]
+        else:
+            m.reset_recipe_state()
