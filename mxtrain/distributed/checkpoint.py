@@ -6,8 +6,9 @@ DelayedScaling's amax histories and scales, and the stochastic-rounding generato
 differ between ranks) and ``meta.json``. A save writes everything into
 ``step_<N>.partial/``; once every rank has finished, rank 0 fsyncs, records the sha256 of
 every file in ``meta.json`` and renames the directory into place. So a ``step_<N>`` directory
-is always complete, a re-save of an existing step never leaves a mix of two saves, and a run
-killed mid-save resumes from the previous checkpoint. :func:`load_checkpoint` verifies
+is always complete, a re-save of an existing step never leaves a mix of two saves (the old
+copy moves to ``step_<N>.old`` until the new one is in place, and counts as complete meanwhile),
+and a run killed mid-save resumes from the previous checkpoint. :func:`load_checkpoint` verifies
 ``meta.json`` and every checksum before it touches the model or the optimizer.
 
 Which checkpoint is newest: ``meta.json`` carries ``seq``, one more than the largest ``seq``
@@ -48,7 +49,7 @@ from mxtrain.modules._recipe_state import EXTRA_STATE_KEY, load_recipe_states, r
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "checkpoint_path", "read_meta",
            "CheckpointError", "RecipeMismatchError"]
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = re.compile(r"^step_(\d+)(\.old)?$")  # .old: the previous copy of a step being re-saved
 META = "meta.json"
 FORMAT = 2  # meta.json layout: 2 = checksums, seq, per-rank state files
 _PARTIAL, _OLD = ".partial", ".old"
