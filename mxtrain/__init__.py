@@ -12,6 +12,7 @@ from mxtrain import formats, recipes
 from mxtrain.autocast import get_recipe, is_autocast_enabled, mx_autocast
 from mxtrain.formats import ElemFormat, parse_elemwise_format, parse_format
 from mxtrain.modules import Conv1d, Conv2d, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, mx_linear
+from mxtrain.modules.activation_checkpoint import checkpoint
 from mxtrain.quantization import MXTensor, fake_quantize_mx, quantize_elemwise, quantize_mx
 from mxtrain.quantization.float8 import Float8Tensor, fake_quantize_float8, quantize_float8
 from mxtrain.recipes import (
@@ -29,6 +30,7 @@ __all__ = [
     "Float8Recipe", "Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling",
     "Float8Tensor", "quantize_float8", "fake_quantize_float8", "convert", "unconvert", "Conversion",
     "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "Conv1d", "Conv2d", "mx_linear",
+    "checkpoint",
     "MXTensor", "quantize_mx", "fake_quantize_mx", "quantize_elemwise",
     "ElemFormat", "parse_format", "parse_elemwise_format", "formats", "recipes",
     # subpackages imported on demand: mxtrain.distributed (FSDP2), mxtrain.compat.mx (microxcaling API),

@@ -17,9 +17,23 @@ the module has one*, so modules that never ran a stateful recipe keep exactly
 their torch counterpart's state-dict keys (and load ``nn.Linear`` checkpoints
 strictly). Loading a state dict that carries one restores it, before any
 forward, so a run resumes exactly.
+
+Only training forwards change the state. A forward under ``torch.no_grad`` (evaluation)
+and the recompute of activation checkpointing (any forward run while autograd runs a
+backward, and :func:`mxtrain.checkpoint`'s recompute) cast with the current scales but
+neither update the histories nor record amaxes: Transformer Engine likewise skips the
+amax/scale update when grad is disabled (``autocast_exit`` checks ``torch.is_grad_enabled()``),
+so evaluating between steps never changes training, and a recompute quantizes as its
+forward did. Under :func:`mxtrain.checkpoint` the recompute uses the scales its forward
+used even if the module ran another training forward in between.
 """
 
 from __future__ import annotations
+
+import contextvars
+from collections import deque
+
+import torch
 
 __all__ = ["RecipeStateMixin", "gemm_recipe", "EXTRA_STATE_KEY", "STATE_TYPES", "recipe_state_modules", "recipe_states",
            "load_recipe_states"]
@@ -50,9 +64,17 @@ class RecipeStateMixin:
         if make_state is None:
             return recipe
         state = self.__dict__.get(_ATTR)
+        replay = _REPLAY.get()
+        if replay is not None or not torch.is_grad_enabled() or in_backward():
+            # evaluation or a recompute: cast with the scales of now (or of the forward being recomputed)
+            scales = replay.popleft() if replay else None
+            return recipe.bind(FrozenState(state if state is not None else make_state(), scales))
         if state is None:
             state = self.__dict__[_ATTR] = make_state()
         state.update(recipe)  # the previous step's amaxes enter the histories; new scales
+        capture = _CAPTURE.get()
+        if capture is not None:
+            capture.append(state.scale.clone())
         return recipe.bind(state)
 
     def reset_recipe_state(self) -> None:
@@ -81,6 +103,55 @@ class RecipeStateMixin:
             state_dict = {k: v for k, v in state_dict.items() if k != key}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+
+# mxtrain.checkpoint: the scales each training forward of a checkpointed function cast with (in call order),
+# and, during its recompute, the same queue being replayed
+_CAPTURE: contextvars.ContextVar = contextvars.ContextVar("mxtrain_capture_scales", default=None)
+_REPLAY: contextvars.ContextVar = contextvars.ContextVar("mxtrain_replay_scales", default=None)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread: a module forward then is a recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class FrozenState:
+    """A recipe state as a forward sees it that must not change it: casts read its scales (``scales``, a
+    snapshot, when given: slots created after it have scale 1, as every new slot does) and record nothing."""
+
+    def __init__(self, state, scales: torch.Tensor | None = None) -> None:
+        self.state, self.scales = state, scales
+
+    def scale_for(self, slot: str, fmt: str, device: torch.device) -> torch.Tensor:
+        if self.scales is None:
+            return self.state.scale_for(slot, fmt, device)
+        i = self.state.index(slot, fmt, device)
+        return self.scales[i].to(device) if i < self.scales.numel() else torch.ones((), device=device)
+
+    def record(self, slot: str, amax: torch.Tensor) -> None:
+        pass
+
+
+def capture_scales(queue: deque):
+    """Context: training forwards append the scales they cast with to ``queue`` (see :func:`replay_scales`)."""
+    return _Set(_CAPTURE, queue)
+
+
+def replay_scales(queue: deque):
+    """Context: forwards take their scales from ``queue`` in order and leave recipe state untouched."""
+    return _Set(_REPLAY, deque(queue))
+
+
+class _Set:
+    def __init__(self, var: contextvars.ContextVar, value) -> None:
+        self.var, self.value, self.tokens = var, value, []
+
+    def __enter__(self):
+        self.tokens.append(self.var.set(self.value))
+
+    def __exit__(self, *exc) -> None:
+        self.var.reset(self.tokens.pop())
 
 
 def gemm_recipe(recipe, gemm: str):
