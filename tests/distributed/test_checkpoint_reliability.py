@@ -245,3 +245,28 @@ def test_extra_cannot_shadow_meta_fields(tmp_path):
     with pytest.raises(TypeError):
         save_checkpoint(str(tmp_path), 1, model, extra={"x": object()})
     assert os.listdir(tmp_path) == []
+
+
+def test_train_lm_refuses_to_resume_under_another_recipe(tmp_path):
+    """examples/train_lm.py --resume under another --recipe stops with the reason, unless
+    --allow-recipe-change; the same recipe resumes."""
+    import importlib.util
+    import pathlib
+
+    try:
+        from mxtrain.data import load_austen
+        load_austen(books=["persuasion"])
+    except (FileNotFoundError, OSError, RuntimeError) as e:
+        pytest.skip(f"Austen corpus not installed (scripts/install_data.sh): {e}")
+    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_lm.py"
+    spec = importlib.util.spec_from_file_location("train_lm_for_ckpt_test", script)
+    train_lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_lm)
+    common = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--d-model", "32", "--layers", "1",
+              "--heads", "2", "--warmup", "1", "--eval-batches", "1", "--device", "cpu", "--no-progress",
+              "--ckpt-dir", str(tmp_path)]
+    train_lm.main(["--recipe", "mxfp8", *common])
+    with pytest.raises(RecipeMismatchError, match="allow-recipe-change"):
+        train_lm.main(["--recipe", DELAYED, "--resume", *common])
+    train_lm.main(["--recipe", DELAYED, "--resume", "--allow-recipe-change", *common])
+    train_lm.main(["--recipe", "mxfp8", "--resume", *common])
