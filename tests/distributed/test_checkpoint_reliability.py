@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -247,7 +248,7 @@ def test_extra_cannot_shadow_meta_fields(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_train_lm_refuses_to_resume_under_another_recipe(tmp_path):
+def test_train_lm_refuses_to_resume_under_another_recipe(tmp_path, monkeypatch):
     """examples/train_lm.py --resume under another --recipe stops with the reason, unless
     --allow-recipe-change; the same recipe resumes."""
     import importlib.util
@@ -261,6 +262,7 @@ def test_train_lm_refuses_to_resume_under_another_recipe(tmp_path):
     script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "train_lm.py"
     spec = importlib.util.spec_from_file_location("train_lm_for_ckpt_test", script)
     train_lm = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, train_lm)  # its dataclasses look their module up
     spec.loader.exec_module(train_lm)
     common = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--d-model", "32", "--layers", "1",
               "--heads", "2", "--warmup", "1", "--eval-batches", "1", "--device", "cpu", "--no-progress",
