@@ -149,7 +149,8 @@ def train(recipe_name: str, args, device, rank: int, world: int) -> dict:
         from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint
         path = latest_checkpoint(ckpt_dir)
         if path is not None:
-            meta = load_checkpoint(path, model, opt, recipe=recipe, allow_recipe_change=args.allow_recipe_change)
+            meta = load_checkpoint(path, model, opt, recipe=recipe,
+                                   allow_recipe_change=args.allow_recipe_change)
             start, history = meta["step"], meta["history"]
             sched.load_state_dict(meta["sched"])
             for _ in range(start):  # the data stream continues where it stopped

@@ -220,6 +220,8 @@ def read_meta(path: str) -> dict:
         if not isinstance(meta.get(key), kind):
             raise CheckpointError(f"{file}: field {key!r} missing or not {kind.__name__} "
                                   f"(got {meta.get(key)!r}); the checkpoint is corrupt")
+    if meta["world_size"] < 1:
+        raise CheckpointError(f"{file}: world_size {meta['world_size']} (must be >= 1); the checkpoint is corrupt")
     return meta
 
 
@@ -274,6 +276,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
                 "to resume anyway")
     rank_file = os.path.join(path, _rank_state_file(_rank() % meta["world_size"]))
     rank_state = torch.load(rank_file, map_location="cpu", weights_only=True)
+    unknown = sorted(set(rank_state["recipe_states"]) - set(recipe_state_modules(model)))
+    if unknown:
+        raise CheckpointError(f"{path} holds recipe state for modules this model lacks: {unknown[:5]}; "
+                              "is it a checkpoint of another model?")
     state = _state(model, optimizer)
     dcp.load(state, checkpoint_id=path)
     if optimizer is None:

@@ -30,6 +30,7 @@ used even if the module ran another training forward in between.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from collections import deque
 
@@ -135,23 +136,21 @@ class FrozenState:
 
 def capture_scales(queue: deque):
     """Context: training forwards append the scales they cast with to ``queue`` (see :func:`replay_scales`)."""
-    return _Set(_CAPTURE, queue)
+    return _setting(_CAPTURE, queue)
 
 
 def replay_scales(queue: deque):
     """Context: forwards take their scales from ``queue`` in order and leave recipe state untouched."""
-    return _Set(_REPLAY, deque(queue))
+    return _setting(_REPLAY, deque(queue))
 
 
-class _Set:
-    def __init__(self, var: contextvars.ContextVar, value) -> None:
-        self.var, self.value, self.tokens = var, value, []
-
-    def __enter__(self):
-        self.tokens.append(self.var.set(self.value))
-
-    def __exit__(self, *exc) -> None:
-        self.var.reset(self.tokens.pop())
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
 
 
 def gemm_recipe(recipe, gemm: str):
@@ -159,7 +158,6 @@ def gemm_recipe(recipe, gemm: str):
     their tensors apart in the state; any other recipe is returned as is."""
     for_gemm = getattr(recipe, "for_gemm", None)
     return recipe if for_gemm is None else for_gemm(gemm)
-
 
 
 def recipe_state_modules(model) -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 
-import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from mxtrain.autocast import get_recipe, mx_autocast
@@ -51,5 +50,5 @@ def checkpoint(fn, *args, **kwargs):
         finally:
             set_generator_states(now)  # backward goes on drawing where it was
 
-    return _torch_checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (forward_context(), recompute_context()),
-                             **kwargs)
+    return _torch_checkpoint(fn, *args, use_reentrant=False,
+                             context_fn=lambda: (forward_context(), recompute_context()), **kwargs)

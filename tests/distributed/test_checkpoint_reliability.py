@@ -74,7 +74,8 @@ def test_resume_into_fresh_model_is_bit_identical(tmp_path, spec):
     meta = load_checkpoint(path, fresh, fresh_opt, recipe=recipe)
     assert meta["step"] == 3
     if spec == DELAYED:
-        assert fresh[1].recipe_state is not None and fresh[1].recipe_state.updates == 2  # the first forward has no amax to push yet
+        # the first forward has no amax to push yet
+        assert fresh[1].recipe_state is not None and fresh[1].recipe_state.updates == 2
     assert _train(fresh, fresh_opt, recipe, range(3, 6)) == after
     assert _same(_params(fresh), _params(model))
     if spec == DELAYED:
