@@ -219,3 +219,22 @@ def test_mxtrain_checkpoint_replays_the_forward_scales():
         return out
 
     assert all(torch.equal(a, b) for a, b in zip(run("mxtrain"), run("none")))
+
+
+def test_mxtrain_checkpoint_arguments():
+    """Keyword arguments reach ``fn``; a first argument that is not callable is refused with the reason."""
+    recipe = mxtrain.MXFP8Recipe()
+    lin = mxtrain.Linear(64, 64)
+    x = _x(2).requires_grad_(True)
+
+    def scaled(t, *, factor):
+        return lin(t) * factor
+
+    with mxtrain.mx_autocast(recipe=recipe):
+        y = mxtrain.checkpoint(scaled, x, factor=3.0)
+        want = lin(x) * 3.0
+    assert torch.equal(y, want)
+    y.sum().backward()
+    assert x.grad is not None
+    with pytest.raises(TypeError, match="callable"):
+        mxtrain.checkpoint(x, lin)
