@@ -30,13 +30,17 @@ class Block(torch.nn.Module):
         return x + self.mlp(x)
 
 
-def _block(seed=0):
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def _block(seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return Block()
+    return Block().to(device)
 
 
-def _x(step, tokens=64, d=64):
-    return torch.randn(tokens, d, generator=torch.Generator().manual_seed(step))
+def _x(step, tokens=64, d=64, device="cpu"):
+    return torch.randn(tokens, d, generator=torch.Generator().manual_seed(step)).to(device)
 
 
 def _inside(recipe, block, x):  # mx_autocast inside the checkpointed function, as docs/distributed.md says
@@ -136,16 +140,17 @@ class _Allocations(TorchDispatchMode):
         return sum(storages.values())
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", ["mxfp8", DELAYED])
-def test_checkpointed_block_frees_quantized_operands(spec):
+def test_checkpointed_block_frees_quantized_operands(spec, device):
     """Bytes kept from a block's forward to its backward: without checkpointing the MX / FP8 operands (codes
     and scales) and activations; with it, nothing beyond the output (the operands used to ride on the autograd
     ctx, out of checkpointing's reach). Gradients are the same either way."""
     recipe = mxtrain.recipe_from_string(spec)
-    x = _x(0, tokens=256).requires_grad_(True)
+    x = _x(0, tokens=256, device=device).requires_grad_(True)
     kept, grads = {}, {}
     for mode in ("none", "mxtrain", "torch"):
-        block = _block()  # each mode's first step (DelayedScaling: scale 1, then 1 byte per element)
+        block = _block(device=device)  # each mode's first step (DelayedScaling: scale 1, then 1 byte per element)
         allocations = _Allocations()
         with allocations:
             if mode == "none":
@@ -164,10 +169,16 @@ def test_checkpointed_block_frees_quantized_operands(spec):
         x.grad = None
     # without checkpointing: at least the 1-byte codes of the three wgrad inputs (qkv, proj, fc1: 256 x 64 each)
     assert kept["none"] >= 3 * 256 * 64
-    assert kept["torch"] == 0, kept
-    assert kept["mxtrain"] == 0, kept  # (a first step: no DelayedScaling scales to snapshot yet)
-    for mode in ("mxtrain", "torch"):
-        assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads["none"])), mode
+    if device == "cpu":
+        assert kept["torch"] == 0, kept
+        assert kept["mxtrain"] == 0, kept  # (a first step: no DelayedScaling scales to snapshot yet)
+        for mode in ("mxtrain", "torch"):
+            assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads["none"])), mode
+    else:  # CUDA: fused casts and GEMMs (whose reductions may be ordered differently run to run)
+        assert kept["torch"] <= kept["none"] // 100 and kept["mxtrain"] <= kept["none"] // 100, kept
+        for mode in ("mxtrain", "torch"):
+            for a, b in zip(grads[mode], grads["none"]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     print(f"\n{spec}: bytes kept for backward: {kept['none']} without checkpointing, {kept['mxtrain']} with")
 
 
