@@ -176,7 +176,8 @@ def train(spec: str, args, device, rank: int, world: int, data=None) -> dict:
         from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint
         path = latest_checkpoint(ckpt_dir)
         if path is not None:
-            meta = load_checkpoint(path, model, opt)
+            meta = load_checkpoint(path, model, opt, recipe=recipe,
+                                   allow_recipe_change=args.allow_recipe_change)
             start, history = meta["step"], meta["history"]
             sched.load_state_dict(meta["sched"])
             for _ in range(start):  # the data stream continues where it stopped
@@ -203,7 +204,7 @@ def train(spec: str, args, device, rank: int, world: int, data=None) -> dict:
         if ckpt_dir and ((args.ckpt_every and (step + 1) % args.ckpt_every == 0) or step + 1 == args.steps):
             from mxtrain.distributed.checkpoint import save_checkpoint
             written = save_checkpoint(ckpt_dir, step + 1, model, opt,
-                                      extra={"sched": sched.state_dict(), "history": history, "recipe": spec})
+                                      extra={"sched": sched.state_dict(), "history": history}, recipe=recipe)
             if rank == 0:
                 bar.write(f"[{label}] checkpoint of step {step + 1} written: {written}")
     bar.close()
@@ -275,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also checkpoint every N steps (0: only at the end; --save-every is its old name)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
                    "--ckpt-dir (any world size)")
+    p.add_argument("--allow-recipe-change", action="store_true", help="with --resume, accept a checkpoint saved "
+                   "under another recipe (refused otherwise)")
     return p
 
 
