@@ -334,9 +334,15 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, pa
 
 def _run(chunk, rows: int, padded: int, chunk_elements: int, device: torch.device, tensors) -> None:
     """``chunk(lo, hi, scratch)`` over the row chunks, on single-threaded workers where that pays
-    (:mod:`mxtrain.quantization._workers`); every thread reuses its own :class:`Scratch`."""
-    _workers.run_chunks(chunk, list(_chunks(rows, padded, chunk_elements)), rows * padded,
-                        lambda: Scratch(device), tensors)
+    (:mod:`mxtrain.quantization._workers`); every thread reuses its own :class:`Scratch`.
+
+    Work for the workers is cut into at least one chunk per torch thread (a chunk's rows never
+    depend on the other rows, so the cut changes no bit)."""
+    total = rows * padded
+    threads = torch.get_num_threads()
+    if threads > 1 and total >= _workers.MIN_ELEMENTS:
+        chunk_elements = min(chunk_elements, -(-total // threads))
+    _workers.run_chunks(chunk, list(_chunks(rows, padded, chunk_elements)), total, lambda: Scratch(device), tensors)
 
 
 def can_pack(fmt: ElemFormat) -> bool:

@@ -47,9 +47,11 @@ def _run_all(x, name, rounding):
     return out
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "fp6_e3m2", "fp4_e2m1", "int8"])
-def test_workers_give_the_inline_and_reference_bits(name, two_threads, monkeypatch):
-    monkeypatch.setattr(mx, "LUT_CHUNK_ELEMENTS", 5 * 384)  # many chunks, a ragged last one
+@pytest.mark.parametrize("name,chunk", [("fp8_e4m3", 5 * 384), ("fp6_e3m2", 5 * 384), ("fp4_e2m1", 5 * 384),
+                                        ("int8", 5 * 384), ("fp8_e4m3", None), ("fp4_e2m1", None)])
+def test_workers_give_the_inline_and_reference_bits(name, chunk, two_threads, monkeypatch):
+    if chunk:  # many chunks, a ragged last one; None: the default size, cut in one chunk per thread
+        monkeypatch.setattr(mx, "LUT_CHUNK_ELEMENTS", chunk)
     x = _input()
     rounding = "nearest" if name == "fp8_e4m3" else "even"
     for xs in (x, x[:, :360], x.to(torch.bfloat16)):  # direct, cropped (ragged block) and non-fp32 outputs
