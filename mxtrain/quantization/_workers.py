@@ -11,15 +11,20 @@ worker delays only the chunk it holds while the others take the rest, and on an
 idle machine the workers still use every core torch would. The chunks and the ops
 on each are those of the inline loop, so the results are the same bits.
 
-Each worker calls ``torch.set_num_threads(1)`` once when it starts; that call also
-sets process-wide defaults (the count new threads start with, the pthreadpool
-size), which the thread that started the workers restores right away to its own
-count. Set :data:`ENABLED` to False to run every chunk inline on the calling
-thread, as before.
+The calling thread takes chunks too, with its OpenMP thread count set to one for
+the call (``omp_set_num_threads`` is per thread: nothing else changes), so a
+small call is done before a worker has woken up. The workers set theirs the same
+way. Where torch's OpenMP runtime cannot be reached that way (another threading
+backend), the workers call ``torch.set_num_threads(1)`` once when they start,
+which also sets process-wide defaults (the count new threads start with, the
+pthreadpool size) that the starting thread restores right away, and the caller
+only waits. Set :data:`ENABLED` to False to run every chunk inline on the
+calling thread with torch's threads, as before 2026-11-25.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import threading
@@ -32,6 +37,29 @@ ENABLED = True
 MIN_ELEMENTS = 1 << 15
 
 _local = threading.local()
+_OMP_UNRESOLVED = object()
+_omp = _OMP_UNRESOLVED  # ctypes omp_set_num_threads of torch's OpenMP runtime, or None
+
+
+def _omp_set_num_threads():
+    """torch's ``omp_set_num_threads`` (this thread's count only), or None where it cannot be found
+    or torch does not follow it (checked once, on the calling thread)."""
+    global _omp
+    if _omp is _OMP_UNRESOLVED:
+        fn = None
+        try:
+            fn = ctypes.CDLL(None).omp_set_num_threads
+            fn.argtypes, fn.restype = [ctypes.c_int], None
+            threads = torch.get_num_threads()
+            fn(1)
+            follows = torch.get_num_threads() == 1
+            fn(threads)
+            if not follows or torch.get_num_threads() != threads:
+                fn = None
+        except (OSError, AttributeError):
+            fn = None
+        _omp = fn
+    return _omp
 
 
 class _Job:
@@ -86,7 +114,11 @@ class _Pool:
 
     def _work(self, ready: threading.Event) -> None:
         torch.get_num_threads()  # torch's lazy per-thread init first, or it would undo the next line later
-        torch.set_num_threads(1)  # this thread's ops run inline: no team, no barrier
+        omp = _omp_set_num_threads()
+        if omp is not None:
+            omp(1)  # this thread's ops run inline: no team, no barrier
+        else:
+            torch.set_num_threads(1)
         _local.worker = True
         ready.set()
         while True:
@@ -103,7 +135,8 @@ class _Pool:
                 threading.Thread(target=self._work, args=(ready,), name="mxtrain-quantize", daemon=True).start()
                 ready.wait()
                 self.size += 1
-            torch.set_num_threads(threads)  # undo the process-wide part of the workers' set_num_threads(1)
+            if _omp_set_num_threads() is None:
+                torch.set_num_threads(threads)  # undo the process-wide part of the workers' set_num_threads(1)
 
 
 _pool = _Pool()
@@ -134,8 +167,10 @@ def run_chunks(fn: Callable[[int, int, object], None], chunks: Sequence[tuple[in
     ``elements`` (the work in all) and ``tensors`` (the inputs and outputs) decide
     whether workers run the chunks: only for plain CPU tensors of at least
     :data:`MIN_ELEMENTS` elements, when torch has more than one thread, outside
-    dispatch modes and outside a worker. Otherwise, or with one thread, they run
-    inline here. Exceptions from ``fn`` are re-raised here.
+    dispatch modes and outside a worker; the calling thread takes chunks as well
+    (one-threaded for the call), up to one thread per torch thread in all.
+    Otherwise the chunks run inline here, with torch's threads. Exceptions from
+    ``fn`` are re-raised here.
     """
     threads = torch.get_num_threads()
     if threads <= 1 or elements < MIN_ELEMENTS or not chunks or not _usable(tensors):
@@ -144,9 +179,18 @@ def run_chunks(fn: Callable[[int, int, object], None], chunks: Sequence[tuple[in
             fn(lo, hi, state)
         return
     n = min(threads, len(chunks))
+    omp = _omp_set_num_threads()
+    helpers = n - 1 if omp is not None else n  # with omp, the caller is one of the n
     pool = _pool
-    pool.ensure(n)
     job = _Job(fn, chunks, make_state)
-    for _ in range(n):
-        pool.jobs.put(job)
+    if helpers:
+        pool.ensure(helpers)
+        for _ in range(helpers):
+            pool.jobs.put(job)
+    if omp is not None:
+        omp(1)
+        try:
+            job.join()
+        finally:
+            omp(threads)
     job.wait()

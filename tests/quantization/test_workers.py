@@ -67,8 +67,8 @@ def test_workers_give_the_inline_and_reference_bits(name, chunk, two_threads, mo
             assert torch.equal(a, b) and torch.equal(a, c)
 
 
-def test_every_chunk_runs_once_on_a_single_threaded_worker(two_threads):
-    chunks = [(i, i + 1) for i in range(40)]
+def _record_chunks(n_chunks=40, elements=1 << 20):
+    """``run_chunks`` over ``n_chunks`` one-row chunks: ``(chunk, thread name, torch threads, grad mode)`` each."""
     seen, lock = [], threading.Lock()
 
     def fn(lo, hi, state):
@@ -76,10 +76,12 @@ def test_every_chunk_runs_once_on_a_single_threaded_worker(two_threads):
         with lock:
             seen.append((lo, threading.current_thread().name, torch.get_num_threads(), torch.is_grad_enabled()))
 
-    _workers.run_chunks(fn, chunks, 1 << 20, list, [torch.empty(1)])
-    assert sorted(s[0] for s in seen) == list(range(40))
-    assert {s[1:] for s in seen} == {("mxtrain-quantize", 1, False)}
-    assert torch.get_num_threads() == 2  # the caller's count survives the workers' set_num_threads(1)
+    _workers.run_chunks(fn, [(i, i + 1) for i in range(n_chunks)], elements, list, [torch.empty(1)])
+    return seen
+
+
+def _assert_thread_counts_kept():
+    assert torch.get_num_threads() == 2  # the caller's count survives the workers' and its own one-thread calls
     fresh = []
     t = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
     t.start()
@@ -87,13 +89,29 @@ def test_every_chunk_runs_once_on_a_single_threaded_worker(two_threads):
     assert fresh == [2]  # and so does the count a new thread starts with
 
 
+@pytest.mark.parametrize("omp", [True, False])
+def test_every_chunk_runs_once_on_a_single_threaded_thread(omp, two_threads, monkeypatch):
+    if not omp:  # torch's OpenMP runtime out of reach: fresh workers use torch.set_num_threads(1)
+        monkeypatch.setattr(_workers, "_omp", None)
+        monkeypatch.setattr(_workers, "_pool", _workers._Pool())
+    elif _workers._omp_set_num_threads() is None:
+        pytest.skip("torch's omp_set_num_threads is not reachable here")
+    seen = _record_chunks()
+    assert sorted(s[0] for s in seen) == list(range(40))
+    names = {s[1] for s in seen}
+    caller = threading.current_thread().name
+    assert names <= {"mxtrain-quantize", caller} and (caller not in names or omp)  # without omp the caller waits
+    assert {s[2:] for s in seen} == {(1, False)}
+    _assert_thread_counts_kept()
+
+
 def test_small_work_and_one_thread_stay_inline(two_threads):
-    names = []
-    fn = lambda lo, hi, state: names.append(threading.current_thread().name)  # noqa: E731
-    _workers.run_chunks(fn, [(0, 1), (1, 2)], _workers.MIN_ELEMENTS - 1, lambda: None, [torch.empty(1)])
+    caller = threading.current_thread().name
+    seen = _record_chunks(2, _workers.MIN_ELEMENTS - 1)
+    assert {s[1:3] for s in seen} == {(caller, 2)}  # inline, with torch's threads
     torch.set_num_threads(1)
-    _workers.run_chunks(fn, [(0, 1), (1, 2)], 1 << 20, lambda: None, [torch.empty(1)])
-    assert names == [threading.current_thread().name] * 4
+    seen = _record_chunks(2)
+    assert {s[1:3] for s in seen} == {(caller, 1)}
 
 
 def test_a_chunk_error_reaches_the_caller(two_threads):
