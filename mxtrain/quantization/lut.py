@@ -31,6 +31,10 @@ bytes and ``2**-X`` from a 256-entry table on its exponent for ``"floor"``),
 ties-to-even) and the gather; 4-bit codes are then packed two to a byte from an
 int16 view. Chunk buffers are reused (a fresh page costs a fault on first
 write). Stochastic rounding and non-CPU tensors stay on the reference path.
+
+The chunks of a large call run on :mod:`mxtrain.quantization._workers` threads, one
+torch thread each (torch's per-op thread teams collapse when another process holds
+a core); each thread has its own chunk buffers.
 """
 
 from __future__ import annotations
@@ -274,11 +278,11 @@ def quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemFormat, sc
 def fake_quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemFormat, scale_mode: str,
                        rounding: str, out: torch.Tensor, chunk_elements: int) -> None:
     """``fake_quantize_mx`` of ``rows`` ``[R, length]`` into ``out`` (same shape, any float dtype)."""
-    from mxtrain.quantization.mx import scale_values
+    from mxtrain.quantization.mx import _tables_for, scale_values
 
     table = fake_table(fmt, rounding, rows.device)
     scale_table(fmt, scale_mode, rows.device)
-    scale_values(torch.zeros(1, dtype=torch.uint8, device=rows.device))  # its table cached before the workers run
+    _tables_for(rows.device)  # scale_values' table, cached before the workers look it up
     padded = nblocks * bs
     length = rows.shape[1]
     direct = out.dtype == torch.float32 and padded == length and out.is_contiguous()
@@ -300,7 +304,7 @@ def fake_quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemForma
 def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, packed: bool, padded: int,
                     out: torch.Tensor, chunk_elements: int) -> None:
     """Values of the codes ``data`` ``[R, bytes]`` with scales ``[R, nblocks]`` into ``out`` ``[R, length]``."""
-    from mxtrain.quantization.mx import scale_values
+    from mxtrain.quantization.mx import _tables_for, scale_values
     from mxtrain.quantization.packing import unpack_codes
 
     nblocks = scale.shape[-1]
@@ -313,7 +317,7 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, pa
     elif group == 2 and data.is_contiguous() and data.storage_offset() % 2:
         group = 1  # a uint16 view needs an even byte offset
     table = decode_table(fmt, packed, group, data.device)
-    scale_values(torch.zeros(1, dtype=torch.uint8, device=data.device))  # its table cached before the workers run
+    _tables_for(data.device)  # scale_values' table, cached before the workers look it up
 
     def chunk(lo: int, hi: int, scratch: Scratch) -> None:
         r = hi - lo
