@@ -1,4 +1,4 @@
-"""The CPU table paths run their chunks on single-threaded workers (``mxtrain.quantization._workers``).
+"""The CPU table paths run their chunks on one-threaded threads: workers and the caller (``_workers``).
 
 The workers must give the bits of the inline loop and of the reference path, run
 every chunk exactly once with one torch thread each, hand errors back to the
