@@ -37,8 +37,8 @@ from torch import nn
 from tqdm import tqdm
 
 import mxtrain
-from mxtrain.cli import (HelpFormatter, check_writable_dir, clamp_warmup, new_run_dir, nonnegative_int, positive_float,
-                         positive_int, run_label, save_results, split_recipe_specs)
+from mxtrain.cli import (HelpFormatter, check_device, check_writable_dir, clamp_warmup, new_run_dir, nonnegative_int,
+                         positive_float, positive_int, run_label, save_results, split_recipe_specs)
 from mxtrain.data import austen_lm_tokens, get_lm_batches
 from mxtrain.modules.activations import ACTIVATIONS
 
@@ -299,12 +299,7 @@ def parse_args(argv=None):
         p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as err:
-        p.error(f"--device {args.device!r}: {err}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch sees no CUDA device here; use --device cpu")
+    check_device(p, args.device)
     args.warmup = clamp_warmup(args.warmup, args.steps)
     return args
 
