@@ -398,7 +398,7 @@ class MXAllGatherWeight(torch.Tensor):
                                                   and self._info.activation_checkpointing):
                 # the module's forward (or its recompute) updates its scales before it casts; update them
                 # now so the codes carry the scale it will use (its own update then finds nothing new)
-                bound = module.forward_recipe(recipe)
+                bound = module.gather_recipe(recipe)
             elif phase == TrainingState.PRE_BACKWARD and module.recipe_state is not None:
                 bound = recipe.bind(module.recipe_state)
             else:

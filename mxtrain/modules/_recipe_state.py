@@ -78,6 +78,21 @@ class RecipeStateMixin:
             capture.append(state.scale.clone())
         return recipe.bind(state)
 
+    def gather_recipe(self, recipe):
+        """The recipe an FSDP2 pre-all-gather casts this module's weight with, ahead of the forward: the
+        forward's update happens here (its own update then finds nothing new), without a scale snapshot for
+        :func:`mxtrain.checkpoint`; in a recompute the state is only read. FSDP2 gathers under no_grad, so an
+        evaluation forward's gather cannot be told from a training one's: it applies the pending update
+        (amaxes recorded by earlier training steps) that the next training forward would apply, and the
+        evaluation itself records nothing."""
+        state = self.__dict__.get(_ATTR)
+        if _REPLAY.get() is not None or in_backward():
+            return recipe.bind(FrozenState(state if state is not None else recipe.make_state()))
+        if state is None:
+            state = self.__dict__[_ATTR] = recipe.make_state()
+        state.update(recipe)
+        return recipe.bind(state)
+
     def reset_recipe_state(self) -> None:
         """Forget the recipe state (histories, scales); the next forward starts afresh."""
         self.__dict__.pop(_ATTR, None)
@@ -132,6 +147,18 @@ class FrozenState:
 
     def record(self, slot: str, amax: torch.Tensor) -> None:
         pass
+
+    @property
+    def updates(self) -> int:
+        return self.state.updates
+
+    # two frozen views of one state with the same scales are the same state to a role spec: FSDP2's
+    # pre-gather and the module's own (recomputed) forward each make one, and their specs must agree
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FrozenState) and other.state is self.state and other.scales is self.scales
+
+    def __hash__(self) -> int:
+        return hash((id(self.state), id(self.scales)))
 
 
 def capture_scales(queue: deque):

@@ -215,7 +215,8 @@ class PlaneRecorder:
                 d[key] = d.get(key, 0) + 1
             if isinstance(mx, Float8Tensor):  # FP8 codes + scale-inverse, and (delayed) the module's scale now
                 p = mx.plane(axis)
-                now = spec.state.scale[spec.state.slots[spec.slot]].clone() if spec.scaling == "delayed" else None
+                now = (spec.state.scale_for(spec.slot, spec.fmt, p.data.device).clone() if spec.scaling == "delayed"
+                       else None)
                 rec.planes[key] = (spec, mx, p.data.clone(), p.scale_inv.clone(), now)
             elif mx is not None:  # codes + scales, or (gathered as values) the dequantized values
                 vals = mx.dequantized_values(axis)
