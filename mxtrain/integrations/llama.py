@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mxtrain
+from mxtrain import config
 
 __all__ = [
     "FAMILIES",
@@ -624,7 +625,7 @@ def smollm2_gguf_path() -> Path:
 
     ``$MXTRAIN_SMOLLM2_GGUF`` overrides the search.
     """
-    env = os.environ.get("MXTRAIN_SMOLLM2_GGUF")
+    env = config.current().smollm2_gguf
     if env:
         p = Path(env).expanduser()
         if not p.is_file():

@@ -4,7 +4,7 @@ Backends: ``"reference"`` (pure PyTorch, any device) and, once registered by
 the GPU kernel modules, ``"triton"`` (:mod:`mxtrain.kernels`) / ``"cuda"`` (the
 CUDA C++ kernels of ``mxtrain/csrc``, built on first use: today the MX cast, see
 :mod:`mxtrain.kernels.cuda_cast`). ``MXTRAIN_BACKEND`` or the ``backend=`` argument
-forces one; a forced ``"cuda"`` runs Triton's kernel for operations that have no
+forces one (what it selects per operation: :mod:`mxtrain.config`); a forced ``"cuda"`` runs Triton's kernel for operations that have no
 CUDA C++ one. By default CUDA tensors take the fastest registered kernel (CUDA C++,
 then Triton: ``benchmarks/RESULTS.md``) and CPU tensors the reference.
 """
@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from mxtrain import config
 from mxtrain.quantization import MXTensor, quantize_mx
 from mxtrain.quantization.float8 import Float8Tensor, quantize_float8 as quantize_float8_reference
 
@@ -83,7 +84,7 @@ def _load_kernels() -> None:
 
 def _resolve(backend: str | None, device: torch.device, impls: dict) -> str:
     _load_kernels()
-    backend = backend or os.environ.get("MXTRAIN_BACKEND", "auto")
+    backend = backend or config.current().backend
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} (argument or MXTRAIN_BACKEND)")
     if backend == "auto":
@@ -223,7 +224,7 @@ def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axi
     # FP8 operands (Float8Tensor) have GEMMs of their own (mxtrain/kernels/float8_gemm.py)
     impls = _FLOAT8_GEMM_IMPLS if isinstance(a, Float8Tensor) or isinstance(b, Float8Tensor) else _GEMM_IMPLS
     # a forced kernel backend names the casts; the GEMM then takes whatever GPU GEMM exists
-    requested = backend or os.environ.get("MXTRAIN_BACKEND", "auto")
+    requested = backend or config.current().backend
     name = _resolve("reference" if requested == "reference" else "auto", device, impls)
     if name != "reference":
         return impls[name](a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)

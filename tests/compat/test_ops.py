@@ -110,10 +110,10 @@ def _small_cnn(s):
                                mx.Linear(256, 4, mx_specs=s))
 
 
-def test_fast_path_equals_reference_path(monkeypatch):
+def test_fast_path_equals_reference_path(mx_config):
     s = specs(**FP8_BF16)
     fast = _train_steps(lambda: _small_cnn(s))
-    monkeypatch.setattr(mx_ops, "_USE_REFERENCE", True)
+    mx_config(compat_reference=True)
     ref = _train_steps(lambda: _small_cnn(s))
     assert all(torch.equal(a, b) for a, b in zip(fast[0] + fast[1], ref[0] + ref[1]))
 
