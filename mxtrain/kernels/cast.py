@@ -65,7 +65,7 @@ TILE_CONFIGS = {
 if HAVE_TRITON:
     from triton.language.extra import libdevice
 
-    from mxtrain.kernels.dequantize import _decode
+    from mxtrain.kernels._triton_utils import decode_codes as _decode
 
     @triton.jit
     def _inverse_scale(scale):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Callable
 
 import torch
@@ -33,7 +32,7 @@ _DEQUANTIZE_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
 _FLOAT8_QUANTIZE_IMPLS: dict[str, Callable[..., Float8Tensor]] = {"reference": quantize_float8_reference}
 _FLOAT8_GEMM_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
 _PREFERENCE = ("cuda", "triton")
-_KERNELS_LOADED = False
+_LOADER: Callable[[], None] | None = None
 
 
 def register_quantize(name: str, fn: Callable[..., MXTensor]) -> None:
@@ -56,30 +55,17 @@ def register_float8_gemm(name: str, fn: Callable[..., torch.Tensor]) -> None:
     _FLOAT8_GEMM_IMPLS[name] = fn
 
 
-def _load_kernels() -> None:
-    """Import the Triton kernel modules once, where they can run (they register themselves).
+def set_kernel_loader(loader: Callable[[], None]) -> None:
+    """Install the function that imports the kernel modules on first use (``mxtrain/kernels/__init__.py``
+    does, so the kernel modules, which register here, never import the file that imports them)."""
+    global _LOADER
+    _LOADER = loader
 
-    Only with CUDA or ``TRITON_INTERPRET=1``: CPU-only users never pay for importing Triton.
-    """
-    global _KERNELS_LOADED
-    if _KERNELS_LOADED or not (os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_available()):
-        return
-    _KERNELS_LOADED = True
-    try:
-        import mxtrain.kernels.cast  # noqa: F401
-        import mxtrain.kernels.dequantize  # noqa: F401
-        if torch.cuda.is_available():
-            import mxtrain.kernels.gemm  # noqa: F401
-            import mxtrain.kernels.cuda_cast  # noqa: F401  (registers "cuda"; builds on first use)
-    except ImportError:  # no (working) triton: the reference serves every call
-        pass
-    try:
-        import mxtrain.kernels.float8_cast  # noqa: F401
-        if torch.cuda.is_available():
-            import mxtrain.kernels.float8_gemm  # noqa: F401
-            import mxtrain.kernels.float8_state  # noqa: F401
-    except ImportError:
-        pass
+
+def _load_kernels() -> None:
+    """Import the kernel modules once, where they can run (they register themselves)."""
+    if _LOADER is not None:
+        _LOADER()
 
 
 def _resolve(backend: str | None, device: torch.device, impls: dict) -> str:
