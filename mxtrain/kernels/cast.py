@@ -589,12 +589,7 @@ def _philox_seed(seed, device: torch.device) -> torch.Tensor:
 # tile kernel where measured (benchmarks/NOTES_kernels.md); kept bit-exact and tested
 # the activation-gradient cast's tile (two or three inputs per tile): (BLOCK_M, BLOCK_K, num_warps), None:
 # TILE_CONFIGS; one for launches that write a plane's dequantized values (what LayerNormMLP asks for), one for
-# codes only. Values, measured on an H100 (8192x16384 bf16 gelu, both planes as values + bias sums): 528 us;
-# TILE_CONFIGS' (32, 256, 4) 798 us; (32, 32, 2) 523, (64, 64, 4) 569, (128, 128, 8) 1333; torch's
-# gelu_backward + the CUDA cast + sum 688. Codes (H100, both planes' codes + bias sums, session 7), us for
-# (32, 64, 4) / (32, 128, 4) / (64, 64, 4) / (128, 64, 8), unfused torch backward + CUDA cast + sum first:
-# gelu 8192^2 307: 318 / 305 / 331 / 339; gelu 8192x16384 585: 620 / 591 / 651 / 667; silu 8192^2 303:
-# 310 / 257 / 255 / 283; swiglu (grad 8192^2) 1423: 747 / 651 / 661 / 676. The same bytes from every tile.
+# codes only; the fastest of H100 sweeps (benchmarks/NOTES_kernels.md, "Activation-gradient cast tiles")
 GRAD_TILE_CONFIG: tuple[int, int, int] | None = (32, 64, 4)
 GRAD_TILE_CONFIG_CODES: tuple[int, int, int] | None = (32, 128, 4)
 
