@@ -18,7 +18,7 @@ import torch
 from mxtrain import config
 from mxtrain.compat.mx.formats import mx_elem_format, rounding_of
 from mxtrain.compat.mx.specs import mx_assert_test
-from mxtrain.elementwise.rounding import FAST_ROUNDINGS, fake_quantize_mx_floor
+from mxtrain.emulation.rounding import FAST_ROUNDINGS, fake_quantize_mx_floor
 from mxtrain.formats import MX_FORMAT_NAMES
 from mxtrain.quantization import fake_quantize_mx
 
