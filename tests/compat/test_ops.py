@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from mxtrain.compat import mx
-from mxtrain.compat.mx import mx_ops
 from mxtrain.quantization import fake_quantize_mx, quantize_elemwise
 
 FP8_BF16 = {"w_elem_format": "fp8_e4m3", "a_elem_format": "fp8_e4m3", "block_size": 32, "scale_bits": 8, "bfloat": 16}

@@ -18,7 +18,6 @@ pytest.importorskip("triton", reason="triton is not installed")
 import mxtrain  # noqa: E402
 from mxtrain.kernels import float8_cast  # noqa: E402
 from mxtrain.kernels.float8_cast import block_cast_float8, tensor_cast_float8  # noqa: E402
-from mxtrain.modules import _float8 as module_float8  # noqa: E402
 from mxtrain.modules.activations import activation, activation_backward  # noqa: E402
 from mxtrain.quantization.float8 import quantize_float8  # noqa: E402
 from mxtrain.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402

@@ -618,7 +618,7 @@ def test_cast_planes_into_declines_what_it_does_not_cast(mx_config):
     assert cuda_cast.cast_planes_into(torch.randn(64, 60, device=DEV), fp8, 32, (1,), "floor", "even",
                                       torch.float32) is None  # rows not a multiple of 8 elements
     assert cuda_cast.cast_planes_into(x, fp8, 32, (), "floor", "even", torch.float32) is None
-    mx_config(backend="triton")  # read at each call
+    mx_config(backend="triton")
     assert cuda_cast.cast_planes_into(x, fp8, 32, (1,), "floor", "even", torch.float32) is None
 
 

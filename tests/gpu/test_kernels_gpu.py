@@ -199,8 +199,6 @@ def test_layernorm_mlp_triton_vs_reference_backend(monkeypatch, recipe, activati
     """The module on GPU gives the same output and grads with the kernel casts as with the reference casts
     (norm and activation computed by torch: MXTRAIN_FUSE_SOURCES=0; the fused sources are compared in
     tests/gpu/test_modules_fused_gpu.py)."""
-    from mxtrain.modules import _common
-
     mx_config(fuse_sources=False)
     torch.manual_seed(0)
     m = mxtrain.LayerNormMLP(256, 512, activation=activation, normalization=norm).to(DEV)
@@ -239,8 +237,6 @@ def test_layernorm_mlp_bf16_values_bit_identical(monkeypatch, activation, mx_con
     give the same output and grads, bit for bit, as casting codes and dequantizing them; with the
     reference GEMM, the same as the reference casts (norm and activation computed by torch, as the
     reference path does; with the fused sources the values/codes identity is checked too)."""
-    from mxtrain.modules import _common
-
     mx_config(fuse_sources=False)
     torch.manual_seed(1)
     m = mxtrain.LayerNormMLP(512, 1024, activation=activation, device=DEV, dtype=torch.bfloat16)

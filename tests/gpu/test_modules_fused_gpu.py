@@ -24,7 +24,6 @@ pytest.importorskip("triton", reason="triton is not installed")
 import mxtrain  # noqa: E402
 from mxtrain.kernels import cast, cuda_cast  # noqa: E402
 from mxtrain.kernels.activation_cast import GRAD_FUSED  # noqa: E402
-from mxtrain.modules import _common  # noqa: E402
 
 DEV = torch.device("cuda")
 
