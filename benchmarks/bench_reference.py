@@ -34,6 +34,15 @@ a virtual machine can take longer than the quantization).  ``--record``
 appends the table with the machine, date and torch version to
 ``benchmarks/RESULTS.md`` (append only).
 
+``--background-load [N]`` times the CPU quantizer with N busy processes
+(``python3 -c "while True: pass"``, default 1) running beside it, as on a user's
+machine that is rarely idle: each implementation with torch's default thread
+count and with one thread, and mxtrain also with its chunk workers turned off
+(``mxtrain.quantization._workers.ENABLED = False``: every op of every chunk an
+OpenMP team of its own, as before 2026-11-25). The variants alternate call by
+call, so that the load of other processes on the machine falls on all of them
+alike; it reports median, min and max.
+
 microxcaling is never vendored: point ``--microxcaling`` at a checkout (e.g.
 ``third_party/microxcaling``, which is git-ignored).  It is imported from that
 path at run time; its C++/CUDA extension module is replaced by a stub so that
@@ -44,6 +53,8 @@ Example::
 
     git clone https://github.com/microsoft/microxcaling third_party/microxcaling
     python benchmarks/bench_reference.py --microxcaling third_party/microxcaling --stress
+    python benchmarks/bench_reference.py --microxcaling third_party/microxcaling \
+        --background-load --formats fp8_e4m3 --roundings nearest --repeats 9
 """
 
 from __future__ import annotations
@@ -477,6 +488,144 @@ def record(table, args, mx_info, notes, stress_lines, load_start):
 
 
 # ---------------------------------------------------------------------------
+# --background-load: default threads against one thread, with busy processes beside
+# ---------------------------------------------------------------------------
+BUSY_LOOP = "while True: pass"
+
+
+def start_background_load(n):
+    """``n`` busy Python processes; stop them with :func:`stop_background_load`."""
+    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(n)]
+
+
+def stop_background_load(procs):
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()
+
+
+def _mxtrain_workers():
+    try:
+        return importlib.import_module("mxtrain.quantization._workers")
+    except ImportError:  # a tree from before the chunk workers
+        return None
+
+
+def time_alternating(variants, repeats, warmup):
+    """Times of each ``(fn, threads, workers)`` variant, called in turn so that outside load hits all alike.
+
+    Returns ``{name: (median, min, max) ms}`` and ``{name: last output}``.
+    """
+    workers = _mxtrain_workers()
+    default_threads = torch.get_num_threads()
+    times = {name: [] for name in variants}
+    outs = {}
+
+    def call(name):
+        fn, threads, use_workers = variants[name]
+        torch.set_num_threads(threads)
+        if workers is not None:
+            workers.ENABLED = use_workers
+        t0 = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t0) * 1e3, out
+
+    try:
+        for _ in range(warmup):
+            for name in variants:
+                call(name)
+        for i in range(repeats):
+            names = list(variants)
+            names = names[i % len(names):] + names[:i % len(names)]  # rotate who goes first
+            for name in names:
+                t, outs[name] = call(name)
+                times[name].append(t)
+    finally:
+        torch.set_num_threads(default_threads)
+        if workers is not None:
+            workers.ENABLED = True
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}, outs
+
+
+def background_load_run(args, x, mx_fn, qdq_fn):
+    """Rows for the ``--background-load`` table: every format and rounding, every variant."""
+    threads = torch.get_num_threads()
+    has_workers = _mxtrain_workers() is not None
+    rows = []
+    procs = start_background_load(args.background_load)
+    try:
+        for fmt in args.formats:
+            for rnd in args.roundings:
+                variants = {}
+                if mx_fn is not None:
+                    variants[f"microxcaling, {threads} threads"] = (lambda: mx_fn(x, fmt, rnd), threads, True)
+                    variants["microxcaling, 1 thread"] = (lambda: mx_fn(x, fmt, rnd), 1, True)
+                if qdq_fn is not None:
+                    variants[f"mxtrain, {threads} threads"] = (lambda: qdq_fn(x, fmt, rnd), threads, True)
+                    if has_workers:
+                        variants[f"mxtrain, {threads} threads, workers off"] = (
+                            lambda: qdq_fn(x, fmt, rnd), threads, False)
+                    variants["mxtrain, 1 thread"] = (lambda: qdq_fn(x, fmt, rnd), 1, True)
+                print(f"\n[{fmt}, rounding={rnd}, {args.background_load} busy process(es) beside, "
+                      f"load average {loadavg()}]")
+                stats, outs = time_alternating(variants, args.repeats, args.warmup)
+                for name, (med, lo, hi) in stats.items():
+                    print(f"  {name:<42} {med:9.1f} ms  (min {lo:.1f}, max {hi:.1f})")
+                first = next(iter(outs.values()))
+                same = all(bool(((o == first) | (o.isnan() & first.isnan())).all()) for o in outs.values())
+                print(f"  all variants give the same values: {same}")
+                rows.append(dict(fmt=fmt, rounding=rnd, stats=stats, same=same))
+                del outs, first
+    finally:
+        stop_background_load(procs)
+    return rows
+
+
+def make_load_table(rows, threads):
+    names = list(rows[0]["stats"]) if rows else []
+    head = "| format | rounding | " + " | ".join(f"{n} ms" for n in names)
+    mx_name, mxt_name = f"microxcaling, {threads} threads", f"mxtrain, {threads} threads"
+    ratio = bool(rows) and mx_name in rows[0]["stats"] and mxt_name in rows[0]["stats"]
+    if ratio:
+        head += f" | speedup ({mx_name} / {mxt_name}, medians)"
+    head += " | same values |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = [f"{r['stats'][n][0]:.1f} ({r['stats'][n][1]:.1f}-{r['stats'][n][2]:.1f})" for n in names]
+        line = f"| {r['fmt']} | {r['rounding']} | " + " | ".join(cells)
+        if ratio:
+            line += f" | {r['stats'][mx_name][0] / r['stats'][mxt_name][0]:.1f}x"
+        lines.append(line + f" | {'yes' if r['same'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def record_load(table, args, mx_info, notes, load_start, command):
+    now = datetime.datetime.now().astimezone()
+    with open(RESULTS_MD, "a") as f:  # append only
+        f.write(f"\n## bench_reference.py --background-load — {now.strftime('%Y-%m-%d %H:%M %Z')}\n\n")
+        f.write(f"- command: `{command}`\n")
+        f.write(f"- device: {cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads by "
+                f"default; {args.background_load} busy process(es) (`python3 -c \"{BUSY_LOOP}\"`) started "
+                f"beside it; load average (1/5/15 min) at start {load_start}, at end {loadavg()} "
+                "(other processes on the machine count too)\n")
+        f.write(f"- torch {torch.__version__}, Python {platform.python_version()}\n")
+        f.write(f"- input: fp32 {args.size}x{args.size} randn (seed {args.seed}), block {BLOCK_SIZE} along the "
+                f"last axis; ms per call: median (min-max) of {args.repeats} after {args.warmup} warm-up, "
+                "the variants called in turn\n")
+        if mx_info:
+            f.write(f"- microxcaling {mx_info['commit'] or '(unknown commit)'}: "
+                    "`mx.mx_ops.quantize_mx_op(x, specs, elem_format=fmt, block_size=32, axes=[-1], round=R)`\n")
+        f.write(f"- mxtrain: `quantize_mx(x, fmt, block_size=32, axis=-1, scale_mode=\"floor\", rounding=R)"
+                f".dequantize(torch.float32)`; repo commit {_git_rev(REPO_ROOT) or '(none)'} plus working-tree "
+                "changes; \"workers off\": `mxtrain.quantization._workers.ENABLED = False`\n")
+        for n in notes:
+            f.write(f"- note: {n}\n")
+        f.write("\n" + table + "\n")
+    print(f"\nappended to {os.path.relpath(RESULTS_MD, os.getcwd())}")
+
+
+# ---------------------------------------------------------------------------
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -503,7 +652,12 @@ def main(argv=None):
     p.add_argument("--no-huge-pages", action="store_true",
                    help="allocate mxtrain's large CPU outputs without the transparent-huge-page advice "
                         "(mxtrain.quantization._memory), to see what page faults cost")
+    p.add_argument("--background-load", type=int, nargs="?", const=1, default=0, metavar="N",
+                   help="start N busy processes (default 1) beside the benchmark and time default-threaded "
+                        "against single-threaded calls (and mxtrain with its chunk workers off), alternating")
     args = p.parse_args(argv)
+    if args.background_load < 0:
+        p.error(f"--background-load takes a number of busy processes >= 0, got {args.background_load}")
 
     load_start = loadavg()
     if args.threads:
@@ -538,6 +692,22 @@ def main(argv=None):
     g = torch.Generator().manual_seed(args.seed)
     x = torch.randn(args.size, args.size, generator=g, dtype=torch.float32)
     x_before = x.clone()
+
+    if args.background_load:
+        command = "python " + " ".join([os.path.relpath(os.path.abspath(__file__), REPO_ROOT)]
+                                       + (sys.argv[1:] if argv is None else list(argv)))
+        load_rows = background_load_run(args, x, mx_fn, qdq_fn)
+        table = make_load_table(load_rows, torch.get_num_threads())
+        print()
+        for n in notes:
+            print("note:", n)
+        print(f"(fp32 {args.size}x{args.size}, block {BLOCK_SIZE}, last axis; {args.background_load} busy "
+              f"process(es) beside; ms per call: median (min-max) of {args.repeats} runs after {args.warmup} "
+              f"warm-up, variants alternating; load average {loadavg()})\n")
+        print(table)
+        if args.record:
+            record_load(table, args, mx_info, notes, load_start, command)
+        return
 
     rows = []
     for fmt in args.formats:

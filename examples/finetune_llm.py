@@ -52,6 +52,7 @@ import mxtrain  # noqa: E402
 from mxtrain.cli import (  # noqa: E402
     HelpFormatter,
     bounded_float,
+    check_device,
     check_writable_dir,
     clamp_warmup,
     new_run_dir,
@@ -466,12 +467,7 @@ def parse_args(argv=None):
         p.error(f"--shape {args.shape} applies to a random model: add --random-init")
     if args.random_init and args.shape == "tiny" and args.data != "random":
         p.error("--shape tiny has a 512-token vocabulary: use it with --data random")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as err:
-        p.error(f"--device {args.device!r}: {err}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch sees no CUDA device here; use --device cpu")
+    check_device(p, args.device)
     args.warmup = clamp_warmup(args.warmup, args.steps)
     return args
 

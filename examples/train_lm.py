@@ -38,8 +38,8 @@ from tqdm import tqdm
 
 import mxtrain
 from mxtrain import config
-from mxtrain.cli import (HelpFormatter, check_writable_dir, clamp_warmup, new_run_dir, nonnegative_int, positive_float,
-                         positive_int, run_label, save_results, split_recipe_specs)
+from mxtrain.cli import (HelpFormatter, check_device, check_writable_dir, clamp_warmup, new_run_dir, nonnegative_int,
+                         positive_float, positive_int, run_label, save_results, split_recipe_specs)
 from mxtrain.data import austen_lm_tokens, get_lm_batches
 from mxtrain.modules.activations import ACTIVATIONS
 
@@ -177,7 +177,8 @@ def train(spec: str, args, device, rank: int, world: int, data=None) -> dict:
         from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint
         path = latest_checkpoint(ckpt_dir)
         if path is not None:
-            meta = load_checkpoint(path, model, opt)
+            meta = load_checkpoint(path, model, opt, recipe=recipe,
+                                   allow_recipe_change=args.allow_recipe_change)
             start, history = meta["step"], meta["history"]
             sched.load_state_dict(meta["sched"])
             for _ in range(start):  # the data stream continues where it stopped
@@ -204,7 +205,7 @@ def train(spec: str, args, device, rank: int, world: int, data=None) -> dict:
         if ckpt_dir and ((args.ckpt_every and (step + 1) % args.ckpt_every == 0) or step + 1 == args.steps):
             from mxtrain.distributed.checkpoint import save_checkpoint
             written = save_checkpoint(ckpt_dir, step + 1, model, opt,
-                                      extra={"sched": sched.state_dict(), "history": history, "recipe": spec})
+                                      extra={"sched": sched.state_dict(), "history": history}, recipe=recipe)
             if rank == 0:
                 bar.write(f"[{label}] checkpoint of step {step + 1} written: {written}")
     bar.close()
@@ -276,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also checkpoint every N steps (0: only at the end; --save-every is its old name)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in "
                    "--ckpt-dir (any world size)")
+    p.add_argument("--allow-recipe-change", action="store_true", help="with --resume, accept a checkpoint saved "
+                   "under another recipe (refused otherwise)")
     return p
 
 
@@ -297,12 +300,7 @@ def parse_args(argv=None):
         p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as err:
-        p.error(f"--device {args.device!r}: {err}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch sees no CUDA device here; use --device cpu")
+    check_device(p, args.device)
     args.warmup = clamp_warmup(args.warmup, args.steps)
     return args
 

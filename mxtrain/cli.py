@@ -158,6 +158,18 @@ def clamp_warmup(warmup: int, steps: int, log=print) -> int:
     return max(1, warmup)
 
 
+def check_device(parser, text: str) -> None:
+    """Refuse (through ``parser.error``) a ``--device`` torch cannot parse or that this machine lacks."""
+    import torch  # only when a command runs: --help stays fast
+
+    try:
+        device = torch.device(text)
+    except RuntimeError as err:
+        parser.error(f"--device {text!r}: {err}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {text}: torch sees no CUDA device here; use --device cpu")
+
+
 def run_label(spec: str, high_precision: bool, dtype: str) -> str:
     """What a run is called in tables and plots: the recipe spec, or for a run without MX the dtype that ran.
 

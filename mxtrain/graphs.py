@@ -27,7 +27,8 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
 
     mxtrain's stochastic-rounding generators on the device are registered with the graph, so each
     replay draws fresh random bits. A step that synchronises with the host (``.item()``, printing a
-    tensor, a data-dependent shape) cannot be captured: the error names the operation.
+    tensor, a data-dependent shape) cannot be captured: the error names the operation. After a failed
+    capture torch's own CUDA generator may refuse further draws in this process: fix the step and restart.
     """
     if not callable(step):
         raise TypeError(f"make_graphed_step expects a callable step, got {type(step).__name__}")

@@ -108,7 +108,7 @@ def test_torchrun_two_gloo_ranks(tmp_path):
     def run(tag, *extra):
         out = tmp_path / f"{tag}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
-               *TINY, "--steps", "2", "--json", str(out), *extra]
+               *TINY, "--device", "cpu", "--steps", "2", "--json", str(out), *extra]  # gloo, also where CUDA is
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         res = json.loads(out.read_text())

@@ -649,6 +649,10 @@ def _alloc_values(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+# Dynamo stays out of the launch: traced as a user-defined Triton kernel under torch.compile on CUDA, the
+# launch's computed keyword arguments reached Triton's launcher incomplete (bench_e2e, MXFP8 + compile,
+# H100, 2026-11-25); a compiled model calls the cast as an opaque function, as it calls the reference.
+@torch.compiler.disable(recursive=True)
 def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, scale_mode: str, rounding: str,
             seed_t: torch.Tensor | None, pack: bool = True, act: int = 0, y: torch.Tensor | None = None,
             row_codes: bool = True, col_codes: bool = True, row_vals: torch.dtype | None = None,

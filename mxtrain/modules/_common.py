@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import weakref
 
@@ -27,6 +28,29 @@ def recipe_generator(recipe, device: torch.device) -> torch.Generator | None:
         gen = _GENERATORS[key] = torch.Generator(device=device)
         gen.manual_seed(recipe.seed)
     return gen
+
+
+def generator_states() -> list[dict]:
+    """The state of every stochastic-rounding generator of this process (for checkpoints)."""
+    return [{"seed": seed, "device": str(device), "state": gen.get_state()}
+            for (seed, device), gen in _GENERATORS.items()]
+
+
+def set_generator_states(states: list[dict]) -> None:
+    """Restore generators saved by :func:`generator_states` (created if this process has none yet);
+    generators of seeds not in ``states`` start afresh from their seed, as in a new process. In place:
+    an autograd graph alive now keeps drawing from the same generator objects."""
+    restored = set()
+    for entry in states:
+        key = (int(entry["seed"]), torch.device(entry["device"]))
+        gen = _GENERATORS.get(key)
+        if gen is None:
+            gen = _GENERATORS[key] = torch.Generator(device=key[1])
+        gen.set_state(entry["state"])
+        restored.add(key)
+    for key, gen in _GENERATORS.items():
+        if key not in restored:
+            gen.manual_seed(key[0])
 
 
 def quantize_operand(t2d: torch.Tensor, specs_axes, generator,
@@ -236,12 +260,61 @@ def weight_uses(role, need_dgrad: bool, weight: torch.Tensor | None = None) -> l
     return [(fprop, 1)]
 
 
-def release_mx_operands(ctx, *names: str) -> None:
-    """Drop the MX operands a backward kept on ``ctx`` (outside save_for_backward) once it has used them.
+def save_for_backward(ctx, *tensors: torch.Tensor | None, **operands) -> None:
+    """``ctx.save_for_backward(*tensors)`` plus the tensors inside quantized operands (``MXTensor``,
+    ``Float8Tensor``: codes, scales, values), so that whatever governs saved tensors governs them too:
+    activation checkpointing frees them after the forward and recomputes them, saved-tensor hooks
+    (CPU offload) see them. Only their structure stays on ``ctx``. Read back with :func:`saved_tensors`."""
+    flat: list = []
+    ctx.mx_operand_layout = (len(tensors), {name: _flatten(op, flat) for name, op in operands.items()})
+    ctx.save_for_backward(*tensors, *flat)
 
-    They would otherwise live as long as the graph's output tensors (often into the
-    next forward); the flag turns a second backward into a clear error.
-    """
+
+def saved_tensors(ctx) -> tuple[list, dict]:
+    """``(tensors, operands)`` as given to :func:`save_for_backward` (operands rebuilt around the saved tensors)."""
+    saved = ctx.saved_tensors
+    n, layout = ctx.mx_operand_layout
+    return list(saved[:n]), {name: _unflatten(node, saved, n) for name, node in layout.items()}
+
+
+def _flatten(obj, flat: list):
+    if isinstance(obj, torch.Tensor):
+        flat.append(obj)
+        return ("t", len(flat) - 1)
+    if isinstance(obj, tuple):
+        return ("tuple", tuple(_flatten(o, flat) for o in obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return ("dc", type(obj), {f.name: _flatten(getattr(obj, f.name), flat) for f in dataclasses.fields(obj)})
+    return ("v", obj)
+
+
+def _unflatten(node, saved, offset: int):
+    kind, body = node[0], node[1]
+    if kind == "t":
+        return saved[offset + body]
+    if kind == "tuple":
+        return tuple(_unflatten(n, saved, offset) for n in body)
+    if kind == "dc":
+        return body(**{name: _unflatten(n, saved, offset) for name, n in node[2].items()})
+    return body
+
+
+def free_operand(op) -> None:
+    """Free, mid-backward, the codes of a quantized operand a forward (or this backward) cast from an
+    activation and this backward has used for the last time (see :func:`free_saved`); its scales are left
+    alone. Codes are the cast's own buffer (possibly seen through a view), never a caller's tensor."""
+    if torch.compiler.is_compiling():
+        return
+    for plane in getattr(op, "planes", ()):
+        t = plane.data
+        if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            t.untyped_storage().resize_(0)
+
+
+def release_mx_operands(ctx, *names: str) -> None:
+    """Mark ``ctx``'s operands as used by its backward (and drop any ``names`` kept on it): backward frees
+    operand memory in place (:func:`free_operand`, :func:`free_saved`), so the flag turns a second
+    backward through the same graph into a clear error."""
     for name in names:
         setattr(ctx, name, None)
     ctx.mx_operands_released = True

@@ -17,11 +17,27 @@ the module has one*, so modules that never ran a stateful recipe keep exactly
 their torch counterpart's state-dict keys (and load ``nn.Linear`` checkpoints
 strictly). Loading a state dict that carries one restores it, before any
 forward, so a run resumes exactly.
+
+Only training forwards change the state. A forward under ``torch.no_grad`` (evaluation)
+and the recompute of activation checkpointing (any forward run while autograd runs a
+backward, and :func:`mxtrain.checkpoint`'s recompute) cast with the current scales but
+neither update the histories nor record amaxes: Transformer Engine likewise skips the
+amax/scale update when grad is disabled (``autocast_exit`` checks ``torch.is_grad_enabled()``),
+so evaluating between steps never changes training, and a recompute quantizes as its
+forward did. Under :func:`mxtrain.checkpoint` the recompute uses the scales its forward
+used even if the module ran another training forward in between.
 """
 
 from __future__ import annotations
 
-__all__ = ["RecipeStateMixin", "gemm_recipe", "EXTRA_STATE_KEY", "STATE_TYPES"]
+import contextlib
+import contextvars
+from collections import deque
+
+import torch
+
+__all__ = ["RecipeStateMixin", "gemm_recipe", "EXTRA_STATE_KEY", "STATE_TYPES", "recipe_state_modules", "recipe_states",
+           "load_recipe_states"]
 
 EXTRA_STATE_KEY = "_extra_state"
 _ATTR = "_mxtrain_recipe_state"
@@ -49,9 +65,17 @@ class RecipeStateMixin:
         if make_state is None:
             return recipe
         state = self.__dict__.get(_ATTR)
+        replay = _REPLAY.get()
+        if replay is not None or not torch.is_grad_enabled() or in_backward():
+            # evaluation or a recompute: cast with the scales of now (or of the forward being recomputed)
+            scales = replay.popleft() if replay else None
+            return recipe.bind(FrozenState(state if state is not None else make_state(), scales))
         if state is None:
             state = self.__dict__[_ATTR] = make_state()
         state.update(recipe)  # the previous step's amaxes enter the histories; new scales
+        capture = _CAPTURE.get()
+        if capture is not None:
+            capture.append(state.scale.clone())
         return recipe.bind(state)
 
     def reset_recipe_state(self) -> None:
@@ -82,9 +106,89 @@ class RecipeStateMixin:
                                       unexpected_keys, error_msgs)
 
 
+# mxtrain.checkpoint: the scales each training forward of a checkpointed function cast with (in call order),
+# and, during its recompute, the same queue being replayed
+_CAPTURE: contextvars.ContextVar = contextvars.ContextVar("mxtrain_capture_scales", default=None)
+_REPLAY: contextvars.ContextVar = contextvars.ContextVar("mxtrain_replay_scales", default=None)
+
+
+def in_backward() -> bool:
+    """Whether autograd is running a backward on this thread: a module forward then is a recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class FrozenState:
+    """A recipe state as a forward sees it that must not change it: casts read its scales (``scales``, a
+    snapshot, when given: slots created after it have scale 1, as every new slot does) and record nothing."""
+
+    def __init__(self, state, scales: torch.Tensor | None = None) -> None:
+        self.state, self.scales = state, scales
+
+    def scale_for(self, slot: str, fmt: str, device: torch.device) -> torch.Tensor:
+        if self.scales is None:
+            return self.state.scale_for(slot, fmt, device)
+        i = self.state.index(slot, fmt, device)
+        return self.scales[i].to(device) if i < self.scales.numel() else torch.ones((), device=device)
+
+    def record(self, slot: str, amax: torch.Tensor) -> None:
+        pass
+
+
+def capture_scales(queue: deque):
+    """Context: training forwards append the scales they cast with to ``queue`` (see :func:`replay_scales`)."""
+    return _setting(_CAPTURE, queue)
+
+
+def replay_scales(queue: deque):
+    """Context: forwards take their scales from ``queue`` in order and leave recipe state untouched."""
+    return _setting(_REPLAY, deque(queue))
+
+
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value):
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
 def gemm_recipe(recipe, gemm: str):
     """The recipe for one of a module's several GEMMs (``"fc1"``, ``"fc2"``): a bound recipe keeps
     their tensors apart in the state; any other recipe is returned as is."""
     for_gemm = getattr(recipe, "for_gemm", None)
     return recipe if for_gemm is None else for_gemm(gemm)
 
+
+def recipe_state_modules(model) -> list[str]:
+    """Names (as ``named_modules`` gives them) of the modules in ``model`` that can keep recipe state."""
+    return [name for name, m in model.named_modules() if isinstance(m, RecipeStateMixin)]
+
+
+def recipe_states(model) -> dict:
+    """``{module name: state_dict()}`` of every module of ``model`` that keeps recipe state now."""
+    return {name: m.recipe_state.state_dict() for name, m in model.named_modules()
+            if isinstance(m, RecipeStateMixin) and m.recipe_state is not None}
+
+
+def load_recipe_states(model, states: dict) -> None:
+    """Give each recipe-state module of ``model`` its entry of ``states`` (from :func:`recipe_states`),
+    created if the module has none yet; modules without an entry forget theirs. Raises on names or
+    kinds ``model`` cannot take, before changing any module."""
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, RecipeStateMixin)}
+    unknown = sorted(set(states) - set(modules))
+    if unknown:
+        raise ValueError(f"recipe state saved for modules this model lacks: {unknown[:5]}"
+                         f"{' ...' if len(unknown) > 5 else ''}")
+    built = {}
+    for name, d in states.items():
+        cls = STATE_TYPES.get(d.get("kind")) if isinstance(d, dict) else None
+        if cls is None:
+            raise ValueError(f"recipe state of {name!r}: not an mxtrain recipe state (expected a dict with "
+                             f"'kind' in {sorted(STATE_TYPES)})")
+        built[name] = cls.from_state_dict(d)
+    for name, m in modules.items():
+        if name in built:
+            m.__dict__[_ATTR] = built[name]
+        else:
+            m.reset_recipe_state()

@@ -1,9 +1,12 @@
-"""Activation functions of LayerNormMLP (forward; backward through autograd on the saved input)."""
+"""Activation functions of LayerNormMLP and their backward from the saved input (gated ones in one Triton pass on CUDA)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from mxtrain.kernels.gated_activation import gated_activation, gated_activation_backward
+from mxtrain.kernels.gated_activation import supports as gated_kernel_supports
 
 GATED = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu,
          "geglu_tanh": lambda h: F.gelu(h, approximate="tanh")}  # Gemma's MLP (gelu_pytorch_tanh)
@@ -29,6 +32,9 @@ def is_gated(name: str) -> bool:
 
 
 def activation(h: torch.Tensor, name: str) -> torch.Tensor:
+    if name in GATED and h.is_cuda and not (h.requires_grad and torch.is_grad_enabled()) \
+            and gated_kernel_supports(h, name) is None:
+        return gated_activation(h, name)  # one pass over h instead of two strided kernels (no autograd graph)
     if name in GATED:
         gate, up = h.chunk(2, dim=-1)
         return GATED[name](gate) * up
@@ -46,6 +52,8 @@ _DIRECT_BACKWARD = {
 
 def activation_backward(h: torch.Tensor, grad: torch.Tensor, name: str) -> torch.Tensor:
     """d act(h) / dh applied to ``grad`` (from ``h``: elementwise)."""
+    if name in GATED and h.is_cuda and gated_kernel_supports(h, name, grad) is None:
+        return gated_activation_backward(h, grad, name)  # one pass instead of recomputing through autograd
     direct = _DIRECT_BACKWARD.get(name)
     if direct is not None and grad.dtype == h.dtype and grad.shape == h.shape:
         return direct(h, grad)

@@ -15,7 +15,8 @@ from mxtrain.autocast import get_recipe
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
     autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
-    once_differentiable, recipe_generator, release_mx_operands, round_elemwise, source_cast_args, source_operands,
+    once_differentiable, recipe_generator, release_mx_operands, round_elemwise, save_for_backward, saved_tensors,
+    source_cast_args, source_operands,
 )
 from mxtrain.modules._recipe_state import RecipeStateMixin
 from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
@@ -50,8 +51,8 @@ class _LayerNormLinearFn(torch.autograd.Function):
         y, ln_col, w_col = mx_linear_forward(ln_out if ln_out is not None else x2d, weight, bias, recipe, gen,
                                              needs_wgrad, any(ctx.needs_input_grad[:3]), x_operands=ops)
         # the norm's mean / rstd (none saved where backward recomputes them): backward recomputes nothing
-        ctx.save_for_backward(x2d, ln_weight, ln_bias, weight, *(stats or ()))
-        ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col, ctx.w_col = cfg, recipe, gen, ln_col, w_col
+        save_for_backward(ctx, x2d, ln_weight, ln_bias, weight, *(stats or ()), ln_col=ln_col, w_col=w_col)
+        ctx.cfg, ctx.recipe, ctx.gen = cfg, recipe, gen
         ctx.x_shape = x.shape
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         y = y.reshape(*x.shape[:-1], weight.shape[0])
@@ -65,15 +66,16 @@ class _LayerNormLinearFn(torch.autograd.Function):
         if (grads := empty_batch_backward(ctx)) is not None:
             return *grads, None, None
         check_mx_operands(ctx, "LayerNormLinear")
-        x2d, ln_weight, ln_bias, weight, *stats = ctx.saved_tensors
+        (x2d, ln_weight, ln_bias, weight, *stats), ops = saved_tensors(ctx)
         normalization, eps, zc, _ = ctx.cfg
         need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
         need_ln = need_x or need_lnw or need_lnb
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dln, dw, db = mx_linear_backward(dy2d, ctx.ln_col, weight, ctx.recipe, ctx.gen, need_ln, need_w,
-                                         torch.float32, ctx.dtypes[0], w_col=ctx.w_col,
+        dln, dw, db = mx_linear_backward(dy2d, ops["ln_col"], weight, ctx.recipe, ctx.gen, need_ln, need_w,
+                                         torch.float32, ctx.dtypes[0], w_col=ops["w_col"],
                                          bias_dtype=ctx.dtypes[1] if need_b else None)
-        release_mx_operands(ctx, "ln_col", "w_col")
+        release_mx_operands(ctx)
+        del ops
         dx = dlnw = dlnb = None
         if need_ln:
             if dln_extra is not None:

@@ -31,9 +31,9 @@ from mxtrain.kernels.activation_cast import activation_backward_cast, activation
 from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
-    autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward, free_saved,
-    once_differentiable, quantize_operand, recipe_generator, release_mx_operands, round_elemwise, source_cast_args,
-    source_operands, weight_planes,
+    autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward, free_operand,
+    free_saved, once_differentiable, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
+    save_for_backward, saved_tensors, source_cast_args, source_operands, weight_planes,
 )
 from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
@@ -127,9 +127,9 @@ class _LayerNormMLPFn(torch.autograd.Function):
         w2_row, w2_col = weight_planes(fc2_weight, role2, any(ctx.needs_input_grad[:5]), gen)
         y = mx_gemm(a_row, w2_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc2_bias)
         del a_row, w2_row
-        ctx.save_for_backward(x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight, *(stats or ()))
-        ctx.cfg, ctx.recipe, ctx.gen, ctx.ln_col = cfg, recipe, gen, ln_col
-        ctx.fuse, ctx.a_col, ctx.w1_col, ctx.w2_col = fuse, a_col, w1_col, w2_col
+        save_for_backward(ctx, x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight, *(stats or ()),
+                          ln_col=ln_col, a_col=a_col, w1_col=w1_col, w2_col=w2_col)
+        ctx.cfg, ctx.recipe, ctx.gen, ctx.fuse = cfg, recipe, gen, fuse
         ctx.x_shape = x.shape
         ctx.dtypes = tuple(None if p is None else p.dtype for p in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
         return y.reshape(*x.shape[:-1], fc2_weight.shape[0])
@@ -140,7 +140,9 @@ class _LayerNormMLPFn(torch.autograd.Function):
         if (grads := empty_batch_backward(ctx)) is not None:
             return *grads, None, None
         check_mx_operands(ctx, "LayerNormMLP")
-        x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight, *stats = ctx.saved_tensors
+        (x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight, *stats), ops = saved_tensors(ctx)
+        ln_col, w1_col, w2_col = ops.pop("ln_col"), ops.pop("w1_col"), ops.pop("w2_col")
+        release_mx_operands(ctx)  # a second backward through this graph is refused from here on
         normalization, eps, zc, act = ctx.cfg
         recipe, gen = ctx.recipe, ctx.gen
         role1, role2 = gemm_recipe(recipe, "fc1").role, gemm_recipe(recipe, "fc2").role
@@ -161,15 +163,14 @@ class _LayerNormMLPFn(torch.autograd.Function):
 
         dw2 = da = None
         if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it (unless fused)
-            a_col = ctx.a_col
-            release_mx_operands(ctx, "a_col")
+            a_col = ops.pop("a_col")
             if a_col is None:
                 (a_col,) = _activation_operands(h, act, [(role2("wgrad_input"), 0)], recipe, gen, at_once=True)
             dw2 = mx_gemm(dy_col, a_col, a_axis=0, b_axis=0, out_dtype=d2)
+            free_operand(a_col)
             del a_col
         del dy_col
         if need_h:
-            w2_col = ctx.w2_col
             if w2_col is None:
                 (w2_col,) = quantize_operand(fc2_weight, [(role2("dgrad_weight"), 0)], gen)
             da = mx_gemm(dy_row, w2_col, a_axis=1, b_axis=0, out_dtype=h.dtype)
@@ -192,11 +193,11 @@ class _LayerNormMLPFn(torch.autograd.Function):
             del da
             free_saved(h)  # its last use: the fc1 wgrad and dgrad GEMMs that follow run without it
             if need_w1:
-                dw1 = mx_gemm(dh_col, ctx.ln_col, a_axis=0, b_axis=0, out_dtype=d1)
+                dw1 = mx_gemm(dh_col, ln_col, a_axis=0, b_axis=0, out_dtype=d1)
             del dh_col
-            release_mx_operands(ctx, "ln_col")
+            free_operand(ln_col)
+            ln_col = None
             if need_ln:
-                w1_col = ctx.w1_col
                 if w1_col is None:
                     (w1_col,) = quantize_operand(fc1_weight, [(role1("dgrad_weight"), 0)], gen)
                 dln = mx_gemm(dh_row, w1_col, a_axis=1, b_axis=0, out_dtype=x2d.dtype)
@@ -205,7 +206,6 @@ class _LayerNormMLPFn(torch.autograd.Function):
                                                (need_x, need_lnw, need_lnb), stats or None)
                 if dx is not None:
                     dx = round_elemwise(dx, recipe).reshape(ctx.x_shape)
-        release_mx_operands(ctx, "ln_col", "a_col", "w1_col", "w2_col")
         return dx, dlnw, dlnb, dw1, db1, dw2, db2, None, None
 
 

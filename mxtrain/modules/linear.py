@@ -18,7 +18,8 @@ from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import mx_gemm
 from mxtrain.modules._common import (
     autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
-    once_differentiable, quantize_operand, recipe_generator, release_mx_operands, weight_planes,
+    once_differentiable, quantize_operand, recipe_generator, release_mx_operands, save_for_backward, saved_tensors,
+    weight_planes,
 )
 from mxtrain.modules._float8 import fused_float8_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin
@@ -95,8 +96,8 @@ class _LinearFn(torch.autograd.Function):
         # a high-precision wgrad operand (role fmt None) is the input itself: save it, so that
         # autograd version-checks it as it does nn.Linear's input; MX planes are snapshots
         x_hp = x if isinstance(x_col, torch.Tensor) else None
-        ctx.save_for_backward(weight, x_hp)
-        ctx.recipe, ctx.gen, ctx.x_col, ctx.w_col = recipe, gen, (None if x_hp is not None else x_col), w_col
+        save_for_backward(ctx, weight, x_hp, x_col=None if x_hp is not None else x_col, w_col=w_col)
+        ctx.recipe, ctx.gen = recipe, gen
         ctx.x_shape, ctx.dtypes = x.shape, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -108,12 +109,12 @@ class _LinearFn(torch.autograd.Function):
         check_mx_operands(ctx, "Linear")
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy2d = dy.reshape(-1, dy.shape[-1])
-        weight, x_hp = ctx.saved_tensors
-        x_col = ctx.x_col if x_hp is None else x_hp.reshape(-1, x_hp.shape[-1])
+        (weight, x_hp), ops = saved_tensors(ctx)
+        x_col = ops["x_col"] if x_hp is None else x_hp.reshape(-1, x_hp.shape[-1])
         dx, dw, db = mx_linear_backward(dy2d, x_col, weight, ctx.recipe, ctx.gen, need_x, need_w,
-                                        ctx.dtypes[0], ctx.dtypes[1], w_col=ctx.w_col,
+                                        ctx.dtypes[0], ctx.dtypes[1], w_col=ops["w_col"],
                                         bias_dtype=ctx.dtypes[2] if need_b else None)
-        release_mx_operands(ctx, "x_col", "w_col")
+        release_mx_operands(ctx)
         dx = dx.reshape(ctx.x_shape) if dx is not None else None
         return dx, dw, db, None
 

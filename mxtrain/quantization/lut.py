@@ -31,6 +31,10 @@ bytes and ``2**-X`` from a 256-entry table on its exponent for ``"floor"``),
 ties-to-even) and the gather; 4-bit codes are then packed two to a byte from an
 int16 view. Chunk buffers are reused (a fresh page costs a fault on first
 write). Stochastic rounding and non-CPU tensors stay on the reference path.
+
+The chunks of a large call run on :mod:`mxtrain.quantization._workers` threads, one
+torch thread each (torch's per-op thread teams collapse when another process holds
+a core); each thread has its own chunk buffers.
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ import sys
 import torch
 
 from mxtrain.formats import E8M0, ElemFormat
+from mxtrain.quantization import _workers
 from mxtrain.quantization.rounding import (
     FP32_ABS_MASK, FP32_EXP_MASK, FP32_MANT_BITS, code_table, element_codes, grid_value, round_to_grid,
 )
-from mxtrain.quantization.scale import _inverse_scale_values, scale_values, shared_exponent_bytes
+from mxtrain.quantization.scale import _inverse_scale_values, _tables_for, scale_values, shared_exponent_bytes
 
 ROUNDINGS = ("even", "nearest", "floor")
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -261,11 +266,12 @@ def quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemFormat, sc
     """Codes (packed if ``pack``) and scale bytes of ``rows`` ``[R, length]`` into ``codes`` and contiguous ``scale``."""
     from mxtrain.quantization.packing import pack_codes
 
-    scratch = Scratch(rows.device)
     table = encode_table(fmt, rounding, rows.device)
+    scale_table(fmt, scale_mode, rows.device)  # cached before the workers look it up
     padded = nblocks * bs
     direct = not pack or fmt.bits == 8
-    for lo, hi in _chunks(rows.shape[0], padded, chunk_elements):
+
+    def chunk(lo: int, hi: int, scratch: Scratch) -> None:
         r = hi - lo
         y = _scaled(_chunk_blocks(rows[lo:hi], bs, nblocks, scratch), fmt, scale_mode, scale[lo:hi], scratch)
         idx = table_index(y, fmt, rounding, scratch)
@@ -277,18 +283,21 @@ def quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemFormat, sc
             else:
                 codes[lo:hi] = pack_codes(c.view(r, padded), fmt)
 
+    _run(chunk, rows.shape[0], padded, chunk_elements, rows.device, (rows, codes, scale))
+
 
 def fake_quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemFormat, scale_mode: str,
                        rounding: str, out: torch.Tensor, chunk_elements: int) -> None:
     """``fake_quantize_mx`` of ``rows`` ``[R, length]`` into ``out`` (same shape, any float dtype)."""
-
-    scratch = Scratch(rows.device)
     table = fake_table(fmt, rounding, rows.device)
+    scale_table(fmt, scale_mode, rows.device)
+    _tables_for(rows.device)  # scale_values' table, cached before the workers look it up
     padded = nblocks * bs
     length = rows.shape[1]
     direct = out.dtype == torch.float32 and padded == length and out.is_contiguous()
     scale = torch.empty(rows.shape[0], nblocks, dtype=torch.uint8, device=rows.device)
-    for lo, hi in _chunks(rows.shape[0], padded, chunk_elements):
+
+    def chunk(lo: int, hi: int, scratch: Scratch) -> None:
         r = hi - lo
         y = _scaled(_chunk_blocks(rows[lo:hi], bs, nblocks, scratch), fmt, scale_mode, scale[lo:hi], scratch)
         idx = scratch.get("idx64", y.numel(), torch.int64).copy_(table_index(y, fmt, rounding, scratch))
@@ -298,13 +307,14 @@ def fake_quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemForma
         if not direct:
             out[lo:hi] = vals.view(r, padded)[:, :length]
 
+    _run(chunk, rows.shape[0], padded, chunk_elements, rows.device, (rows, out))
+
 
 def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, packed: bool, padded: int,
                     out: torch.Tensor, chunk_elements: int) -> None:
     """Values of the codes ``data`` ``[R, bytes]`` with scales ``[R, nblocks]`` into ``out`` ``[R, length]``."""
     from mxtrain.quantization.packing import unpack_codes
 
-    scratch = Scratch(data.device)
     nblocks = scale.shape[-1]
     length = out.shape[1]
     direct = out.dtype == torch.float32 and padded == length and out.is_contiguous()
@@ -315,20 +325,36 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, pa
     elif group == 2 and data.is_contiguous() and data.storage_offset() % 2:
         group = 1  # a uint16 view needs an even byte offset
     table = decode_table(fmt, packed, group, data.device)
-    factors = scale_values(scale).unsqueeze(-1)
-    for lo, hi in _chunks(data.shape[0], padded, chunk_elements):
+    _tables_for(data.device)  # scale_values' table, cached before the workers look it up
+
+    def chunk(lo: int, hi: int, scratch: Scratch) -> None:
         r = hi - lo
-        chunk = data[lo:hi]
+        codes = data[lo:hi]
         if unpack:
-            chunk = unpack_codes(chunk, fmt)
+            codes = unpack_codes(codes, fmt)
         if group == 2:
-            chunk = chunk.contiguous().view(torch.uint16)
-        idx = scratch.get("idx64", chunk.numel(), torch.int64).view(chunk.shape).copy_(chunk).view(-1)
+            codes = codes.contiguous().view(torch.uint16)
+        idx = scratch.get("idx64", codes.numel(), torch.int64).view(codes.shape).copy_(codes).view(-1)
         vals = out[lo:hi] if direct else scratch.get("vals", r * padded, torch.float32).view(r, padded)
         torch.index_select(table, 0, idx, out=vals.view(table.dtype).view(-1))
-        vals.view(r, nblocks, -1).mul_(factors[lo:hi])
+        vals.view(r, nblocks, -1).mul_(scale_values(scale[lo:hi]).unsqueeze(-1))
         if not direct:
             out[lo:hi] = vals[:, :length]
+
+    _run(chunk, data.shape[0], padded, chunk_elements, data.device, (data, scale, out))
+
+
+def _run(chunk, rows: int, padded: int, chunk_elements: int, device: torch.device, tensors) -> None:
+    """``chunk(lo, hi, scratch)`` over the row chunks, on single-threaded workers where that pays
+    (:mod:`mxtrain.quantization._workers`); every thread reuses its own :class:`Scratch`.
+
+    Work for the workers is cut into at least one chunk per torch thread (a chunk's rows never
+    depend on the other rows, so the cut changes no bit)."""
+    total = rows * padded
+    threads = torch.get_num_threads()
+    if threads > 1 and total >= _workers.MIN_ELEMENTS:
+        chunk_elements = min(chunk_elements, -(-total // threads))
+    _workers.run_chunks(chunk, list(_chunks(rows, padded, chunk_elements)), total, lambda: Scratch(device), tensors)
 
 
 def can_pack(fmt: ElemFormat) -> bool:

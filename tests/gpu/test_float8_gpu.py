@@ -17,7 +17,7 @@ from mxtrain.kernels.dispatch import mx_gemm, quantize_float8
 from mxtrain.quantization.float8 import quantize_float8 as reference_quantize_float8
 from mxtrain.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def _rel(a, b):

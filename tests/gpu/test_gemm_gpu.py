@@ -5,7 +5,7 @@ import torch
 
 from mxtrain.kernels.dispatch import mx_gemm, quantize
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 SHAPES = [(8192, 8192, 8192), (4096, 14336, 4096), (1000, 3000, 1760), (33, 65, 96), (1, 32, 32)]
 

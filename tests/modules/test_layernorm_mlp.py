@@ -168,7 +168,10 @@ def test_saved_for_backward_under_mxfp8(activation):
     """Backward keeps the block input, the norm parameters, the norm's per-row mean and rstd (its backward
     then recomputes nothing), h (the one high-precision fc1-output tensor), the two weight parameters
     (quantized columnwise in backward, not held as planes) and one single-plane (columnwise) MXFP8 tensor:
-    ln_out, fc1's wgrad operand."""
+    ln_out, fc1's wgrad operand, whose codes and scales are saved tensors too (so activation
+    checkpointing frees them)."""
+    from mxtrain.modules._common import saved_tensors
+
     tokens, hidden, ffn = 96, 64, 128
     fc1_out = 2 * ffn if activation in GATED_ACTIVATIONS else ffn
     m = _make(hidden, ffn, activation=activation)
@@ -182,24 +185,25 @@ def test_saved_for_backward_under_mxfp8(activation):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()):
             y = m(x)
-    shapes = sorted(tuple(t.shape) for t in saved)
-    assert shapes == sorted([(tokens, hidden), (hidden,), (hidden,), (tokens, fc1_out), (fc1_out, hidden),
-                             (hidden, ffn), (tokens, 1), (tokens, 1)]), shapes
-    params = {id(p) for p in m.parameters()}
-    activations = [t for t in saved if id(t) not in params]
-    high_precision_ffn = [t for t in activations if t.dim() == 2 and t.shape[1] in (ffn, fc1_out)]
-    assert len(high_precision_ffn) == 1  # h; act(h) is recomputed in backward, not kept
-
-    # MX operands ride on the autograd ctx (they are not tensors): one columnwise plane,
-    # 1 byte per element plus 1 scale byte per 32 elements.
     ctx = y.grad_fn
-    t = ctx.ln_col
+    _, ops = saved_tensors(ctx)
+    t = ops["ln_col"]
     assert isinstance(t, mxtrain.MXTensor) and t.fmt == "fp8_e4m3" and tuple(t.shape) == (tokens, hidden)
     assert [p.axis for p in t.planes] == [0]
     assert t.nbytes == tokens * hidden + tokens * hidden // 32
-    assert [k for k, v in vars(ctx).items() if isinstance(v, (torch.Tensor, mxtrain.MXTensor))] == ["ln_col"]
+    assert ops["a_col"] is None and ops["w1_col"] is None and ops["w2_col"] is None
+    plane = t.planes[0]
+    shapes = sorted(tuple(t.shape) for t in saved)
+    assert shapes == sorted([(tokens, hidden), (hidden,), (hidden,), (tokens, fc1_out), (fc1_out, hidden),
+                             (hidden, ffn), (tokens, 1), (tokens, 1), tuple(plane.data.shape),
+                             tuple(plane.scale.shape)]), shapes
+    params = {id(p) for p in m.parameters()}
+    activations = [t for t in saved if id(t) not in params and t.is_floating_point()]
+    high_precision_ffn = [t for t in activations if t.dim() == 2 and t.shape[1] in (ffn, fc1_out)]
+    assert len(high_precision_ffn) == 1  # h; act(h) is recomputed in backward, not kept
+    assert not [k for k, v in vars(ctx).items() if isinstance(v, (torch.Tensor, mxtrain.MXTensor))]
     y.sum().backward()
-    assert ctx.ln_col is None  # released after backward
+    assert plane.data.untyped_storage().nbytes() == 0  # freed after its last use in backward
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "mx"])

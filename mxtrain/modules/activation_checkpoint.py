@@ -1,0 +1,54 @@
+"""``mxtrain.checkpoint``: activation checkpointing that recomputes exactly what the forward computed.
+
+Like Transformer Engine's ``te.checkpoint``: the recompute runs under the recipe the forward ran
+under (an ``mx_autocast`` around the call is no longer active when backward recomputes), casts
+with the DelayedScaling scales its forward used, leaves recipe state untouched, and draws the
+same stochastic-rounding bits as its forward (the generators are put back afterwards).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from mxtrain.autocast import get_recipe, mx_autocast
+from mxtrain.modules._common import generator_states, set_generator_states
+from mxtrain.modules._recipe_state import capture_scales, replay_scales
+
+__all__ = ["checkpoint"]
+
+
+def checkpoint(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with its activations recomputed in backward instead of kept.
+
+    ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` underneath: every tensor the
+    mxtrain modules save for backward (MX / FP8 operands included) is freed after the forward.
+    The recipe active at the call (``get_recipe()``) is carried into the recompute, and so are the
+    scales and generator states the forward used (see the module doc).
+    """
+    if not callable(fn):
+        raise TypeError(f"mxtrain.checkpoint expects a callable first, got {type(fn).__name__}")
+    recipe = get_recipe()
+    scales: deque = deque()
+    generators: list = []
+
+    @contextlib.contextmanager
+    def forward_context():
+        generators[:] = generator_states()  # the bits the forward draws from
+        with capture_scales(scales):
+            yield
+
+    @contextlib.contextmanager
+    def recompute_context():
+        now = generator_states()
+        set_generator_states(generators)
+        try:
+            with mx_autocast(enabled=recipe is not None, recipe=recipe), replay_scales(scales):
+                yield
+        finally:
+            set_generator_states(now)  # backward goes on drawing where it was
+
+    return _torch_checkpoint(fn, *args, use_reentrant=False,
+                             context_fn=lambda: (forward_context(), recompute_context()), **kwargs)
