@@ -26,6 +26,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from mxtrain import config  # noqa: E402
+
 
 def bench(fn, warmup=25, rep=200):
     import triton.testing
@@ -88,7 +90,7 @@ def main(argv=None):
         return x.numel() * 2 + planes * (n * n * fmt_bits // 8 + n * nb)
 
     ref = quantize_mx(x, "fp8_e4m3", axis=(-1, 0))
-    variants = [("default", None, cast.USE_HW_FP8_CVT)]
+    variants = [("default", None, config.current().triton_hw_fp8)]
     if args.variants:
         for cfg in ((32, 512, 4), (64, 128, 4), (128, 64, 4), (64, 256, 4), (128, 128, 8), (32, 128, 4)):
             variants.append((f"tile {cfg}", cfg, True))
@@ -97,14 +99,14 @@ def main(argv=None):
     extra = []
     for label, cfg, hw in variants:
         cast.TILE_CONFIGS[(True, True)] = cfg or default_cfg
-        cast.USE_HW_FP8_CVT = hw
-        out = cast.triton_quantize(x, "fp8_e4m3", axis=(-1, 0))
-        ok = all(torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale) for a, b in zip(out.planes, ref.planes))
-        ms = bench(lambda: cast.triton_quantize(x, "fp8_e4m3", axis=(-1, 0)))
+        with config.override(triton_hw_fp8=hw):
+            out = cast.triton_quantize(x, "fp8_e4m3", axis=(-1, 0))
+            ok = all(torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)
+                     for a, b in zip(out.planes, ref.planes))
+            ms = bench(lambda: cast.triton_quantize(x, "fp8_e4m3", axis=(-1, 0)))
         name = f"cast bf16->MXFP8 e4m3 row+col [{label}]" + ("" if ok else " MISMATCH")
         (rows if label == "default" else extra).append((name, cast_bytes(8, 2), ms, "copy"))
     cast.TILE_CONFIGS[(True, True)] = default_cfg
-    cast.USE_HW_FP8_CVT = True
     ms = bench(lambda: cast.triton_quantize(x, "fp8_e4m3", axis=-1))
     rows.append(("cast bf16->MXFP8 e4m3 rowwise only", cast_bytes(8, 1), ms, "copy"))
     for fmt, bits in (("fp6_e2m3", 6), ("fp4_e2m1", 4)):
@@ -289,7 +291,7 @@ def strip_and_values_rows(x, n):
     from mxtrain.kernels import cast, dequantize as dq
     from mxtrain.quantization import quantize_mx
 
-    defaults = (cast.STRIP_CONFIG, dict(cast.TILE_CONFIGS))
+    defaults = (config.current().cast_strip, dict(cast.TILE_CONFIGS))
     rows = []
     nb = n // 32
     q = cast.triton_quantize
@@ -298,7 +300,6 @@ def strip_and_values_rows(x, n):
     ref_col = ref.dequantize(torch.bfloat16, 0).view(torch.int16)
 
     def setv(v):
-        cast.STRIP_CONFIG = defaults[0] if v is None else v[1]
         cast.TILE_CONFIGS.update(defaults[1])
         if v is not None and v[2] is not None:
             cast.TILE_CONFIGS.update({key: v[2] for key in cast.TILE_CONFIGS})
@@ -306,7 +307,8 @@ def strip_and_values_rows(x, n):
     def with_cfg(v, fn):
         def run():
             setv(v)
-            return fn()
+            with config.override(cast_strip=defaults[0] if v is None else v[1]):
+                return fn()
         return run
 
     def same(a, b):
@@ -378,21 +380,12 @@ def fused_rows(x, n, variants_out=None):
     The baseline's cast is the fastest one (the dispatch point's default: the CUDA C++ cast where it
     is built, else Triton); the fused functions take the CUDA kernels where they apply. The names
     also give each against the Triton-only pair (``MXTRAIN_BACKEND=triton`` for both)."""
-    import os
-
     from mxtrain.kernels import dispatch
 
     def with_backend(backend, fn):
         def run():
-            old = os.environ.get("MXTRAIN_BACKEND")
-            os.environ["MXTRAIN_BACKEND"] = backend
-            try:
+            with config.override(backend=backend):
                 return fn()
-            finally:
-                if old is None:
-                    del os.environ["MXTRAIN_BACKEND"]
-                else:
-                    os.environ["MXTRAIN_BACKEND"] = old
         return run
     rows = []
     try:

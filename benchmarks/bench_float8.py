@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mxtrain
+from mxtrain import config
 from mxtrain.kernels import float8_cast, float8_gemm
 from mxtrain.kernels.dispatch import mx_gemm, quantize_float8
-from mxtrain.modules import _float8 as module_float8
 from mxtrain.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
 RECIPES = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(), "block": Float8BlockScaling()}
@@ -108,8 +108,8 @@ def gemm_table(tokens, hidden, ffn, dtype, iters, warmup):
     shapes = [(tokens, ffn, hidden), (tokens, hidden, ffn)]  # fc1 (M, N, K), fc2
     rows = []
     for kind in ("bf16", "per-tensor", "block (cuBLAS)", "block (Triton)"):  # noqa: B007
-        float8_gemm.BLOCK_GEMM_BACKEND = "triton" if kind == "block (Triton)" else "auto"
         total = 0.0
+        block_gemm = "triton" if kind == "block (Triton)" else "auto"
         for m, n, k in shapes:
             x = torch.randn(m, k, device=dev, dtype=dtype)
             w = torch.randn(n, k, device=dev, dtype=dtype)
@@ -123,9 +123,9 @@ def gemm_table(tokens, hidden, ffn, dtype, iters, warmup):
                 fns = [lambda: mx_gemm(xq, wq, a_axis=1, b_axis=1, out_dtype=dtype),
                        lambda: mx_gemm(dyq, wq, a_axis=1, b_axis=0, out_dtype=dtype),
                        lambda: mx_gemm(dyq, xq, a_axis=0, b_axis=0, out_dtype=dtype)]
-            for fn in fns:
-                total += time_ms(fn, iters, warmup)
-        float8_gemm.BLOCK_GEMM_BACKEND = "auto"
+            with config.override(fp8_block_gemm=block_gemm):
+                for fn in fns:
+                    total += time_ms(fn, iters, warmup)
         flops = 6 * 2 * tokens * hidden * ffn
         rows.append((kind, total, flops / total / 1e9))
     return rows
@@ -179,13 +179,13 @@ def main():
         runs += [(name, "block casts in one 128x128 pass") for name in args.recipes.split(",") if name == "block"]
     for name, variant in runs:
         recipe = RECIPES[name]
-        module_float8.FUSED_CASTS = variant != "unfused casts"
-        float8_gemm.BLOCK_GEMM_BACKEND = "triton" if variant == "Triton block GEMM" else "auto"
         float8_cast.BLOCK_CAST_SPLIT = variant != "block casts in one 128x128 pass"
-        fwd = time_ms(forward_fn(mx_block, x, recipe), args.iters, args.warmup)
-        step = time_ms(step_fn(mx_block, x, dy, recipe), args.iters, args.warmup)
-        y = forward_fn(mx_block, x, recipe)()
-        module_float8.FUSED_CASTS, float8_gemm.BLOCK_GEMM_BACKEND, float8_cast.BLOCK_CAST_SPLIT = True, "auto", True
+        with config.override(fp8_fused_casts=variant != "unfused casts",
+                             fp8_block_gemm="triton" if variant == "Triton block GEMM" else "auto"):
+            fwd = time_ms(forward_fn(mx_block, x, recipe), args.iters, args.warmup)
+            step = time_ms(step_fn(mx_block, x, dy, recipe), args.iters, args.warmup)
+            y = forward_fn(mx_block, x, recipe)()
+        float8_cast.BLOCK_CAST_SPLIT = True
         label = f"mxtrain.LayerNormMLP {type(recipe).__name__}" + (f", {variant}" if variant else "")
         row(label, fwd, step, sqnr_db(y, y_ref))
         if variant:

@@ -37,6 +37,7 @@ from torch import nn
 from tqdm import tqdm
 
 import mxtrain
+from mxtrain import config
 from mxtrain.cli import (HelpFormatter, check_device, check_writable_dir, clamp_warmup, new_run_dir, nonnegative_int,
                          positive_float, positive_int, run_label, save_results, split_recipe_specs)
 from mxtrain.data import austen_lm_tokens, get_lm_batches
@@ -184,12 +185,12 @@ def train(spec: str, args, device, rank: int, world: int, data=None) -> dict:
                 next(batches)
             if rank == 0:
                 print(f"[{label}] resumed from {path} (step {start}, saved by {meta['world_size']} ranks)")
-    fault_step = int(os.environ.get("MXTRAIN_FAULT_STEP", "-1"))  # fault drills (scripts/fault_resume_check.sh)
+    fault_step = config.current().fault_step  # fault drills (scripts/fault_resume_check.sh)
     bar = tqdm(range(start, args.steps), desc=f"{label} train", disable=rank != 0 or args.no_progress,
                file=sys.stdout, initial=start, total=args.steps, unit="step", dynamic_ncols=True)
     t0 = time.perf_counter()
     for step in bar:
-        if step == fault_step and rank == int(os.environ.get("MXTRAIN_FAULT_RANK", "0")):
+        if step == fault_step and rank == config.current().fault_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = next(batches)
         with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe), autocast_ctx(args, device):

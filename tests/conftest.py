@@ -2,11 +2,12 @@
 (scripts/run_gpu_tests.sh --quick) and ``-m "not gpu"`` leaves it out.
 
 Tests under tests/gpu/ and tests skipped by a ``skipif`` whose reason names CUDA get
-the marker here if their module did not give it. Nothing else is imported here:
-the kernel test directories set TRITON_INTERPRET in their own conftest before any
-kernel module is imported.
+the marker here if their module did not give it. ``mx_config`` sets mxtrain.config
+switches for one test. Nothing of mxtrain is imported at the top here: the kernel test
+directories set TRITON_INTERPRET in their own conftest before any kernel module is imported.
 """
 
+import contextlib
 import pathlib
 
 import pytest
@@ -25,3 +26,16 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("gpu") is None and (
                 _GPU_DIR in pathlib.Path(str(item.fspath)).resolve().parents or _skips_without_cuda(item)):
             item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture
+def mx_config():
+    """Set ``mxtrain.config`` switches for one test: ``mx_config(backend="triton", fuse_sources=False)``.
+
+    Each call overrides the named fields (see :class:`mxtrain.config.Settings`) until the test ends;
+    later calls win. Returns the active settings.
+    """
+    from mxtrain import config
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **values: stack.enter_context(config.override(**values))

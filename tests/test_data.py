@@ -10,7 +10,6 @@ from __future__ import annotations
 import bz2
 import gzip
 import lzma
-import os
 import struct
 import zlib
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from mxtrain import config
 from mxtrain import data as mxdata
 from mxtrain.data import (
     AUSTEN_BOOKS,
@@ -80,7 +80,7 @@ def austen_installed() -> bool:
 
 
 # With MXTRAIN_REQUIRE_DATA=1 (e.g. in CI after the install step) missing data fails instead of skipping.
-REQUIRE_DATA = os.environ.get("MXTRAIN_REQUIRE_DATA", "") not in ("", "0")
+REQUIRE_DATA = config.current().require_data
 
 needs_fmnist = pytest.mark.skipif(
     not REQUIRE_DATA and not fmnist_installed(), reason=f"Fashion-MNIST (dataset-fashion-mnist) not installed; {INSTALL_HINT}"
@@ -270,10 +270,10 @@ def test_load_austen_synthetic_package(tmp_path):
     assert list(sub) == ["Pride & Prejudice", "Persuasion", "Emma"]
 
 
-def test_load_austen_missing(tmp_path, monkeypatch):
+def test_load_austen_missing(tmp_path, monkeypatch, mx_config):
     with pytest.raises(FileNotFoundError, match="bash scripts/install_data.sh"):
         load_austen(data_dir=tmp_path)
-    monkeypatch.setenv("MXTRAIN_DATA_DIR", str(tmp_path))
+    mx_config(data_dir=str(tmp_path))
     assert mxdata.data_root() == tmp_path
     monkeypatch.setattr(austen_mod, "_SYSTEM_PKG_DIRS", ())
     with pytest.raises(FileNotFoundError, match="r-cran-janeaustenr"):
@@ -467,11 +467,11 @@ def test_lm_text_dataset_windows():
 # ----------------------------------------------------------------------------- CLI
 
 
-def test_cli_info_runs(capsys, monkeypatch, tmp_path):
+def test_cli_info_runs(capsys, monkeypatch, tmp_path, mx_config):
     from mxtrain.data.__main__ import main
 
-    monkeypatch.setenv("MXTRAIN_DATA_DIR", str(tmp_path))
-    monkeypatch.setenv("MXTRAIN_FASHION_MNIST_DIR", str(tmp_path / "fm"))
+    mx_config(data_dir=str(tmp_path))
+    mx_config(fashion_mnist_dir=str(tmp_path / "fm"))
     monkeypatch.setattr(austen_mod, "_SYSTEM_PKG_DIRS", ())
     assert main(["info"]) == 0
     assert main(["info", "--check"]) == 1

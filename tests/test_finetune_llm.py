@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 import mxtrain
+from mxtrain import config
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "finetune_llm.py"
-REQUIRE_DATA = os.environ.get("MXTRAIN_REQUIRE_DATA", "") not in ("", "0")
+REQUIRE_DATA = config.current().require_data
 
 # A 64-wide, 2-layer model of the same architecture on random tokens: seconds per run.
 TINY = ["--random-init", "--shape", "tiny", "--data", "random", "--seq-len", "16", "--batch-size", "2",

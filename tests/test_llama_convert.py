@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 
 import pytest
 import torch
 
 import mxtrain
+from mxtrain import config
 from mxtrain.integrations.llama import (
     INSTALL_HINT,
     SMOLLM2_135M,
@@ -31,7 +31,7 @@ from mxtrain.integrations.llama import (
     to_hf_state_dict,
 )
 
-REQUIRE_DATA = os.environ.get("MXTRAIN_REQUIRE_DATA", "") not in ("", "0")
+REQUIRE_DATA = config.current().require_data
 
 SENTENCES = [
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, "

@@ -27,6 +27,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from mxtrain import config
+
 __all__ = [
     "AUSTEN_BOOKS",
     "INSTALL_COMMAND",
@@ -60,7 +62,7 @@ _SYSTEM_PKG_DIRS = (
 
 def data_root() -> Path:
     """Root folder for mxtrain's installed data: ``$MXTRAIN_DATA_DIR`` or ``~/.cache/mxtrain``."""
-    env = os.environ.get("MXTRAIN_DATA_DIR")
+    env = config.current().data_dir
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "mxtrain"

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mxtrain import config
+
 __all__ = [
     "CLASSES",
     "DEFAULT_ROOT",
@@ -111,7 +113,7 @@ def fashion_mnist_root(root: str | os.PathLike | None = None) -> Path:
     """The Fashion-MNIST folder: ``root``, else ``$MXTRAIN_FASHION_MNIST_DIR``, else the Debian path."""
     if root is not None:
         return Path(root).expanduser()
-    env = os.environ.get("MXTRAIN_FASHION_MNIST_DIR")
+    env = config.current().fashion_mnist_dir
     return Path(env).expanduser() if env else DEFAULT_ROOT
 
 

@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -63,6 +62,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from mxtrain import config
 from mxtrain.recipes import RoleSpec
 from mxtrain.recipes.float8 import BLOCK_LEN, Float8Recipe, Float8RoleSpec
 from mxtrain.autocast import get_recipe
@@ -658,16 +658,16 @@ class _GatheredState:
 # "auto": gathered planes become bf16 values where the GEMM would dequantize them anyway (CUDA, bf16
 # params, the values policy of mxtrain.modules._common, no block-scaled tensor cores); True / False
 # force it (tests run the values path on the CPU). MXTRAIN_GATHER_VALUES=0 / 1 / auto.
-GATHER_VALUES: bool | str = {"0": False, "1": True}.get(os.environ.get("MXTRAIN_GATHER_VALUES", "auto"), "auto")
 
 
 def _gather_values(device: torch.device, dtype: torch.dtype) -> bool:
-    if GATHER_VALUES != "auto":
-        return bool(GATHER_VALUES)
+    gather = config.current().gather_values
+    if gather != "auto":
+        return bool(gather)
     from mxtrain.kernels.gemm import native_mx_gemm
-    from mxtrain.modules import _common
 
-    return device.type == "cuda" and dtype == torch.bfloat16 and _common.CARRY_VALUES and not native_mx_gemm(device)
+    return (device.type == "cuda" and dtype == torch.bfloat16 and config.current().carry_values
+            and not native_mx_gemm(device))
 
 
 def _free(t: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ parameters). The precision is the recipe's ``elemwise_format`` (``bfloatN`` /
 backward pass rounded too unless ``quantize_backward=False``: the recipe of the
 innermost ``mx_autocast``, or the one :func:`mxtrain.convert` pinned on the module.
 With no recipe, or one without ``elemwise_format``, each module is exactly its
-torch parent. The formulas are microxcaling's (``mxtrain.compat.mx.activations``
+torch parent. The formulas are microxcaling's (``mxtrain.emulation.activations``
 and ``softmax``): e.g. GELU becomes ``x * sigmoid(1.59375 (x + 0.044677734 x**3))``,
 its tanh approximation in bfloat16 constants, and softmax ``exp(x - max) / sum``.
 """
@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from mxtrain.autocast import get_recipe
-from mxtrain.compat.mx import activations as _act
-from mxtrain.compat.mx.softmax import SoftmaxFunction
-from mxtrain.compat.mx.specs import DEFAULTS, MxSpecs
+from mxtrain.emulation import activations as _act
+from mxtrain.emulation.softmax import SoftmaxFunction
+from mxtrain.emulation.specs import DEFAULTS, MxSpecs
 from mxtrain.formats import parse_elemwise_format
 
 __all__ = ["elementwise_specs", "ReLU", "ReLU6", "LeakyReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "Softmax",

@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mxtrain
+from mxtrain import config
+from mxtrain.modules import LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 
 __all__ = [
     "FAMILIES",
@@ -333,19 +334,19 @@ class MXLlamaBlock(nn.Module):
         self.sliding_window = cfg.layer_window(layer_idx)
         self.scaling = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
         self.softcap = cfg.attn_logit_softcapping
-        self.attn_qkv = mxtrain.LayerNormLinear(cfg.hidden_size, cfg.qkv_out_features, bias=cfg.attention_bias,
-                                                normalization="RMSNorm", eps=cfg.rms_norm_eps, **zc, **f)
+        self.attn_qkv = LayerNormLinear(cfg.hidden_size, cfg.qkv_out_features, bias=cfg.attention_bias,
+                                        normalization="RMSNorm", eps=cfg.rms_norm_eps, **zc, **f)
         if cfg.qk_norm:
-            self.q_norm = mxtrain.RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, **f)
-            self.k_norm = mxtrain.RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, **f)
-        self.attn_out = mxtrain.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                       bias=cfg.attention_out_bias, **f)
-        self.mlp = mxtrain.LayerNormMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias,
-                                        normalization="RMSNorm", activation=cfg.activation, eps=cfg.rms_norm_eps,
-                                        **zc, **f)
+            self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, **f)
+            self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.rms_norm_eps, **f)
+        self.attn_out = Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                               bias=cfg.attention_out_bias, **f)
+        self.mlp = LayerNormMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias,
+                                normalization="RMSNorm", activation=cfg.activation, eps=cfg.rms_norm_eps,
+                                **zc, **f)
         if cfg.sandwich_norms:
-            self.attn_out_norm = mxtrain.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **zc, **f)
-            self.mlp_out_norm = mxtrain.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **zc, **f)
+            self.attn_out_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **zc, **f)
+            self.mlp_out_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, **zc, **f)
         self.qk_norm, self.sandwich_norms = cfg.qk_norm, cfg.sandwich_norms
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -392,8 +393,8 @@ class MXLlamaForCausalLM(nn.Module):
         f = {"device": device, "dtype": dtype}
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.padding_idx, **f)
         self.layers = nn.ModuleList(MXLlamaBlock(cfg, i, **f) for i in range(cfg.num_hidden_layers))
-        self.norm = mxtrain.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, zero_centered_gamma=cfg.zero_centered_norms,
-                                    **f)
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, zero_centered_gamma=cfg.zero_centered_norms,
+                            **f)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                        **f)
         self.rotary = rotary if rotary is not None else RotaryEmbedding(cfg.head_dim, cfg.rope_theta, device=device)
@@ -624,7 +625,7 @@ def smollm2_gguf_path() -> Path:
 
     ``$MXTRAIN_SMOLLM2_GGUF`` overrides the search.
     """
-    env = os.environ.get("MXTRAIN_SMOLLM2_GGUF")
+    env = config.current().smollm2_gguf
     if env:
         p = Path(env).expanduser()
         if not p.is_file():

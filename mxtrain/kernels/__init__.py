@@ -4,6 +4,43 @@
 reference in :mod:`mxtrain.quantization`; both produce identical bits.
 """
 
+import os
+
+import torch
+
+from mxtrain.kernels import dispatch
 from mxtrain.kernels.dispatch import gemm_operand, mx_gemm, quantize
 
 __all__ = ["mx_gemm", "gemm_operand", "quantize"]
+
+_KERNELS_LOADED = False
+
+
+def _load_kernels() -> None:
+    """Import the kernel modules once, where they can run (they register themselves with the dispatch point).
+
+    Only with CUDA or ``TRITON_INTERPRET=1``: CPU-only users never pay for importing Triton. It lives here,
+    above the kernel modules, and is handed to the dispatch point, so no kernel file imports another's importer.
+    """
+    global _KERNELS_LOADED
+    if _KERNELS_LOADED or not (os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_available()):
+        return
+    _KERNELS_LOADED = True
+    try:
+        import mxtrain.kernels.cast  # noqa: F401
+        import mxtrain.kernels.dequantize  # noqa: F401
+        if torch.cuda.is_available():
+            import mxtrain.kernels.gemm  # noqa: F401
+            import mxtrain.kernels.cuda_cast  # noqa: F401  (registers "cuda"; builds on first use)
+    except ImportError:  # no (working) triton: the reference serves every call
+        pass
+    try:
+        import mxtrain.kernels.float8_cast  # noqa: F401
+        if torch.cuda.is_available():
+            import mxtrain.kernels.float8_gemm  # noqa: F401
+            import mxtrain.kernels.float8_state  # noqa: F401
+    except ImportError:
+        pass
+
+
+dispatch.set_kernel_loader(_load_kernels)

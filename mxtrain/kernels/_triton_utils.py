@@ -30,6 +30,7 @@ except Exception as exc:  # ImportError, or a broken install
 __all__ = [
     "HAVE_TRITON", "triton", "tl", "interpret_mode", "kernels_available", "device_supported",
     "launch_options", "FormatConsts", "format_consts", "SCALE_MODE_IDS", "ROUNDING_IDS", "is_pow2",
+    "decode_codes",
 ]
 
 SCALE_MODE_IDS = {"floor": 0, "rceil": 1, "even": 2}
@@ -103,3 +104,31 @@ def _format_consts(fmt: ElemFormat) -> FormatConsts:
         INV_MAX_BITS=_fp32_bits(1.0 / fmt.max_norm),
         NAN_KIND=nan_kind,
     )
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def decode_codes(code, IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                BIAS: tl.constexpr, NAN_KIND: tl.constexpr):
+        """fp32 value of int32 codes (the reference code table, computed); the casts and the dequantize share it."""
+        if IS_INT:
+            k = code - ((code >> (BITS - 1)) << BITS)  # two's complement sign extension
+            v = k.to(tl.float32) * (2.0 ** -MBITS)
+        else:
+            mag = code & ((1 << (BITS - 1)) - 1)
+            biased = mag >> MBITS
+            mant = mag & ((1 << MBITS) - 1)
+            vb = ((tl.maximum(biased, 1) - BIAS + 127) << 23) | (mant << (23 - MBITS))
+            v = vb.to(tl.float32, bitcast=True) - tl.where(biased == 0, 2.0 ** EMIN, 0.0)
+            sign = (code >> (BITS - 1)) << 31
+            vb = v.to(tl.int32, bitcast=True) | sign
+            if NAN_KIND == 1:  # fn: only the all-ones magnitude is NaN
+                vb = tl.where(mag == (1 << (BITS - 1)) - 1, 0x7FC00000, vb)
+            elif NAN_KIND == 2:  # IEEE-like: top exponent is Inf / NaN
+                top = biased == (1 << (BITS - 1 - MBITS)) - 1
+                vb = tl.where(top, tl.where(mant == 0, sign | 0x7F800000, 0x7FC00000), vb)
+            v = vb.to(tl.float32, bitcast=True)
+        return v
+else:
+    decode_codes = None

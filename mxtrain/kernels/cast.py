@@ -30,10 +30,10 @@ Unsupported cases go to the reference in one place, :func:`_fallback_reason`.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from mxtrain import config
 from mxtrain.formats import ElemFormat
 from mxtrain.kernels._triton_utils import (
     HAVE_TRITON, ROUNDING_IDS, SCALE_MODE_IDS, device_supported, format_consts, interpret_mode, is_pow2,
@@ -44,14 +44,13 @@ from mxtrain.quantization._validate import make_generator, normalize_axes
 from mxtrain.quantization.mx import _check_common
 from mxtrain.quantization.packing import packed_length
 
-__all__ = ["triton_quantize", "assemble_mxtensor", "USE_HW_FP8_CVT", "MAX_BLOCK_SIZE"]
+__all__ = ["triton_quantize", "assemble_mxtensor", "MAX_BLOCK_SIZE"]
 
 MAX_BLOCK_SIZE = 256
 # both planes from one tile up to this block size; above it the [bs, bs] tile outgrows shared
 # memory (256 KiB at 256) and each plane gets its own launch (the input is read twice)
 MAX_FUSED_BLOCK_SIZE = 128
 # hardware fp32->fp8 conversion for fp8 formats with round-half-even (GPU only)
-USE_HW_FP8_CVT = os.environ.get("MXTRAIN_TRITON_HW_FP8", "1") != "0"
 # tests set this to fill outputs with a pattern first, so unwritten bytes show up
 POISON_OUTPUTS = False
 # tile configs at block size 32: (rows, cols) -> (BLOCK_M, BLOCK_K, num_warps). Wide tiles keep
@@ -66,7 +65,7 @@ TILE_CONFIGS = {
 if HAVE_TRITON:
     from triton.language.extra import libdevice
 
-    from mxtrain.kernels.dequantize import _decode
+    from mxtrain.kernels._triton_utils import decode_codes as _decode
 
     @triton.jit
     def _inverse_scale(scale):
@@ -585,29 +584,19 @@ def _philox_seed(seed, device: torch.device) -> torch.Tensor:
     return s.to(device=device, dtype=torch.int32)
 
 
-# the strip kernel for casts with a columnwise plane (see _mx_cast_strip_kernel): (REP, J, BLOCK_K,
-# num_warps), or None for the [BLOCK_M, BLOCK_K] tile kernel. Off: on an H200 every strip config
-# measured slower than the tile kernel (0.16-0.33 ms against 0.136 for both MXFP8 planes of
-# 8192^2 bf16; benchmarks/NOTES_kernels.md); kept bit-exact and tested, the benchmark times it
-STRIP_CONFIG: tuple[int, int, int, int] | None = None
+# the strip kernel for casts with a columnwise plane (see _mx_cast_strip_kernel) runs only when
+# config.current().cast_strip names its (REP, J, BLOCK_K, num_warps): off by default, slower than the
+# tile kernel where measured (benchmarks/NOTES_kernels.md); kept bit-exact and tested
 # the activation-gradient cast's tile (two or three inputs per tile): (BLOCK_M, BLOCK_K, num_warps), None:
 # TILE_CONFIGS; one for launches that write a plane's dequantized values (what LayerNormMLP asks for), one for
-# codes only. Values, measured on an H100 (8192x16384 bf16 gelu, both planes as values + bias sums): 528 us;
-# TILE_CONFIGS' (32, 256, 4) 798 us; (32, 32, 2) 523, (64, 64, 4) 569, (128, 128, 8) 1333; torch's
-# gelu_backward + the CUDA cast + sum 688. Codes (H100, both planes' codes + bias sums, session 7), us for
-# (32, 64, 4) / (32, 128, 4) / (64, 64, 4) / (128, 64, 8), unfused torch backward + CUDA cast + sum first:
-# gelu 8192^2 307: 318 / 305 / 331 / 339; gelu 8192x16384 585: 620 / 591 / 651 / 667; silu 8192^2 303:
-# 310 / 257 / 255 / 283; swiglu (grad 8192^2) 1423: 747 / 651 / 661 / 676. The same bytes from every tile.
+# codes only; the fastest of H100 sweeps (benchmarks/NOTES_kernels.md, "Activation-gradient cast tiles")
 GRAD_TILE_CONFIG: tuple[int, int, int] | None = (32, 64, 4)
 GRAD_TILE_CONFIG_CODES: tuple[int, int, int] | None = (32, 128, 4)
-if os.environ.get("MXTRAIN_CAST_STRIP"):  # "0": tile kernel only; "REP,J,BK,WARPS": that strip config
-    _env = os.environ["MXTRAIN_CAST_STRIP"]
-    STRIP_CONFIG = None if _env == "0" else tuple(int(v) for v in _env.split(","))
 
 
 def _strip_config(rows: bool, cols: bool, bs: int, act: int) -> tuple[int, int, int, int] | None:
     """The strip kernel's config when it takes this launch (a columnwise plane, no activation, fitting block size)."""
-    cfg = STRIP_CONFIG
+    cfg = config.current().cast_strip
     if cfg is None or not cols or act:
         return None
     rep, j, bk, _ = cfg
@@ -715,7 +704,7 @@ def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, 
                   M * plen(kp) if rows else 0, K * plen(mp) if cols else 0,
                   m_extent * k_extent) >= 2**31 - 1
     consts = format_consts(fmt)
-    hw = (USE_HW_FP8_CVT and not interpret_mode() and fmt.is_float and fmt.bits == 8 and rounding == "even")
+    hw = (config.current().triton_hw_fp8 and not interpret_mode() and fmt.is_float and fmt.bits == 8 and rounding == "even")
     if seed_t is None:
         seed_t = scratch(dev, "seed")
     bf16 = x2.dtype == torch.bfloat16

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from mxtrain import config
 from mxtrain.formats import ElemFormat
 from mxtrain.quantization import MXPlane, MXTensor
 from mxtrain.quantization._validate import normalize_axes
@@ -35,13 +36,12 @@ from mxtrain.quantization.mx import _check_common
 
 __all__ = ["cuda_quantize", "fp8_block_cast", "norm_cast", "activation_cast", "fused_sources_selected",
            "dequantize_fp8", "dequantize_fp8_at", "cuda_selected", "cast_planes_into",
-           "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR", "ENABLED"]
+           "unsupported_reason", "toolchain_problem", "extension_error", "CSRC_DIR"]
 
 CSRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
 SOURCE = CSRC_DIR / "mx_cast.cu"
 SOURCES = (SOURCE, CSRC_DIR / "fp8_block_cast.cu", CSRC_DIR / "mx_dequantize.cu")
 HEADERS = (CSRC_DIR / "cast_common.cuh",)
-ENABLED = os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
 _ABI_VERSION = 6
 # the kernel's output / input switches (mx_cast.cu's Flags)
 _ROW_CODES, _ROW_VALS, _COL_CODES, _COL_VALS, _GAMMA_BF16, _ROUND_BF16 = 1, 2, 4, 8, 16, 32
@@ -87,7 +87,7 @@ def _build() -> ctypes.CDLL:
              # contraction stays on for the CUDA math library (erff, expf: their FMAs make them equal
              # libdevice's), the kernels' own arithmetic uses explicit __fmul_rn / __fadd_rn
              "--ftz=false", "--prec-div=true", "--prec-sqrt=true"]
-    verbose = os.environ.get("MXTRAIN_CUDA_VERBOSE", "0") == "1"
+    verbose = config.current().cuda_verbose
     path = load(name=name, sources=[str(f) for f in SOURCES], extra_cuda_cflags=flags,
                 extra_include_paths=[str(CSRC_DIR)], is_python_module=False, verbose=verbose)
     if not path:  # older torch returned nothing: the library sits in the build directory
@@ -255,7 +255,7 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
         None if mean is None else mean.data_ptr(), None if rstd is None else rstd.data_ptr(),
         None if gamma is None else gamma.data_ptr(), None if beta is None else beta.data_ptr(),
         None if y is None else y.data_ptr(), 0 if y is None else y.stride(0), float(eps),
-        None if work is None else work.data_ptr(), max(1, int(NORM_LOOKAHEAD)),
+        None if work is None else work.data_ptr(), max(1, config.current().norm_lookahead),
         None if grad is None else grad.data_ptr(), 0 if grad is None else grad.stride(0), _raw_stream(dev))
     if err:
         raise RuntimeError(f"mxtrain CUDA cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")
@@ -268,29 +268,16 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
 CUDA_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
 # Norm + cast and activation + cast on the CUDA kernel (mx_source_cast_kernel): on by default, faster
 # than Triton's fused kernels (benchmarks/RESULTS.md); MXTRAIN_CUDA_FUSED_SOURCES=0 keeps Triton's.
-FUSED_SOURCES = os.environ.get("MXTRAIN_CUDA_FUSED_SOURCES", "1") != "0"
-# A norm's statistics run this many bands of 128 rows ahead of the tiles that use them (their reads of
-# x are then still in L2 when the tiles read x again)
-def _lookahead_from_env() -> int:
-    raw = os.environ.get("MXTRAIN_NORM_LOOKAHEAD", "6")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"MXTRAIN_NORM_LOOKAHEAD must be a positive integer (bands of 128 rows), got {raw!r}")
-    return value
-
-
-NORM_LOOKAHEAD = _lookahead_from_env()
+# A norm's statistics run MXTRAIN_NORM_LOOKAHEAD bands of 128 rows ahead of the tiles that use them (their
+# reads of x are then still in L2 when the tiles read x again)
 
 
 def fused_sources_selected(device: torch.device) -> bool:
     """Whether norm + cast and activation + cast take the CUDA kernel on ``device``: enabled
-    (:data:`FUSED_SOURCES`, the default) and the dispatch point picks ``"cuda"`` there (``MXTRAIN_BACKEND=triton``
+    (``config.current().cuda_fused_sources``, the default) and the dispatch point picks ``"cuda"`` there (``MXTRAIN_BACKEND=triton``
     keeps Triton). The callers (:mod:`~mxtrain.kernels.norm_cast`, :mod:`~mxtrain.kernels.activation_cast`)
     ask first, so the default path does no more than read a flag."""
-    return FUSED_SOURCES and cuda_selected(device)
+    return config.current().cuda_fused_sources and cuda_selected(device)
 
 
 def cuda_selected(device: torch.device) -> bool:
@@ -481,7 +468,6 @@ def cast_planes_into(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tu
 # The CUDA dequantize serves the Triton dequantize's launches (mxtrain.kernels.dequantize) that it covers:
 # MXFP8 planes of block 32 into bf16, rowwise or transposed, one launch for all of an FSDP2 gather's shards.
 # On by default (about a third of a Triton launch's host time); MXTRAIN_CUDA_DEQUANTIZE=0 keeps Triton's.
-DEQUANTIZE = os.environ.get("MXTRAIN_CUDA_DEQUANTIZE", "1") != "0"
 
 
 def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt: ElemFormat, block_size: int,
@@ -490,7 +476,7 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, f
     """Run the CUDA dequantize on a plane read as ``[rows, length]`` (``data`` / ``scale`` 2-D, block axis
     last), written to ``out`` at ``r * out_stride_r + l * out_stride_l`` (``count`` shards, as
     :func:`mxtrain.kernels.dequantize._launch` takes them). Returns False, launching nothing, where it does
-    not apply: off by :data:`DEQUANTIZE` or the backend choice (``MXTRAIN_BACKEND=triton``), another
+    not apply: off by ``config.current().cuda_dequantize`` or the backend choice (``MXTRAIN_BACKEND=triton``), another
     format, block size or output dtype, or a layout the kernel does not take (strides, alignment)."""
     if data.stride(-1) != 1 or scale.stride(-1) != 1:
         return False
@@ -505,7 +491,7 @@ def dequantize_fp8_at(data_ptr: int, scale_ptr: int, data_ld: int, scale_ld: int
     """:func:`dequantize_fp8` on codes and scale bytes given by address (rows ``data_ld`` / ``scale_ld`` bytes
     apart, contiguous along the block axis), for callers that laid them out themselves (FSDP2's gather
     buffer: no tensor views built per call). Same checks, same False where it does not apply."""
-    if not (DEQUANTIZE and out.is_cuda and out.dtype == torch.bfloat16 and block_size == 32 and fmt.name in _FORMATS
+    if not (config.current().cuda_dequantize and out.is_cuda and out.dtype == torch.bfloat16 and block_size == 32 and fmt.name in _FORMATS
             and cuda_selected(out.device)):  # (fp8 codes are one a byte: a plane's "packed" flag changes nothing)
         return False
     transposed = out_stride_r == 1 and out_stride_l != 1
@@ -585,7 +571,7 @@ def fp8_block_cast(x: torch.Tensor, grad: torch.Tensor | None, fmt: str, square:
 def _register() -> None:
     from mxtrain.kernels.dispatch import register_quantize
 
-    if ENABLED and torch.cuda.is_available():
+    if config.current().cuda_kernels and torch.cuda.is_available():
         register_quantize("cuda", cuda_quantize)
 
 

@@ -28,7 +28,7 @@ import dataclasses
 import torch
 
 from mxtrain.kernels._triton_utils import (
-    HAVE_TRITON, device_supported, format_consts, interpret_mode, launch_options, tl, triton,
+    HAVE_TRITON, decode_codes as _decode, device_supported, format_consts, interpret_mode, launch_options, tl, triton,
 )
 from mxtrain.quantization import MXTensor
 
@@ -43,29 +43,6 @@ POISON_OUTPUTS = False
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _decode(code, IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
-                BIAS: tl.constexpr, NAN_KIND: tl.constexpr):
-        """fp32 value of int32 codes (the reference code table, computed)."""
-        if IS_INT:
-            k = code - ((code >> (BITS - 1)) << BITS)  # two's complement sign extension
-            v = k.to(tl.float32) * (2.0 ** -MBITS)
-        else:
-            mag = code & ((1 << (BITS - 1)) - 1)
-            biased = mag >> MBITS
-            mant = mag & ((1 << MBITS) - 1)
-            vb = ((tl.maximum(biased, 1) - BIAS + 127) << 23) | (mant << (23 - MBITS))
-            v = vb.to(tl.float32, bitcast=True) - tl.where(biased == 0, 2.0 ** EMIN, 0.0)
-            sign = (code >> (BITS - 1)) << 31
-            vb = v.to(tl.int32, bitcast=True) | sign
-            if NAN_KIND == 1:  # fn: only the all-ones magnitude is NaN
-                vb = tl.where(mag == (1 << (BITS - 1)) - 1, 0x7FC00000, vb)
-            elif NAN_KIND == 2:  # IEEE-like: top exponent is Inf / NaN
-                top = biased == (1 << (BITS - 1 - MBITS)) - 1
-                vb = tl.where(top, tl.where(mant == 0, sign | 0x7F800000, 0x7FC00000), vb)
-            v = vb.to(tl.float32, bitcast=True)
-        return v
 
     @triton.jit
     def _load_codes(data_ptr, rows, row_stride, row_mask, c0, LP, R: tl.constexpr, C: tl.constexpr,

@@ -4,7 +4,7 @@ Backends: ``"reference"`` (pure PyTorch, any device) and, once registered by
 the GPU kernel modules, ``"triton"`` (:mod:`mxtrain.kernels`) / ``"cuda"`` (the
 CUDA C++ kernels of ``mxtrain/csrc``, built on first use: today the MX cast, see
 :mod:`mxtrain.kernels.cuda_cast`). ``MXTRAIN_BACKEND`` or the ``backend=`` argument
-forces one; a forced ``"cuda"`` runs Triton's kernel for operations that have no
+forces one (what it selects per operation: :mod:`mxtrain.config`); a forced ``"cuda"`` runs Triton's kernel for operations that have no
 CUDA C++ one. By default CUDA tensors take the fastest registered kernel (CUDA C++,
 then Triton: ``benchmarks/RESULTS.md``) and CPU tensors the reference.
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Callable
 
 import torch
 
+from mxtrain import config
 from mxtrain.quantization import MXTensor, quantize_mx
 from mxtrain.quantization.float8 import Float8Tensor, quantize_float8 as quantize_float8_reference
 
@@ -32,7 +32,7 @@ _DEQUANTIZE_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
 _FLOAT8_QUANTIZE_IMPLS: dict[str, Callable[..., Float8Tensor]] = {"reference": quantize_float8_reference}
 _FLOAT8_GEMM_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
 _PREFERENCE = ("cuda", "triton")
-_KERNELS_LOADED = False
+_LOADER: Callable[[], None] | None = None
 
 
 def register_quantize(name: str, fn: Callable[..., MXTensor]) -> None:
@@ -55,35 +55,22 @@ def register_float8_gemm(name: str, fn: Callable[..., torch.Tensor]) -> None:
     _FLOAT8_GEMM_IMPLS[name] = fn
 
 
-def _load_kernels() -> None:
-    """Import the Triton kernel modules once, where they can run (they register themselves).
+def set_kernel_loader(loader: Callable[[], None]) -> None:
+    """Install the function that imports the kernel modules on first use (``mxtrain/kernels/__init__.py``
+    does, so the kernel modules, which register here, never import the file that imports them)."""
+    global _LOADER
+    _LOADER = loader
 
-    Only with CUDA or ``TRITON_INTERPRET=1``: CPU-only users never pay for importing Triton.
-    """
-    global _KERNELS_LOADED
-    if _KERNELS_LOADED or not (os.environ.get("TRITON_INTERPRET", "0") == "1" or torch.cuda.is_available()):
-        return
-    _KERNELS_LOADED = True
-    try:
-        import mxtrain.kernels.cast  # noqa: F401
-        import mxtrain.kernels.dequantize  # noqa: F401
-        if torch.cuda.is_available():
-            import mxtrain.kernels.gemm  # noqa: F401
-            import mxtrain.kernels.cuda_cast  # noqa: F401  (registers "cuda"; builds on first use)
-    except ImportError:  # no (working) triton: the reference serves every call
-        pass
-    try:
-        import mxtrain.kernels.float8_cast  # noqa: F401
-        if torch.cuda.is_available():
-            import mxtrain.kernels.float8_gemm  # noqa: F401
-            import mxtrain.kernels.float8_state  # noqa: F401
-    except ImportError:
-        pass
+
+def _load_kernels() -> None:
+    """Import the kernel modules once, where they can run (they register themselves)."""
+    if _LOADER is not None:
+        _LOADER()
 
 
 def _resolve(backend: str | None, device: torch.device, impls: dict) -> str:
     _load_kernels()
-    backend = backend or os.environ.get("MXTRAIN_BACKEND", "auto")
+    backend = backend or config.current().backend
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} (argument or MXTRAIN_BACKEND)")
     if backend == "auto":
@@ -223,7 +210,7 @@ def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axi
     # FP8 operands (Float8Tensor) have GEMMs of their own (mxtrain/kernels/float8_gemm.py)
     impls = _FLOAT8_GEMM_IMPLS if isinstance(a, Float8Tensor) or isinstance(b, Float8Tensor) else _GEMM_IMPLS
     # a forced kernel backend names the casts; the GEMM then takes whatever GPU GEMM exists
-    requested = backend or os.environ.get("MXTRAIN_BACKEND", "auto")
+    requested = backend or config.current().backend
     name = _resolve("reference" if requested == "reference" else "auto", device, impls)
     if name != "reference":
         return impls[name](a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)

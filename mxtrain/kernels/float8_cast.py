@@ -28,12 +28,12 @@ preserved on the GPU.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from mxtrain import config
 from mxtrain.kernels._triton_utils import interpret_mode
 from mxtrain.kernels.cast import _act_bwd, _activation, _round_to_dtype, _store_out, _widen
 from mxtrain.kernels.dispatch import register_float8_quantize
@@ -275,8 +275,13 @@ BLOCK_ROW_TILE = (32, 4)
 BLOCK_COL_TILE = (64, 4)
 # CUDA tensors take the CUDA C++ block cast (mxtrain/csrc/fp8_block_cast.cu, built on first use) where it
 # applies: one 128x128-tile pass writes both planes and the bias sums (MXTRAIN_FP8_BLOCK_CAST=triton: off)
-BLOCK_CAST_CUDA = os.environ.get("MXTRAIN_FP8_BLOCK_CAST", "auto") != "triton" and \
-    os.environ.get("MXTRAIN_CUDA_KERNELS", "1") != "0"
+
+
+def _block_cast_cuda() -> bool:
+    settings = config.current()
+    return settings.fp8_block_cast != "triton" and settings.cuda_kernels
+
+
 # activations the prologue computes (forward) and differentiates (backward)
 FUSED_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
 FUSED_ACTIVATION_GRADS = {"gelu": 1, "relu": 3, "silu": 5}
@@ -354,7 +359,7 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
             BM=bm, BN=bn, num_warps=warps, **consts, **csts)
 
     db = None
-    if BLOCK_CAST_CUDA and x.is_cuda:  # the CUDA C++ cast (mxtrain/csrc/fp8_block_cast.cu): one pass, both planes
+    if _block_cast_cuda() and x.is_cuda:  # the CUDA C++ cast (mxtrain/csrc/fp8_block_cast.cu): one pass, both planes
         from mxtrain.kernels import cuda_cast
 
         db = torch.empty((nb_m, N), **f32) if dbias else None

@@ -24,20 +24,17 @@ tensor cores do not accumulate a chain of MMAs in full fp32. Against float64 on 
 H200 (K = 4096 .. 8192) both cuBLAS with its split accumulator and the Triton
 kernel with 128x128 tiles measured 1.0e-4 .. 1.3e-4 relative error (an fp32 GEMM
 of the same operands: < 1e-6), well under the FP8 quantization error itself
-(~5%, 25.6 dB SQNR of a LayerNormMLP output). Measured speed (same run): the six
-GEMMs of a 4096/16384/8192-token LayerNormMLP step take 5.14 ms per-tensor
-(1283 TFLOP/s; fast accumulation everywhere: 5.25 ms) and 12.77 ms in the block
-kernel (517 TFLOP/s), against 9.02 ms in bf16 (benchmarks/RESULTS.md).
+(~5%, 25.6 dB SQNR of a LayerNormMLP output). Speed: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from mxtrain import config
 from mxtrain.kernels.dispatch import reference_gemm, register_float8_gemm
 from mxtrain.quantization.float8 import Float8Tensor
 
@@ -49,7 +46,7 @@ fallback_gemm = reference_gemm
 
 
 def _fast_accum(a_axis: int, b_axis: int) -> bool:
-    mode = os.environ.get("MXTRAIN_FP8_FAST_ACCUM", "fprop")
+    mode = config.current().fp8_fast_accum
     if mode == "all":
         return True
     if mode == "none":
@@ -138,7 +135,6 @@ def block_fp8_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: int
 # Block-scaled GEMMs through cuBLASLt (CUDA >= 12.9 on sm_90: DeepSeek-style 1x128 / 128x128 scales,
 # promoted inside cuBLAS) when torch exposes them (torch.nn.functional.scaled_mm), else the Triton
 # kernel above. MXTRAIN_FP8_BLOCK_GEMM=triton|cublas|auto (default auto: cuBLAS where it runs).
-BLOCK_GEMM_BACKEND = os.environ.get("MXTRAIN_FP8_BLOCK_GEMM", "auto")
 _CUBLAS_BLOCK_BROKEN: dict[int, str] = {}  # device index -> why cuBLAS block scaling failed here once
 
 
@@ -184,7 +180,7 @@ def cublas_block_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: 
 def _block_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     pa, pb = a.plane(a_axis), b.plane(b_axis)
-    want = BLOCK_GEMM_BACKEND
+    want = config.current().fp8_block_gemm
     if want not in ("auto", "triton", "cublas"):
         raise ValueError(f"MXTRAIN_FP8_BLOCK_GEMM must be auto, triton or cublas, got {want!r}")
     if (want != "triton" and dev not in _CUBLAS_BLOCK_BROKEN and hasattr(torch.nn.functional, "scaled_mm")

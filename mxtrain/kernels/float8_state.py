@@ -4,8 +4,8 @@
 amax into its slot's history, takes the history's max (or newest), recomputes the
 scale (:func:`~mxtrain.quantization.float8.compute_delayed_scale`) and clears the
 pending amaxes: about 25 small torch ops. At the start of a forward the GPU is
-often idle (the previous step has finished), so their launches are paid in full:
-0.7 ms per LayerNormMLP step on an H100 (benchmarks/RESULTS.md). This kernel does
+often idle (the previous step has finished), so their launches are paid in full
+(benchmarks/RESULTS.md). This kernel does
 the same in one launch, with the same fp32 operations in the same order (IEEE
 divisions), so histories and scales are bit-identical (tests/float8/test_float8_state_kernel.py).
 An amax all-reduce (``amax_reduction_group``) keeps the torch path.

@@ -20,10 +20,10 @@ tests emulate cuBLAS's documented semantics), and the modules then keep codes fo
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from mxtrain import config
 from mxtrain.kernels.dispatch import dequantize, register_gemm
 from mxtrain.quantization import MXTensor
 
@@ -74,7 +74,6 @@ def cublas_mx_gemm(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.d
 # ---- sm_100+ (Blackwell): block-scaled tensor cores through torch._scaled_mm ------------------------
 # Untested here (the lent GPUs are Hopper): tests/kernels/test_gemm_scaled_mm.py checks the argument
 # preparation against an emulation of cuBLAS's documented semantics. MXTRAIN_MX_SCALED_MM=0 turns it off.
-SCALED_MM_MX = os.environ.get("MXTRAIN_MX_SCALED_MM", "1") != "0"
 _FP8_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _SCALED_MM_BROKEN: dict[int, str] = {}  # device index -> why torch._scaled_mm failed there once
 
@@ -87,7 +86,7 @@ def _capability(index: int) -> tuple[int, int]:
 def native_mx_gemm(device: torch.device) -> bool:
     """Whether MXFP8 GEMMs on ``device`` go to block-scaled tensor cores (sm_100+ through
     ``torch._scaled_mm``): then the casts keep codes for every plane (no bf16 values are needed)."""
-    if not SCALED_MM_MX or device.type != "cuda" or not hasattr(torch, "float8_e8m0fnu"):
+    if not config.current().mx_scaled_mm or device.type != "cuda" or not hasattr(torch, "float8_e8m0fnu"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return index not in _SCALED_MM_BROKEN and _capability(index) >= (10, 0)

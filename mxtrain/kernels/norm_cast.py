@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mxtrain import config
 from mxtrain.kernels import cast as _cast
 from mxtrain.kernels._triton_utils import (
     HAVE_TRITON, ROUNDING_IDS, SCALE_MODE_IDS, format_consts, interpret_mode, launch_options, tl, triton,
@@ -267,7 +268,7 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     m_extent = mp if want_col else M
     grid = (triton.cdiv(m_extent, block_m),)
     index64 = max(m_extent * K, M * plen(kp), K * plen(mp)) >= 2**31 - 1
-    hw = (_cast.USE_HW_FP8_CVT and not interpret_mode() and fmt_.is_float and fmt_.bits == 8
+    hw = (config.current().triton_hw_fp8 and not interpret_mode() and fmt_.is_float and fmt_.bits == 8
           and rounding == "even")
     _norm_cast_kernel[grid](
         view(x2), view(weight), view(bias) if bias is not None else dummy, view(y) if y is not None else dummy,

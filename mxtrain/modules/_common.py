@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import weakref
 
 import torch
 
+from mxtrain import config
 from mxtrain.kernels.dispatch import quantize
 from mxtrain.modules._float8 import quantize_float8_operand
 from mxtrain.quantization import MXTensor, quantize_elemwise
@@ -62,7 +62,7 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator,
     the one-pass rowwise+columnwise kernels do; each use then gets an MXTensor
     holding only its own plane. ``at_once``: every plane goes to a GEMM right away
     (backward's gradient operands), so on CUDA the cast may write all of them as
-    values (see :data:`CARRY_VALUES`).
+    values (see ``config.current().carry_values``).
 
     A weight all-gathered by FSDP2 in MX (``mxtrain.distributed``) carries the
     planes already: a use they serve gets them as they are, never quantized again.
@@ -170,7 +170,6 @@ def _hand_out(mx: MXTensor, uses, now: tuple[int, ...], out: list) -> None:
 # activation_cast): the kernels' fp32 arithmetic is not torch's, so an output can differ from the
 # unfused path by an ulp of its dtype (and then a code); each kernel's codes are bit-exact against the
 # reference cast of its own output. MXTRAIN_FUSE_SOURCES=0 computes the torch op, then casts.
-FUSE_SOURCES = os.environ.get("MXTRAIN_FUSE_SOURCES", "1") != "0"
 
 
 def source_cast_args(spec, axes, deq, keep, generator) -> dict:
@@ -191,7 +190,7 @@ def source_operands(like: torch.Tensor, specs_axes, cast, recipe, at_once: bool 
     (the reference path stays as it is), under an elementwise-precision recipe (the output
     is rounded before the cast), or unless every use is one MX spec.
     """
-    if not FUSE_SOURCES or not like.is_cuda or getattr(recipe, "elemwise_format", None) is not None:
+    if not config.current().fuse_sources or not like.is_cuda or getattr(recipe, "elemwise_format", None) is not None:
         return None
     used = [(spec, axis) for spec, axis in specs_axes if spec is not None]
     specs = {spec for spec, _ in used}
@@ -216,12 +215,11 @@ def source_operands(like: torch.Tensor, specs_axes, cast, recipe, at_once: bool 
 # columnwise planes a forward keeps for backward (wgrad inputs) keep their codes (1 byte each).
 # Only for bf16 tensors, whose MX values are all exact in bf16 (so the values serve a GEMM in
 # any dtype); elsewhere, and always on the CPU, nothing changes. MXTRAIN_CARRY_VALUES=0 turns it off.
-CARRY_VALUES = os.environ.get("MXTRAIN_CARRY_VALUES", "1") != "0"
 
 
 def _used_at_once(t2d: torch.Tensor, axes, at_once: bool = False) -> tuple[int, ...]:
-    """The axes among ``axes`` whose planes are cast straight to dequantized values (see CARRY_VALUES)."""
-    if not CARRY_VALUES or t2d.device.type != "cuda" or t2d.dtype != torch.bfloat16 or t2d.ndim != 2:
+    """The axes among ``axes`` whose planes are cast straight to dequantized values (see ``config.current().carry_values``)."""
+    if not config.current().carry_values or t2d.device.type != "cuda" or t2d.dtype != torch.bfloat16 or t2d.ndim != 2:
         return ()
     from mxtrain.kernels.gemm import native_mx_gemm
 

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from mxtrain import config
 from mxtrain.kernels.dispatch import quantize_float8
 from mxtrain.quantization.float8 import Float8Tensor
 from mxtrain.recipes.float8 import Float8RoleSpec
 
-__all__ = ["quantize_float8_operand", "fused_float8_operands", "FUSED_CASTS"]
+__all__ = ["quantize_float8_operand", "fused_float8_operands"]
 
 # LayerNormMLP's activation / bias-gradient casts fused into the FP8 cast kernels (GPU, or the
 # Triton interpreter under MXTRAIN_BACKEND=triton); MXTRAIN_FP8_FUSED_CASTS=0 runs the unfused ops.
-FUSED_CASTS = os.environ.get("MXTRAIN_FP8_FUSED_CASTS", "1") != "0"
 
 
 def quantize_float8_operand(t2d: torch.Tensor, spec, axes: tuple[int, ...]) -> Float8Tensor:
@@ -54,7 +53,7 @@ def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = No
     from mxtrain.kernels import dispatch
 
     uses = [(i, spec, axis) for i, (spec, axis) in enumerate(specs_axes) if spec is not None]
-    if not FUSED_CASTS or not uses or src.ndim != 2 or src.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if not config.current().fp8_fused_casts or not uses or src.ndim != 2 or src.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     if any(not isinstance(spec, Float8RoleSpec) or spec.fmt is None
            or (spec.block is not None and spec.block not in ((1, 128), (128, 128)))

@@ -2,7 +2,7 @@
 
 With a recipe whose ``elemwise_format`` is set, the normalization rounds every
 basic operation to that precision (microxcaling's ``BatchNorm``,
-:mod:`mxtrain.compat.mx.batchnorm`, in fp32, result in the input's dtype), as
+:mod:`mxtrain.emulation.batchnorm`, in fp32, result in the input's dtype), as
 :class:`mxtrain.modules.groupnorm.GroupNorm` does. Two things differ from
 microxcaling, to keep torch's contract:
 
@@ -34,9 +34,9 @@ class _BatchNormEvalFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, running_mean, running_var, weight, bias, eps, specs):
-        from mxtrain.compat.mx.norm_utils import _norm_forward
-        from mxtrain.compat.mx.specs import get_backwards_mx_specs
-        from mxtrain.compat.mx.vector_ops import vec_quantize
+        from mxtrain.emulation.norm_utils import _norm_forward
+        from mxtrain.emulation.specs import get_backwards_mx_specs
+        from mxtrain.emulation.vector_ops import vec_quantize
         x = vec_quantize(x, mx_specs=specs)
         bf_weight = vec_quantize(weight, mx_specs=specs)
         bf_bias = vec_quantize(bias, mx_specs=specs)
@@ -50,7 +50,7 @@ class _BatchNormEvalFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        from mxtrain.compat.mx.vector_ops import vec_mul, vec_quantize, vec_reduce_sum
+        from mxtrain.emulation.vector_ops import vec_mul, vec_quantize, vec_reduce_sum
         specs = ctx.specs
         x_norm, x_std_inv, weight = ctx.saved_tensors
         sum_axes = [0] + list(range(2, grad_output.ndim))
@@ -69,7 +69,7 @@ class _BatchNormMixin:
         specs = norm_specs()
         if specs is None:
             return super().forward(x)
-        from mxtrain.compat.mx.batchnorm import BatchNormFunction
+        from mxtrain.emulation.batchnorm import BatchNormFunction
         self._check_input_dim(x)
         # torch's bookkeeping, step for step (nn.modules.batchnorm._BatchNorm.forward)
         factor = 0.0 if self.momentum is None else self.momentum

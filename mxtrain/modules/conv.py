@@ -64,7 +64,7 @@ def fake_quantize_role(t: torch.Tensor, spec, axis: int, generator, groups: int 
         shape = t.shape
         split = t.reshape(*shape[:axis], groups, shape[axis] // groups, *shape[axis + 1:])
         return fake_quantize_role(split, spec, axis + 1, generator).reshape(shape)
-    from mxtrain.elementwise.rounding import FAST_ROUNDINGS, fake_quantize_mx_floor
+    from mxtrain.emulation.rounding import FAST_ROUNDINGS, fake_quantize_mx_floor
     from mxtrain.formats import parse_format
     from mxtrain.quantization import fake_quantize_mx
     t = t.float()

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mxtrain import config
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import dequantize
 from mxtrain.modules._common import (
@@ -44,7 +44,6 @@ __all__ = ["GroupedLinear", "mx_grouped_linear"]
 
 # "auto": the grouped bf16 GEMM on CUDA (MX recipes, bf16 activations); "0": never (per-expert GEMMs);
 # "1": also off CUDA (tests run the grouped path on the CPU this way)
-GROUPED_MM = os.environ.get("MXTRAIN_GROUPED_MM", "auto")
 _grouped_mm_fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _GROUPED_MM_FAILED: set = set()
 
@@ -164,9 +163,9 @@ def _stack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _grouped_gemm_ok(x2d, specs, dims) -> bool:
     """Whether this pass runs as one grouped bf16 GEMM: MX operands (values exact in bf16), bf16
     activations, rows 16-byte aligned, a grouped GEMM in this torch and device."""
-    if GROUPED_MM == "0" or _grouped_mm_fn is None or x2d.dtype != torch.bfloat16:
+    if config.current().grouped_mm == "0" or _grouped_mm_fn is None or x2d.dtype != torch.bfloat16:
         return False
-    if GROUPED_MM != "1" and not x2d.is_cuda:
+    if config.current().grouped_mm != "1" and not x2d.is_cuda:
         return False
     if (x2d.device.type, x2d.device.index) in _GROUPED_MM_FAILED:
         return False

@@ -5,7 +5,7 @@ the one :func:`mxtrain.convert` pinned), every basic operation of the norm (mean
 shift, variance, ``1/sqrt``, scale, shift; and the backward pass's, unless
 ``quantize_backward=False``) is rounded to that precision with the recipe's
 ``rounding`` and ``elemwise_subnormals``: microxcaling's ``GroupNorm``
-(:mod:`mxtrain.compat.mx.groupnorm`), computed in fp32 and returned in the
+(:mod:`mxtrain.emulation.groupnorm`), computed in fp32 and returned in the
 input's dtype. This is finer-grained than :class:`mxtrain.LayerNorm`, which
 rounds only the norm's output (and input gradient). Without such a recipe it is
 exactly ``nn.GroupNorm``; parameters and state-dict keys are its own.
@@ -42,7 +42,7 @@ class GroupNorm(nn.GroupNorm):
         specs = norm_specs()
         if specs is None:
             return super().forward(x)
-        from mxtrain.compat.mx.groupnorm import GroupNormFunction
+        from mxtrain.emulation.groupnorm import GroupNormFunction
         if x.ndim < 2 or x.shape[1] != self.num_channels:
             raise ValueError(f"GroupNorm({self.num_groups}, {self.num_channels}) expects inputs of shape "
                              f"(N, {self.num_channels}, *), got {list(x.shape)}")

@@ -48,9 +48,22 @@ from mxtrain.quantization import _workers
 from mxtrain.quantization.rounding import (
     FP32_ABS_MASK, FP32_EXP_MASK, FP32_MANT_BITS, code_table, element_codes, grid_value, round_to_grid,
 )
+from mxtrain.quantization.scale import _inverse_scale_values, _tables_for, scale_values, shared_exponent_bytes
 
 ROUNDINGS = ("even", "nearest", "floor")
 _LITTLE_ENDIAN = sys.byteorder == "little"
+
+# On the CPU, quantize_mx, fake_quantize_mx and dequantize run on these tables, built from the
+# reference functions: the same bits in far fewer passes. The reference chunk functions of
+# mxtrain.quantization.mx stay the specification (and run on other devices and for stochastic
+# rounding); tests set this False to compare the two.
+USE_LOOKUP_TABLES = True
+LUT_CHUNK_ELEMENTS = 1 << 18  # elements per chunk of the table path (its buffers reuse one allocation)
+
+
+def use_tables(device: torch.device, rounding: str | None = None) -> bool:
+    """Whether the table path serves a call on ``device`` with ``rounding`` (None: a dequantize)."""
+    return USE_LOOKUP_TABLES and device.type == "cpu" and (rounding is None or rounding in ROUNDINGS)
 
 
 def index_shift(fmt: ElemFormat) -> int:
@@ -121,7 +134,6 @@ def scale_table(fmt: ElemFormat, scale_mode: str, device: torch.device) -> tuple
     one, which share a byte when ``emax >= 1`` (both clamp to 2**-127) but not for the
     integer formats: None there, and the caller runs :func:`shared_exponent_bytes`.
     """
-    from mxtrain.quantization.mx import _inverse_scale_values, shared_exponent_bytes
 
     key = (fmt.name, scale_mode, device)
     if key not in _SCALES:
@@ -227,7 +239,6 @@ def _chunk_blocks(chunk: torch.Tensor, bs: int, nblocks: int, scratch: Scratch) 
 def _scaled(blocks: torch.Tensor, fmt: ElemFormat, scale_mode: str, scale_out: torch.Tensor,
             scratch: Scratch) -> torch.Tensor:
     """``y = blocks / scale`` (exact), as the reference's ``_scaled_blocks``; the scale bytes go to ``scale_out``."""
-    from mxtrain.quantization.mx import _inverse_scale_values, shared_exponent_bytes
 
     mag = torch.bitwise_and(blocks.view(torch.int32), FP32_ABS_MASK,
                             out=scratch.get("y", blocks.numel(), torch.int32).view(blocks.shape))
@@ -278,8 +289,6 @@ def quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemFormat, sc
 def fake_quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemFormat, scale_mode: str,
                        rounding: str, out: torch.Tensor, chunk_elements: int) -> None:
     """``fake_quantize_mx`` of ``rows`` ``[R, length]`` into ``out`` (same shape, any float dtype)."""
-    from mxtrain.quantization.mx import _tables_for, scale_values
-
     table = fake_table(fmt, rounding, rows.device)
     scale_table(fmt, scale_mode, rows.device)
     _tables_for(rows.device)  # scale_values' table, cached before the workers look it up
@@ -304,7 +313,6 @@ def fake_quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemForma
 def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, packed: bool, padded: int,
                     out: torch.Tensor, chunk_elements: int) -> None:
     """Values of the codes ``data`` ``[R, bytes]`` with scales ``[R, nblocks]`` into ``out`` ``[R, length]``."""
-    from mxtrain.quantization.mx import _tables_for, scale_values
     from mxtrain.quantization.packing import unpack_codes
 
     nblocks = scale.shape[-1]

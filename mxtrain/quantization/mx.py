@@ -13,98 +13,20 @@ import torch
 import torch.nn.functional as F
 
 from mxtrain.formats import E8M0, ElemFormat, parse_format
-from mxtrain.quantization import _memory
+from mxtrain.quantization import _memory, lut
 from mxtrain.quantization._validate import (
     ROUNDINGS, SCALE_MODES, check_block_size, check_choice, check_float_tensor, make_generator,
     normalize_axes, normalize_axis,
 )
-from mxtrain.quantization.rounding import (
-    FP32_ABS_MASK, FP32_BIAS, FP32_EXP_MASK, FP32_MANT_BITS, decode_codes_fast, element_codes, grid_value,
-    round_to_grid,
+from mxtrain.quantization.dequantize import (  # noqa: F401  (dequantize_plane*: re-exported)
+    _no_dynamo, _row_chunks, dequantize_plane, dequantize_plane_values,
 )
-
-FP32_MIN_NORMAL_EXP = -126
-
-# Dynamo stays out of the quantizers: they are chunked Python loops, and inductor
-# has miscompiled their dtype-bitcast views inside fused chains (NaN where eager is
-# exact). Compiled models call them as opaque, exact functions (one graph break each).
-_no_dynamo = torch.compiler.disable(recursive=True)
-
-
-def _scale_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(2**(b-127), 2**(127-b))`` for every scale byte b, NaN at 0xFF (exact, subnormal 2**-127 included)."""
-    b = torch.arange(256, dtype=torch.float64)
-    up = torch.exp2(b - E8M0.bias)
-    down = torch.exp2(E8M0.bias - b)
-    up[E8M0.nan_code] = float("nan")
-    down[E8M0.nan_code] = float("nan")
-    return up.to(torch.float32).to(device), down.to(torch.float32).to(device)
-
-
-_SCALE_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _tables_for(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    tables = _SCALE_TABLES.get(device)
-    if tables is None:
-        tables = _SCALE_TABLES[device] = _scale_tables(device)
-    return tables
-
-
-def scale_values(scale_bytes: torch.Tensor) -> torch.Tensor:
-    """fp32 ``2**(byte - 127)`` of E8M0 scale bytes (0xFF -> NaN)."""
-    return _tables_for(scale_bytes.device)[0][scale_bytes.long()]
-
-
-def _inverse_scale_values(scale_bytes: torch.Tensor) -> torch.Tensor:
-    """fp32 ``2**(127 - byte)``: multiplying by it divides by the scale, exactly."""
-    return _tables_for(scale_bytes.device)[1][scale_bytes.long()]
-
-
-def shared_exponent_bytes(amax_bits: torch.Tensor, fmt: ElemFormat, scale_mode: str) -> torch.Tensor:
-    """E8M0 scale bytes from the fp32 bit patterns of block amaxes (int32, sign clear).
-
-    ``floor``: ``floor(log2 amax) - emax``, an all-zero block taking amax = 2**-126
-    (microxcaling/OCP). ``even``: amax first rounded (half up) to ``mbits``
-    mantissa bits (torchao's EVEN). ``rceil``: ``ceil(log2(amax * fp32(1/max_norm)))``
-    with the product in fp32 (Transformer Engine / cuBLAS). All clamp to
-    [-127, 127]; a NaN or Inf amax gives 0xFF.
-    """
-    nonfinite = amax_bits >= FP32_EXP_MASK
-    if scale_mode == "rceil":
-        d = amax_bits.view(torch.float32) * torch.tensor(1.0 / fmt.max_norm, dtype=torch.float32)
-        d_bits = d.view(torch.int32)
-        biased = d_bits >> FP32_MANT_BITS
-        mant = d_bits & ((1 << FP32_MANT_BITS) - 1)
-        # subnormal d: 2**-127 < d < 2**-126 rounds up to -126, anything smaller to -127
-        round_up = torch.where(biased == 0, mant > (1 << (FP32_MANT_BITS - 1)), mant != 0)
-        exp = biased - FP32_BIAS + round_up.to(torch.int32)
-    else:
-        bits = amax_bits
-        if scale_mode == "even":
-            bits = bits + (1 << (FP32_MANT_BITS - 1 - fmt.mbits))
-        biased = bits >> FP32_MANT_BITS
-        # zero block: amax := 2**-126; fp32-subnormal amax: floor(log2) <= -127
-        exp = torch.where(biased == 0, torch.where(amax_bits == 0, FP32_MIN_NORMAL_EXP, -FP32_BIAS),
-                          biased - FP32_BIAS) - fmt.emax
-    scale = exp.clamp_(E8M0.min_exp, E8M0.max_exp) + E8M0.bias
-    return torch.where(nonfinite, E8M0.nan_code, scale).to(torch.uint8)
-
-
-CHUNK_ELEMENTS = 1 << 18  # ~1 MiB of fp32 per chunk: every pass stays in cache
-
-# On the CPU, quantize_mx, fake_quantize_mx and dequantize run on lookup tables built
-# from the reference functions (see :mod:`mxtrain.quantization.lut`): the same bits in
-# far fewer passes. The reference chunk functions here stay the specification (and run
-# on other devices and for stochastic rounding); tests set this False to compare the two.
-USE_LOOKUP_TABLES = True
-LUT_CHUNK_ELEMENTS = 1 << 18  # elements per chunk of the table path (its buffers reuse one allocation)
-
-
-def _use_tables(device: torch.device, rounding: str | None = None) -> bool:
-    from mxtrain.quantization import lut
-
-    return USE_LOOKUP_TABLES and device.type == "cpu" and (rounding is None or rounding in lut.ROUNDINGS)
+from mxtrain.quantization.rounding import (
+    FP32_ABS_MASK, element_codes, grid_value, round_to_grid,
+)
+from mxtrain.quantization.scale import (  # noqa: F401  (re-exported: the scale rules' home is scale.py)
+    _inverse_scale_values, scale_values, shared_exponent_bytes,
+)
 
 
 def _rows(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -117,12 +39,6 @@ def _geometry(length: int, block_size: int) -> tuple[int, int]:
     """(block size, number of blocks) along an axis of ``length``; block_size 0 = whole axis."""
     bs = block_size if block_size > 0 else max(length, 1)
     return bs, -(-length // bs)
-
-
-def _row_chunks(rows: int, length: int, elements: int = CHUNK_ELEMENTS):
-    step = max(1, elements // max(length, 1))
-    for start in range(0, rows, step):
-        yield start, min(rows, start + step)
 
 
 def _blocks_of(chunk: torch.Tensor, bs: int, nblocks: int) -> torch.Tensor:
@@ -186,7 +102,7 @@ def quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, 
     fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
     axes = normalize_axes(axis, x.ndim)
     generator = make_generator(seed, x.device) if rounding == "stochastic" else None
-    tables = _use_tables(x.device, rounding)
+    tables = lut.use_tables(x.device, rounding)
     planes = []
     for ax in axes:
         rows, lead = _rows(x, ax)
@@ -198,11 +114,10 @@ def quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int = 32, 
                               x.device)
         scale = torch.empty(rows.shape[0], nblocks, dtype=torch.uint8, device=x.device)
         if tables:
-            from mxtrain.quantization import lut
-
+        
             # codes and scales are integers: no graph to record
             lut.quantize_rows(rows.detach(), bs, nblocks, fmt, scale_mode, rounding, pack, codes, scale,
-                              LUT_CHUNK_ELEMENTS)
+                              lut.LUT_CHUNK_ELEMENTS)
         else:
             for lo, hi in _row_chunks(*rows.shape):
                 c, s = _quantize_blocks(_blocks_of(rows[lo:hi], bs, nblocks), fmt, scale_mode, rounding, generator)
@@ -236,10 +151,9 @@ def fake_quantize_mx(x: torch.Tensor, fmt: "str | ElemFormat", block_size: int =
     length = rows.shape[1]
     bs, nblocks = _geometry(length, block_size)
     out = _memory.empty(rows.shape, x.dtype, x.device)
-    if _use_tables(x.device, rounding):
-        from mxtrain.quantization import lut
-
-        lut.fake_quantize_rows(rows, bs, nblocks, fmt, scale_mode, rounding, out, LUT_CHUNK_ELEMENTS)
+    if lut.use_tables(x.device, rounding):
+    
+        lut.fake_quantize_rows(rows, bs, nblocks, fmt, scale_mode, rounding, out, lut.LUT_CHUNK_ELEMENTS)
         return out.reshape(*lead, length).movedim(-1, ax)
     for lo, hi in _row_chunks(*rows.shape):
         scale, y = _scaled_blocks(_blocks_of(rows[lo:hi], bs, nblocks), fmt, scale_mode)
@@ -262,44 +176,3 @@ class _StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None, None, None, None, None, None
-
-
-@_no_dynamo
-def dequantize_plane_values(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat,
-                            length: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Values ``code * 2**X`` of unpacked codes ``[..., nblocks*bs]`` with scales ``[..., nblocks]``.
-
-    Cropped to ``length`` along the last axis (default: no crop), cast to ``dtype``.
-    """
-    return dequantize_plane(codes, scale, fmt, False, length, dtype)
-
-
-def _unpacked_length(nbytes: int, fmt: ElemFormat, packed: bool) -> int:
-    return nbytes if not packed or fmt.bits == 8 else nbytes * 8 // fmt.bits
-
-
-@_no_dynamo
-def dequantize_plane(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, packed: bool,
-                     length: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Values ``code * 2**X`` of a plane's codes ``[..., bytes]`` (packed or not) with scales ``[..., nblocks]``.
-
-    Cropped to ``length`` along the last axis (default: the padded length), cast to ``dtype``.
-    """
-    from mxtrain.quantization import lut
-    from mxtrain.quantization.packing import unpack_codes
-
-    nblocks = scale.shape[-1]
-    padded = _unpacked_length(data.shape[-1], fmt, packed)
-    length = padded if length is None else length
-    lead = data.shape[:-1]
-    data2, scale2 = data.reshape(-1, data.shape[-1]), scale.reshape(-1, nblocks)
-    out = _memory.empty((data2.shape[0], length), dtype, data.device)
-    if _use_tables(data.device):
-        lut.dequantize_rows(data2, scale2, fmt, packed, padded, out, LUT_CHUNK_ELEMENTS)
-        return out.reshape(*lead, length)
-    codes2 = unpack_codes(data2, fmt) if packed else data2
-    for lo, hi in _row_chunks(codes2.shape[0], padded):
-        values = decode_codes_fast(codes2[lo:hi], fmt).reshape(hi - lo, nblocks, -1)
-        values.mul_(scale_values(scale2[lo:hi]).unsqueeze(-1))
-        out[lo:hi] = values.reshape(hi - lo, padded)[:, :length]
-    return out.reshape(*lead, length)

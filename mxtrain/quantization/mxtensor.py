@@ -14,7 +14,7 @@ import torch
 
 from mxtrain.formats import ELEMENT_FORMATS, MX_FORMAT_NAMES, ElemFormat, parse_format
 from mxtrain.quantization._validate import ROUNDINGS, SCALE_MODES, SUPPORTED_DTYPES, check_dequantize_dtype
-from mxtrain.quantization.mx import dequantize_plane
+from mxtrain.quantization.dequantize import dequantize_plane
 from mxtrain.quantization.packing import packed_length, unpack_codes
 
 __all__ = ["MXPlane", "MXTensor"]

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from mxtrain.compat import mx
-from mxtrain.compat.mx import mx_ops
 from mxtrain.quantization import fake_quantize_mx, quantize_elemwise
 
 FP8_BF16 = {"w_elem_format": "fp8_e4m3", "a_elem_format": "fp8_e4m3", "block_size": 32, "scale_bits": 8, "bfloat": 16}
@@ -110,10 +109,10 @@ def _small_cnn(s):
                                mx.Linear(256, 4, mx_specs=s))
 
 
-def test_fast_path_equals_reference_path(monkeypatch):
+def test_fast_path_equals_reference_path(mx_config):
     s = specs(**FP8_BF16)
     fast = _train_steps(lambda: _small_cnn(s))
-    monkeypatch.setattr(mx_ops, "_USE_REFERENCE", True)
+    mx_config(compat_reference=True)
     ref = _train_steps(lambda: _small_cnn(s))
     assert all(torch.equal(a, b) for a, b in zip(fast[0] + fast[1], ref[0] + ref[1]))
 

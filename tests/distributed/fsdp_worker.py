@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mxtrain
+from mxtrain import config
 import mxtrain.distributed as mxdist
 from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from mxtrain.distributed import fsdp as mxfsdp
@@ -355,14 +356,11 @@ def scenario_core(rank, world, device, out):
         "mxfp8_no_reshard": check_gathered_planes(rank, world, device, fp8, None, reshard_after_forward=False),
     }
     # the planes dequantized straight from the gather buffer (the default on Hopper with bf16 params)
-    saved, mxfsdp.GATHER_VALUES = mxfsdp.GATHER_VALUES, True
-    try:
+    with config.override(gather_values=True):
         res["planes"]["mxfp8_bf16_params_values"] = check_gathered_planes(rank, world, device, fp8, torch.bfloat16)
         res["planes"]["mxfp4_bf16_params_values"] = check_gathered_planes(
             rank, world, device, mxtrain.MXFP4Recipe(), torch.bfloat16)
         res["parity_values"] = parity(rank, world, device, fp8)
-    finally:
-        mxfsdp.GATHER_VALUES = saved
     res["bytes"] = {
         "mxfp8": count_all_gather_bytes(rank, world, device, fp8, True, torch.bfloat16),
         "mxfp4": count_all_gather_bytes(rank, world, device, mxtrain.MXFP4Recipe(), True, torch.bfloat16),
@@ -580,7 +578,7 @@ def scenario_fault(rank, world, device, out, resume: bool, tag: str):
         latest = latest_checkpoint(ckpt_dir)
         if latest is not None:
             start = load_checkpoint(latest, model, opt)["step"]
-    fault_step = int(os.environ.get("MXTRAIN_FAULT_STEP", "-1"))
+    fault_step = config.current().fault_step
     log = os.path.join(out, f"{tag}_losses.jsonl")
     for step in range(start, steps):
         if step == fault_step and rank == 1:

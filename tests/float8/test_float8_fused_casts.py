@@ -18,7 +18,6 @@ pytest.importorskip("triton", reason="triton is not installed")
 import mxtrain  # noqa: E402
 from mxtrain.kernels import float8_cast  # noqa: E402
 from mxtrain.kernels.float8_cast import block_cast_float8, tensor_cast_float8  # noqa: E402
-from mxtrain.modules import _float8 as module_float8  # noqa: E402
 from mxtrain.modules.activations import activation, activation_backward  # noqa: E402
 from mxtrain.quantization.float8 import quantize_float8  # noqa: E402
 from mxtrain.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling  # noqa: E402
@@ -169,15 +168,15 @@ class _CastSpy:
 
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(), Float8BlockScaling()],
                          ids=["current", "delayed", "block"])
-def test_layernorm_mlp_fused_equals_unfused(recipe, monkeypatch):
+def test_layernorm_mlp_fused_equals_unfused(recipe, monkeypatch, mx_config):
     """relu: exact arithmetic, so the fused path must reproduce the unfused one bit for bit."""
     if INTERPRET:
-        monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
+        mx_config(backend="triton")
     torch.manual_seed(0)
     results = []
     spy = _CastSpy(monkeypatch)
     for fused in (True, False):
-        monkeypatch.setattr(module_float8, "FUSED_CASTS", fused)
+        mx_config(fp8_fused_casts=fused)
         calls = spy.reset()
         torch.manual_seed(0)
         m = mxtrain.LayerNormMLP(64, 128, activation="relu", device=DEVICE)
@@ -204,15 +203,15 @@ def test_layernorm_mlp_fused_equals_unfused(recipe, monkeypatch):
 @pytest.mark.parametrize("module", ["Linear", "LayerNormLinear"])
 @pytest.mark.parametrize("recipe", [Float8CurrentScaling(), DelayedScaling(), Float8BlockScaling()],
                          ids=["current", "delayed", "block"])
-def test_linear_modules_fused_equal_unfused(module, recipe, monkeypatch):
+def test_linear_modules_fused_equal_unfused(module, recipe, monkeypatch, mx_config):
     """Linear / LayerNormLinear: dy cast with the bias gradient fused, the weight's dgrad plane kept from
     forward; outputs and gradients equal the unfused path (bias gradients up to summation order)."""
     if INTERPRET:
-        monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
+        mx_config(backend="triton")
     results = []
     spy = _CastSpy(monkeypatch)
     for fused in (True, False):
-        monkeypatch.setattr(module_float8, "FUSED_CASTS", fused)
+        mx_config(fp8_fused_casts=fused)
         calls = spy.reset()
         torch.manual_seed(0)
         m = (mxtrain.Linear(64, 96, device=DEVICE) if module == "Linear"

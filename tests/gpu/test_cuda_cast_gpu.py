@@ -168,7 +168,7 @@ def test_dispatch_prefers_cuda_and_forced_backends_agree():
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
-def test_modules_on_cuda_cast_equal_triton(monkeypatch, bias):
+def test_modules_on_cuda_cast_equal_triton(mx_config, bias):
     """LayerNormMLP forward+backward under MXFP8 on the CUDA cast equals the Triton cast bit for bit: the
     output and every fc gradient. The norm's own gradients (dx, d gamma, d beta) run torch's native backward
     on the statistics each backend's norm + cast kernel computed; the two kernels sum a row in different
@@ -182,7 +182,7 @@ def test_modules_on_cuda_cast_equal_triton(monkeypatch, bias):
     x = torch.randn(128, 256, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     outs = {}
     for backend in ("cuda", "triton"):
-        monkeypatch.setenv("MXTRAIN_BACKEND", backend)
+        mx_config(backend=backend)
         x.grad = None
         mlp.zero_grad()
         with mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()):
@@ -205,8 +205,8 @@ def test_modules_on_cuda_cast_equal_triton(monkeypatch, bias):
 # ---------------------------------------------------------------- norm + cast, activation + cast on the CUDA kernel
 
 @pytest.fixture
-def fused_sources(monkeypatch):
-    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", True)  # the default (MXTRAIN_CUDA_FUSED_SOURCES=0 turns it off)
+def fused_sources(mx_config):
+    mx_config(cuda_fused_sources=True)  # the default (MXTRAIN_CUDA_FUSED_SOURCES=0 turns it off)
 
 
 def _spy(monkeypatch, name):
@@ -272,7 +272,7 @@ def test_norm_cast_bf16_gamma_as_fp32(monkeypatch, fused_sources, kind, offset):
     assert torch.equal(r16.mx.dequantized_values(1), r32.mx.dequantized_values(1))
 
 
-def test_norm_cast_3d_rowwise_and_triton_switch(monkeypatch, fused_sources):
+def test_norm_cast_3d_rowwise_and_triton_switch(monkeypatch, fused_sources, mx_config):
     from mxtrain.kernels.norm_cast import norm_cast
 
     x = torch.randn(4, 64, 256, device=DEV, dtype=torch.bfloat16)
@@ -280,7 +280,7 @@ def test_norm_cast_3d_rowwise_and_triton_switch(monkeypatch, fused_sources):
     r = norm_cast(x, w, None, kind="RMSNorm", fmt="fp8_e5m2", axis=-1, return_output=True)
     assert not helpers.planes_equal(r.mx, quantize_mx(r.out, "fp8_e5m2", axis=-1))
     calls = _spy(monkeypatch, "_launch")
-    monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
+    mx_config(backend="triton")
     r = norm_cast(x, w, None, kind="RMSNorm", fmt="fp8_e5m2", axis=-1, return_output=True)
     assert not calls  # MXTRAIN_BACKEND=triton keeps the Triton kernel
     assert not helpers.planes_equal(r.mx, quantize_mx(r.out, "fp8_e5m2", axis=-1))
@@ -305,10 +305,10 @@ def test_activation_cast_cuda(monkeypatch, fused_sources, act, dtype):
     assert not helpers.planes_equal(activation_cast(h, act, "fp8_e4m3", axis=(-1, 0)), mxt)
 
 
-def test_fused_sources_switch_off(monkeypatch):
+def test_fused_sources_switch_off(monkeypatch, mx_config):
     from mxtrain.kernels.activation_cast import activation_cast
 
-    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", False)  # what MXTRAIN_CUDA_FUSED_SOURCES=0 sets
+    mx_config(cuda_fused_sources=False)  # what MXTRAIN_CUDA_FUSED_SOURCES=0 sets
     calls = _spy(monkeypatch, "_launch")
     activation_cast(torch.randn(64, 256, device=DEV, dtype=torch.bfloat16), "gelu", "fp8_e4m3", axis=(-1, 0))
     assert not calls
@@ -404,7 +404,7 @@ def test_norm_cast_special_rows(fused_sources, kind, dtype):
 
 
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
-def test_norm_statistics_in_kernel_many_bands(monkeypatch, fused_sources, kind):
+def test_norm_statistics_in_kernel_many_bands(mx_config, fused_sources, kind):
     """The norm's statistics are work items of the same kernel, run ahead of the tiles that wait on them:
     many bands, a ragged last band, any lookahead, rowwise-only: the same statistics and bytes."""
     from mxtrain.kernels.norm_cast import norm_cast
@@ -415,7 +415,7 @@ def test_norm_statistics_in_kernel_many_bands(monkeypatch, fused_sources, kind):
     b = (torch.randn(4104, generator=g, device=DEV) * 0.2).to(torch.bfloat16) if kind == "LayerNorm" else None
     results = []
     for lookahead in (1, 6, 1000):
-        monkeypatch.setattr(cuda_cast, "NORM_LOOKAHEAD", lookahead)
+        mx_config(norm_lookahead=lookahead)
         results.append(norm_cast(x, w, b, kind=kind, fmt="fp8_e4m3", axis=(-1, 0), return_output=True))
     r = results[0]
     for other in results[1:]:
@@ -530,7 +530,7 @@ def test_cuda_dequantize_ragged_tiles(monkeypatch, shape, axis):
     assert calls and all(calls)  # every launch on the CUDA kernel
 
 
-def test_cuda_dequantize_layouts_it_leaves_to_triton(monkeypatch):
+def test_cuda_dequantize_layouts_it_leaves_to_triton(monkeypatch, mx_config):
     """A transposed plane whose row count is not a multiple of 8, fp16 output, other formats, and
     MXTRAIN_BACKEND=triton take the Triton kernel; the values are the reference's either way."""
     from mxtrain.kernels import dequantize as dq
@@ -546,7 +546,7 @@ def test_cuda_dequantize_layouts_it_leaves_to_triton(monkeypatch):
     fp6 = quantize_mx(x, "fp6_e2m3", axis=-1)
     assert helpers.values_equal(dq.triton_dequantize(fp6, torch.bfloat16, 1), fp6.dequantize(torch.bfloat16, 1))
     assert taken[-1] is False
-    monkeypatch.setenv("MXTRAIN_BACKEND", "triton")
+    mx_config(backend="triton")
     taken.clear()
     assert helpers.values_equal(dq.triton_dequantize(mxt, torch.bfloat16, 1), mxt.dequantize(torch.bfloat16, 1))
     assert taken == [False]
@@ -606,7 +606,7 @@ def _check_cast_planes_into(x32, fmt, src, axes):
         assert all(p.data.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for p in mx.planes)
 
 
-def test_cast_planes_into_declines_what_it_does_not_cast(monkeypatch):
+def test_cast_planes_into_declines_what_it_does_not_cast(mx_config):
     fp8 = parse_format("fp8_e4m3")
     x = torch.randn(64, 64, device=DEV)
     assert cuda_cast.cast_planes_into(x, fp8, 32, (1,), "floor", "even", torch.float16) is None  # fp32 -> fp16
@@ -618,7 +618,7 @@ def test_cast_planes_into_declines_what_it_does_not_cast(monkeypatch):
     assert cuda_cast.cast_planes_into(torch.randn(64, 60, device=DEV), fp8, 32, (1,), "floor", "even",
                                       torch.float32) is None  # rows not a multiple of 8 elements
     assert cuda_cast.cast_planes_into(x, fp8, 32, (), "floor", "even", torch.float32) is None
-    monkeypatch.setenv("MXTRAIN_BACKEND", "triton")  # read at each call
+    mx_config(backend="triton")
     assert cuda_cast.cast_planes_into(x, fp8, 32, (1,), "floor", "even", torch.float32) is None
 
 
@@ -634,7 +634,7 @@ def _fp16_ulp_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "relu", "squared_relu", "silu"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_activation_backward_cast_cuda(monkeypatch, fused_sources, act, dtype):
+def test_activation_backward_cast_cuda(monkeypatch, fused_sources, act, dtype, mx_config):
     """dh = grad * act'(h) inside the CUDA cast: the codes of the kernel's own dh bit for bit (both planes,
     ragged rows and columns, NaN / Inf / signed zeros), dh within one ulp of torch's backward (relu: equal)
     and of the Triton kernel's, the values and codes of one pass consistent."""
@@ -661,9 +661,9 @@ def test_activation_backward_cast_cuda(monkeypatch, fused_sources, act, dtype):
     # against the Triton kernel (the fused sources switched off): nearly always equal, and close everywhere
     # (Triton's contracted arithmetic, not within an ulp of torch's where gelu's derivative cancels near
     # x = -0.75, is the one further off there)
-    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", False)
+    mx_config(cuda_fused_sources=False)
     tri = activation_backward_cast(h, grad, act, "fp8_e4m3", axis=(-1, 0), return_output=True)
-    monkeypatch.setattr(cuda_cast, "FUSED_SOURCES", True)
+    mx_config(cuda_fused_sources=True)
     cud = activation_backward_cast(h, grad, act, "fp8_e4m3", axis=(-1, 0), return_output=True)
     assert (ulps(cud.out, tri.out) == 0).float().mean().item() > 0.99
     torch.testing.assert_close(cud.out.float(), tri.out.float(), rtol=2**-6, atol=1e-4, equal_nan=True)

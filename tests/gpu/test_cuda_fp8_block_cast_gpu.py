@@ -28,7 +28,7 @@ if torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from mxtrain.kernels import float8_cast  # noqa: E402
+from mxtrain import config  # noqa: E402
 from mxtrain.kernels.float8_cast import block_cast_float8  # noqa: E402
 from mxtrain.quantization.float8 import quantize_float8  # noqa: E402
 
@@ -50,12 +50,8 @@ def source(rows, cols, dtype, seed=0, special=True):
 
 
 def run(x, fmt, block, cuda, **kw):
-    old = float8_cast.BLOCK_CAST_CUDA
-    float8_cast.BLOCK_CAST_CUDA = cuda
-    try:
+    with config.override(fp8_block_cast="auto" if cuda else "triton", cuda_kernels=True):
         return block_cast_float8(x, fmt, block, **kw)
-    finally:
-        float8_cast.BLOCK_CAST_CUDA = old
 
 
 def same(qa, qb):

@@ -84,11 +84,11 @@ PRECISE_TOL, FAST_TOL = 5e-4, 1e-2
 
 @pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
 @pytest.mark.parametrize("hybrid", [False, True])
-def test_per_tensor_gemms_match_float64(m, n, k, hybrid, monkeypatch):
+def test_per_tensor_gemms_match_float64(m, n, k, hybrid, mx_config):
     xq, wq, dyq = _operands(m, n, k, block=False, hybrid=hybrid)
     errors = {}
     for mode, tol in (("none", PRECISE_TOL), ("all", FAST_TOL)):  # split accumulator; cuBLAS fast accumulation
-        monkeypatch.setenv("MXTRAIN_FP8_FAST_ACCUM", mode)
+        mx_config(fp8_fast_accum=mode)
         for name, (got, ref) in _three_gemms(xq, wq, dyq).items():
             assert got.dtype == torch.float32
             errors[f"{name} fast_accum={mode}"] = (_rel(got, ref), tol)
@@ -97,10 +97,10 @@ def test_per_tensor_gemms_match_float64(m, n, k, hybrid, monkeypatch):
 
 @pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
 @pytest.mark.parametrize("backend", ["triton", "auto"])
-def test_block_gemms_match_float64(m, n, k, backend, monkeypatch):
+def test_block_gemms_match_float64(m, n, k, backend, mx_config):
     """Both block GEMMs: the Triton kernel, and cuBLAS's block scaling where torch and the GPU have it."""
     from mxtrain.kernels import float8_gemm
-    monkeypatch.setattr(float8_gemm, "BLOCK_GEMM_BACKEND", backend)
+    mx_config(fp8_block_gemm=backend)
     xq, wq, dyq = _operands(m, n, k, block=True, hybrid=False)
     errors = {name: _rel(got, ref) for name, (got, ref) in _three_gemms(xq, wq, dyq).items()}
     assert all(err <= PRECISE_TOL for err in errors.values()), (errors, float8_gemm._CUBLAS_BLOCK_BROKEN)
@@ -130,7 +130,7 @@ RECIPES = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(amax_his
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_layernorm_mlp_matches_reference_path(name, dtype, monkeypatch):
+def test_layernorm_mlp_matches_reference_path(name, dtype, mx_config):
     recipe = RECIPES[name]
     torch.manual_seed(3)
     fast = mxtrain.LayerNormMLP(1024, 2048, activation="swiglu").to("cuda", dtype)
@@ -147,16 +147,16 @@ def test_layernorm_mlp_matches_reference_path(name, dtype, monkeypatch):
         results = []
         for module, backend in ((fast, None), (ref, "reference")):
             if backend:
-                monkeypatch.setenv("MXTRAIN_BACKEND", backend)
+                mx_config(backend=backend)
             else:
-                monkeypatch.delenv("MXTRAIN_BACKEND", raising=False)
+                mx_config(backend="auto")
             module.zero_grad(set_to_none=True)
             xg = x.clone().requires_grad_(True)
             with mxtrain.mx_autocast(recipe=recipe):
                 y = module(xg)
             y.backward(dy)
             results.append({"y": y, "x": xg.grad, **{n: p.grad for n, p in module.named_parameters()}})
-        monkeypatch.delenv("MXTRAIN_BACKEND", raising=False)
+        mx_config(backend="auto")
         for key, want in results[1].items():
             assert results[0][key].dtype == want.dtype, key
             errors[f"step {step} {key}"] = _rel(results[0][key], want)

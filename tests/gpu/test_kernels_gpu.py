@@ -61,9 +61,9 @@ STRIP = (8, 16, 64, 4)
 
 
 @pytest.fixture(params=[None, STRIP], ids=["tile", "strip"])
-def kernel_layout(request, monkeypatch):
+def kernel_layout(request, mx_config):
     """Both casts of a columnwise plane: the [BM, BK] tile kernel and the strip kernel (cast.STRIP_CONFIG)."""
-    monkeypatch.setattr(cast, "STRIP_CONFIG", request.param)
+    mx_config(cast_strip=request.param)
     return request.param
 
 
@@ -76,9 +76,9 @@ def test_cast_8192_bf16_both_planes(fmt, kernel_layout):
 
 @pytest.mark.parametrize("hw", (True, False), ids=("hw_cvt", "bit_exact_path"))
 @pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp8_e5m2"))
-def test_cast_fp8_hw_conversion(monkeypatch, fmt, hw, kernel_layout):
+def test_cast_fp8_hw_conversion(mx_config, fmt, hw, kernel_layout):
     """The hardware fp32->fp8 path and the integer path both equal the reference (adversarial fp32 too)."""
-    monkeypatch.setattr(cast, "USE_HW_FP8_CVT", hw)
+    mx_config(triton_hw_fp8=hw)
     x = wide_random(8192, 8192, torch.bfloat16, seed=2)
     for mode in ("floor", "rceil", "even"):
         check_cast(x, fmt, block_size=32, axis=(-1, 0), scale_mode=mode, rounding="even")
@@ -195,13 +195,11 @@ def test_dispatch_prefers_triton_on_cuda():
 
 @pytest.mark.parametrize("recipe", ("MXFP8Recipe", "MXFP6Recipe", "MXFP4Recipe", "MXINT8Recipe"))
 @pytest.mark.parametrize("activation,norm", (("gelu", "LayerNorm"), ("swiglu", "RMSNorm")))
-def test_layernorm_mlp_triton_vs_reference_backend(monkeypatch, recipe, activation, norm):
+def test_layernorm_mlp_triton_vs_reference_backend(monkeypatch, recipe, activation, norm, mx_config):
     """The module on GPU gives the same output and grads with the kernel casts as with the reference casts
     (norm and activation computed by torch: MXTRAIN_FUSE_SOURCES=0; the fused sources are compared in
     tests/gpu/test_modules_fused_gpu.py)."""
-    from mxtrain.modules import _common
-
-    monkeypatch.setattr(_common, "FUSE_SOURCES", False)
+    mx_config(fuse_sources=False)
     torch.manual_seed(0)
     m = mxtrain.LayerNormMLP(256, 512, activation=activation, normalization=norm).to(DEV)
     x = torch.randn(4, 96, 256, device=DEV) * 2
@@ -215,9 +213,9 @@ def test_layernorm_mlp_triton_vs_reference_backend(monkeypatch, recipe, activati
 
     def run(backend):
         if backend == "auto":
-            monkeypatch.delenv("MXTRAIN_BACKEND", raising=False)  # CUDA tensors take the kernels
+            mx_config(backend="auto")  # CUDA tensors take the kernels
         else:
-            monkeypatch.setenv("MXTRAIN_BACKEND", backend)
+            mx_config(backend=backend)
         m.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
         with mxtrain.mx_autocast(recipe=rec):
@@ -234,14 +232,12 @@ def test_layernorm_mlp_triton_vs_reference_backend(monkeypatch, recipe, activati
 
 
 @pytest.mark.parametrize("activation", ("gelu", "swiglu"))
-def test_layernorm_mlp_bf16_values_bit_identical(monkeypatch, activation):
+def test_layernorm_mlp_bf16_values_bit_identical(monkeypatch, activation, mx_config):
     """bf16 LayerNormMLP on the cuBLAS path: operands cast straight to bf16 values (quantize_operand on CUDA)
     give the same output and grads, bit for bit, as casting codes and dequantizing them; with the
     reference GEMM, the same as the reference casts (norm and activation computed by torch, as the
     reference path does; with the fused sources the values/codes identity is checked too)."""
-    from mxtrain.modules import _common
-
-    monkeypatch.setattr(_common, "FUSE_SOURCES", False)
+    mx_config(fuse_sources=False)
     torch.manual_seed(1)
     m = mxtrain.LayerNormMLP(512, 1024, activation=activation, device=DEV, dtype=torch.bfloat16)
     x = torch.randn(4, 96, 512, device=DEV, dtype=torch.bfloat16) * 2
@@ -256,7 +252,7 @@ def test_layernorm_mlp_bf16_values_bit_identical(monkeypatch, activation):
         y.backward(dy)
         return [y.detach(), xi.grad] + [p.grad.clone() for _, p in m.named_parameters()]
 
-    monkeypatch.setattr(_common, "CARRY_VALUES", True)
+    mx_config(carry_values=True)
     with_values = run()
     seen = []
     orig = dispatch.quantize
@@ -270,24 +266,24 @@ def test_layernorm_mlp_bf16_values_bit_identical(monkeypatch, activation):
     # operands used at once as values; the wgrad plane forward keeps (ln_out's) as codes
     assert any(v for v, _ in seen) and any(c for _, c in seen)
     monkeypatch.setattr(_common, "quantize", orig)
-    monkeypatch.setattr(_common, "CARRY_VALUES", False)
+    mx_config(carry_values=False)
     without = run()
     for a, b in zip(with_values, without):
         assert torch.equal(a, b)
     # norm + cast and activation + cast kernels: values written by the fused cast = its codes dequantized
-    monkeypatch.setattr(_common, "FUSE_SOURCES", True)
+    mx_config(fuse_sources=True)
     fused_without = run()
-    monkeypatch.setattr(_common, "CARRY_VALUES", True)
+    mx_config(carry_values=True)
     fused_with = run()
     for a, b in zip(fused_with, fused_without):
         assert torch.equal(a, b)
-    monkeypatch.setattr(_common, "FUSE_SOURCES", False)
+    mx_config(fuse_sources=False)
     # the reference GEMM both ways (cast kernels + values vs reference casts)
     dispatch._load_kernels()
     monkeypatch.setattr(dispatch, "_GEMM_IMPLS", {})
-    monkeypatch.setattr(_common, "CARRY_VALUES", True)
+    mx_config(carry_values=True)
     kern = run()
-    monkeypatch.setenv("MXTRAIN_BACKEND", "reference")
+    mx_config(backend="reference")
     refr = run()
     for a, b in zip(kern, refr):
         assert torch.equal(a, b)

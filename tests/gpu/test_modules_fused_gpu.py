@@ -24,7 +24,6 @@ pytest.importorskip("triton", reason="triton is not installed")
 import mxtrain  # noqa: E402
 from mxtrain.kernels import cast, cuda_cast  # noqa: E402
 from mxtrain.kernels.activation_cast import GRAD_FUSED  # noqa: E402
-from mxtrain.modules import _common  # noqa: E402
 
 DEV = torch.device("cuda")
 
@@ -60,7 +59,7 @@ def _count_calls(monkeypatch, module, name):
                                                    ("relu", "LayerNorm", torch.bfloat16),
                                                    ("swiglu", "RMSNorm", torch.bfloat16),
                                                    ("gelu_tanh", "LayerNorm", torch.float32)))
-def test_layernorm_mlp_fused_sources_match_unfused(monkeypatch, recipe, activation, norm, dtype):
+def test_layernorm_mlp_fused_sources_match_unfused(monkeypatch, recipe, activation, norm, dtype, mx_config):
     torch.manual_seed(2)
     m = mxtrain.LayerNormMLP(512, 1024, activation=activation, normalization=norm, device=DEV, dtype=dtype)
     with torch.no_grad():  # a norm weight and bias that are not 1 / 0
@@ -79,7 +78,7 @@ def test_layernorm_mlp_fused_sources_match_unfused(monkeypatch, recipe, activati
         grad_launches.append(kw.get("grad") is not None)
         return orig_launch(*a, **kw)
     monkeypatch.setattr(cast, "_launch", launch)
-    monkeypatch.setattr(_common, "FUSE_SOURCES", True)
+    mx_config(fuse_sources=True)
     fused = _run(m, x, dy, rec)
     assert activation in GRAD_FUSED  # every activation's gradient is fused now, gated ones included
     assert sum(grad_launches) == 1, "dh = dy * act'(h) and its cast: one kernel"
@@ -88,7 +87,7 @@ def test_layernorm_mlp_fused_sources_match_unfused(monkeypatch, recipe, activati
         assert any(cuda_norm), "the CUDA norm + cast kernel did not run"
         if activation != "swiglu":  # gated activations take Triton's fused kernel
             assert sum(cuda_act) == 2, "act(h): forward fprop operand and backward wgrad operand"
-    monkeypatch.setattr(_common, "FUSE_SOURCES", False)
+    mx_config(fuse_sources=False)
     unfused = _run(m, x, dy, rec)
     high = _run(m, x, dy, None)
     names = ["y", "dx"] + [n for n, _ in m.named_parameters()]
@@ -99,13 +98,13 @@ def test_layernorm_mlp_fused_sources_match_unfused(monkeypatch, recipe, activati
 
 
 @pytest.mark.parametrize("norm", ("LayerNorm", "RMSNorm"))
-def test_layernorm_linear_fused_norm_returns_its_output(monkeypatch, norm):
+def test_layernorm_linear_fused_norm_returns_its_output(monkeypatch, norm, mx_config):
     torch.manual_seed(3)
     m = mxtrain.LayerNormLinear(768, 384, normalization=norm, return_layernorm_output=True,
                                 device=DEV, dtype=torch.bfloat16)
     x = torch.randn(700, 768, device=DEV, dtype=torch.bfloat16) * 3
     rec = mxtrain.MXFP8Recipe()
-    monkeypatch.setattr(_common, "FUSE_SOURCES", True)
+    mx_config(fuse_sources=True)
     calls = _count_calls(monkeypatch, cuda_cast, "norm_cast")
     xi = x.clone().requires_grad_(True)
     with mxtrain.mx_autocast(recipe=rec):
@@ -121,7 +120,7 @@ def test_layernorm_linear_fused_norm_returns_its_output(monkeypatch, norm):
     (y.float().square().sum() + ln_out.float().sum()).backward()
     grads = [xi.grad] + [p.grad for p in m.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
-    monkeypatch.setattr(_common, "FUSE_SOURCES", False)
+    mx_config(fuse_sources=False)
     xu = x.clone().requires_grad_(True)
     with mxtrain.mx_autocast(recipe=rec):
         yu, lnu = m(xu)

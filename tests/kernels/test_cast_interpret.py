@@ -190,7 +190,7 @@ def test_stochastic_seed_none_and_generator(kdevice):
 # ---------------------------------------------------------------- modules through the kernels
 
 @pytest.mark.parametrize("recipe", ("MXFP8Recipe", "MXFP4Recipe"))
-def test_layernorm_mlp_kernel_casts_match_reference(kdevice, monkeypatch, recipe):
+def test_layernorm_mlp_kernel_casts_match_reference(kdevice, monkeypatch, recipe, mx_config):
     """LayerNormMLP forward + backward with every cast on the kernel == with the reference casts, bit for bit.
 
     ``MXTRAIN_BACKEND=triton`` sends the casts to the kernels; the GEMMs stay on the
@@ -208,7 +208,7 @@ def test_layernorm_mlp_kernel_casts_match_reference(kdevice, monkeypatch, recipe
     rec = getattr(mxtrain, recipe)()
 
     def run(backend):
-        monkeypatch.setenv("MXTRAIN_BACKEND", backend)
+        mx_config(backend=backend)
         m.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
         with mxtrain.mx_autocast(recipe=rec):

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from mxtrain import config
 from mxtrain.formats import parse_format
 from mxtrain.kernels import cuda_cast, dispatch
 from mxtrain.quantization import quantize_mx
@@ -122,15 +123,12 @@ def test_dequantize_source_compiles_for_sm90_without_spills(tmp_path):
     assert hasattr(ctypes.CDLL(str(lib)), "mxtrain_mx_dequantize_fp8")
 
 
-def test_norm_lookahead_env_is_checked(monkeypatch):
-    monkeypatch.setenv("MXTRAIN_NORM_LOOKAHEAD", "0")
+def test_norm_lookahead_env_is_checked():
     with pytest.raises(ValueError, match="MXTRAIN_NORM_LOOKAHEAD must be a positive integer"):
-        cuda_cast._lookahead_from_env()
-    monkeypatch.setenv("MXTRAIN_NORM_LOOKAHEAD", "many")
+        config.from_environ({"MXTRAIN_NORM_LOOKAHEAD": "0"})
     with pytest.raises(ValueError, match="got 'many'"):
-        cuda_cast._lookahead_from_env()
-    monkeypatch.setenv("MXTRAIN_NORM_LOOKAHEAD", "8")
-    assert cuda_cast._lookahead_from_env() == 8
+        config.from_environ({"MXTRAIN_NORM_LOOKAHEAD": "many"})
+    assert config.from_environ({"MXTRAIN_NORM_LOOKAHEAD": "8"}).norm_lookahead == 8
 
 
 def test_cast_planes_into_declines_cpu_tensors():

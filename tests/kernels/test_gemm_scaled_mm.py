@@ -97,7 +97,7 @@ def test_scaled_mm_unsupported_reasons():
         gemm.scaled_mm_mx_gemm(q8, x)
 
 
-def test_native_mx_gemm_is_off_on_cpu_and_when_disabled(monkeypatch):
+def test_native_mx_gemm_is_off_on_cpu_and_when_disabled(mx_config):
     assert not gemm.native_mx_gemm(torch.device("cpu"))
-    monkeypatch.setattr(gemm, "SCALED_MM_MX", False)
+    mx_config(mx_scaled_mm=False)
     assert not gemm.native_mx_gemm(torch.device("cuda", 0))

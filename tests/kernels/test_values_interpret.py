@@ -197,9 +197,9 @@ STRIPS = ((8, 16, 64, 4), (4, 32, 64, 4))
 
 @pytest.mark.parametrize("strip", STRIPS, ids=lambda c: "x".join(map(str, c)))
 @pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp4_e2m1", "int8", "int2"))
-def test_strip_kernel_bit_exact(monkeypatch, kdevice, strip, fmt):
+def test_strip_kernel_bit_exact(mx_config, kdevice, strip, fmt):
     """Rows taken as j*REP + rep: same codes, scales and values as the reference (ragged 140x72 adversarial)."""
-    monkeypatch.setattr(cast, "STRIP_CONFIG", strip)
+    mx_config(cast_strip=strip)
     x = adversarial_matrix(140, 72, seed=27).to(kdevice)
     check_values(x, fmt, (1, 0), scale_mode="rceil", rounding="nearest")
     check_values(as_dtype(x, torch.bfloat16), fmt, (1,), keep_codes=(0,))
@@ -209,18 +209,18 @@ def test_strip_kernel_bit_exact(monkeypatch, kdevice, strip, fmt):
 
 
 @pytest.mark.parametrize("bs", (8, 16, 64))
-def test_strip_kernel_block_sizes(monkeypatch, kdevice, bs):
-    monkeypatch.setattr(cast, "STRIP_CONFIG", (8, 16, 64, 4))
+def test_strip_kernel_block_sizes(mx_config, kdevice, bs):
+    mx_config(cast_strip=(8, 16, 64, 4))
     x = adversarial_matrix(136, 136, seed=28, block=min(bs, 32)).to(kdevice)
     for fmt in ("fp8_e4m3", "fp4_e2m1"):
         check_values(x, fmt, (1, 0), block_size=bs)
 
 
-def test_strip_kernel_stochastic_same_stream(monkeypatch, kdevice):
+def test_strip_kernel_stochastic_same_stream(mx_config, kdevice):
     """The strip kernel draws the same Philox numbers per element as the tile kernel: identical planes."""
     x = torch.randn(96, 128, device=kdevice)
-    monkeypatch.setattr(cast, "STRIP_CONFIG", None)
+    mx_config(cast_strip=None)
     a = cast.triton_quantize(x, "fp4_e2m1", axis=(-1, 0), rounding="stochastic", seed=3)
-    monkeypatch.setattr(cast, "STRIP_CONFIG", (8, 16, 64, 4))
+    mx_config(cast_strip=(8, 16, 64, 4))
     b = cast.triton_quantize(x, "fp4_e2m1", axis=(-1, 0), rounding="stochastic", seed=3)
     assert not planes_equal(a, b)

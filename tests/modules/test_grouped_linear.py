@@ -159,9 +159,9 @@ def test_casts_one_call_over_all_experts(monkeypatch):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_grouped_gemm_path_close_to_loop(monkeypatch, bias):
+def test_grouped_gemm_path_close_to_loop(mx_config, bias):
     """The grouped bf16 GEMM path (CUDA's by default), run on the CPU: the loop's result up to bf16 rounding."""
-    monkeypatch.setattr(gl_module, "GROUPED_MM", "1")
+    mx_config(grouped_mm="1")
     splits = [0, 37, 5, 0, 70]
     grouped, linears = _pair(5, 64, 48, bias, torch.bfloat16)
     (y1, dx1), (y2, dx2) = _step(grouped, linears, mxtrain.MXFP8Recipe(), splits, torch.bfloat16, seed=3)

@@ -8,7 +8,6 @@ head are plain torch. Both runs see the same batches; the final validation
 loss of the MXFP8 run must be within 2% of the fp32 run's.
 """
 
-import os
 import time
 
 import pytest
@@ -17,13 +16,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import mxtrain
+from mxtrain import config
 
 D_MODEL, N_HEADS, N_LAYERS, FFN = 128, 4, 2, 512
 SEQ, BATCH, STEPS, LR = 64, 16, 300, 3e-3
 VAL_BATCHES = 8
 REL_TOL = 0.02
 
-REQUIRE_DATA = os.environ.get("MXTRAIN_REQUIRE_DATA", "") not in ("", "0")
+REQUIRE_DATA = config.current().require_data
 
 
 class Block(nn.Module):

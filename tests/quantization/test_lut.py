@@ -1,6 +1,6 @@
 """The lookup-table CPU path (``mxtrain.quantization.lut``) against the reference chunk functions.
 
-``mx.USE_LOOKUP_TABLES = False`` runs the reference (``element_codes`` etc.); the
+``lut.USE_LOOKUP_TABLES = False`` runs the reference (``element_codes`` etc.); the
 tables must give the same codes, scale bytes and values bit for bit. The oracle
 suites (test_mx_oracle.py, ...) run the table path against independent float64
 oracles as well, since it is the default on the CPU.
@@ -52,10 +52,10 @@ def reference(monkeypatch):
 
     class _Ref:
         def __enter__(self):
-            monkeypatch.setattr(mx, "USE_LOOKUP_TABLES", False)
+            monkeypatch.setattr(lut, "USE_LOOKUP_TABLES", False)
 
         def __exit__(self, *exc):
-            monkeypatch.setattr(mx, "USE_LOOKUP_TABLES", True)
+            monkeypatch.setattr(lut, "USE_LOOKUP_TABLES", True)
 
     return _Ref()
 
@@ -246,7 +246,7 @@ def _compare(x, name, reference, **kw):
 @pytest.mark.parametrize("name", MX_FORMAT_NAMES)
 def test_adversarial_tensors_match_the_reference(name, rounding, scale_mode, reference, monkeypatch):
     # small chunks: several per call, and a ragged last one
-    monkeypatch.setattr(mx, "LUT_CHUNK_ELEMENTS", 5 * 96)
+    monkeypatch.setattr(lut, "LUT_CHUNK_ELEMENTS", 5 * 96)
     rng = np.random.default_rng(zlib_seed(name, rounding, scale_mode))
     x = _adversarial(name, rng)
     kw = dict(rounding=rounding, scale_mode=scale_mode)

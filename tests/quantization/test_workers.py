@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from mxtrain.quantization import _workers, fake_quantize_mx, mx, quantize_mx
+from mxtrain.quantization import _workers, fake_quantize_mx, lut, quantize_mx
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def _run_all(x, name, rounding):
                                         ("int8", 5 * 384), ("fp8_e4m3", None), ("fp4_e2m1", None)])
 def test_workers_give_the_inline_and_reference_bits(name, chunk, two_threads, monkeypatch):
     if chunk:  # many chunks, a ragged last one; None: the default size, cut in one chunk per thread
-        monkeypatch.setattr(mx, "LUT_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(lut, "LUT_CHUNK_ELEMENTS", chunk)
     x = _input()
     rounding = "nearest" if name == "fp8_e4m3" else "even"
     for xs in (x, x[:, :360], x.to(torch.bfloat16)):  # direct, cropped (ragged block) and non-fp32 outputs
@@ -59,9 +59,9 @@ def test_workers_give_the_inline_and_reference_bits(name, chunk, two_threads, mo
         # one torch thread: the inline loop and the reference (the bits never depend on the count)
         torch.set_num_threads(1)
         inline = _run_all(xs, name, rounding)
-        monkeypatch.setattr(mx, "USE_LOOKUP_TABLES", False)
+        monkeypatch.setattr(lut, "USE_LOOKUP_TABLES", False)
         reference = _run_all(xs, name, rounding)
-        monkeypatch.setattr(mx, "USE_LOOKUP_TABLES", True)
+        monkeypatch.setattr(lut, "USE_LOOKUP_TABLES", True)
         torch.set_num_threads(2)
         for a, b, c in zip(got, inline, reference):
             assert torch.equal(a, b) and torch.equal(a, c)

@@ -12,20 +12,19 @@ to ``mxtrain.fake_quantize_mx(..., scale_mode="floor")``; with
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from mxtrain import config
 from mxtrain.compat.mx.formats import mx_elem_format, rounding_of
 from mxtrain.compat.mx.specs import mx_assert_test
-from mxtrain.elementwise.rounding import FAST_ROUNDINGS, fake_quantize_mx_floor
+from mxtrain.emulation.rounding import FAST_ROUNDINGS, fake_quantize_mx_floor
 from mxtrain.formats import MX_FORMAT_NAMES
 from mxtrain.quantization import fake_quantize_mx
 
 __all__ = ["quantize_mx_op", "fake_quantize"]
 
 # MXTRAIN_COMPAT_REFERENCE=1 runs the reference quantizer itself (slower, same bits)
-_USE_REFERENCE = os.environ.get("MXTRAIN_COMPAT_REFERENCE", "0") == "1"
 
 
 def fake_quantize(A: torch.Tensor, fmt, block_size: int, axis: int, rounding: str, scale_bits: int = 8,
@@ -37,7 +36,7 @@ def fake_quantize(A: torch.Tensor, fmt, block_size: int, axis: int, rounding: st
         mxt = dispatch.quantize(A, fmt, block_size=block_size, axis=axis, scale_mode="floor", rounding=rounding,
                                 pack=False)
         return dispatch.dequantize(mxt, A.dtype)
-    if _USE_REFERENCE and plain:
+    if config.current().compat_reference and plain:
         return fake_quantize_mx(A, fmt, block_size=block_size, axis=axis, scale_mode="floor", rounding=rounding)
     return fake_quantize_mx_floor(A, fmt, block_size, axis, rounding, scale_bits, flush_fp32_subnorms)
 

@@ -1,0 +1,62 @@
+"""Dequantize MX planes: ``code * 2**X``, exact, in pure PyTorch (lookup tables on the CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from mxtrain.formats import ElemFormat
+from mxtrain.quantization import _memory, lut
+from mxtrain.quantization.packing import unpack_codes
+from mxtrain.quantization.rounding import decode_codes_fast
+from mxtrain.quantization.scale import scale_values
+
+# Dynamo stays out of the quantizers: they are chunked Python loops, and inductor
+# has miscompiled their dtype-bitcast views inside fused chains (NaN where eager is
+# exact). Compiled models call them as opaque, exact functions (one graph break each).
+_no_dynamo = torch.compiler.disable(recursive=True)
+
+CHUNK_ELEMENTS = 1 << 18  # ~1 MiB of fp32 per chunk: every pass stays in cache
+
+
+def _row_chunks(rows: int, length: int, elements: int = CHUNK_ELEMENTS):
+    step = max(1, elements // max(length, 1))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+@_no_dynamo
+def dequantize_plane_values(codes: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat,
+                            length: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values ``code * 2**X`` of unpacked codes ``[..., nblocks*bs]`` with scales ``[..., nblocks]``.
+
+    Cropped to ``length`` along the last axis (default: no crop), cast to ``dtype``.
+    """
+    return dequantize_plane(codes, scale, fmt, False, length, dtype)
+
+
+def _unpacked_length(nbytes: int, fmt: ElemFormat, packed: bool) -> int:
+    return nbytes if not packed or fmt.bits == 8 else nbytes * 8 // fmt.bits
+
+
+@_no_dynamo
+def dequantize_plane(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, packed: bool,
+                     length: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Values ``code * 2**X`` of a plane's codes ``[..., bytes]`` (packed or not) with scales ``[..., nblocks]``.
+
+    Cropped to ``length`` along the last axis (default: the padded length), cast to ``dtype``.
+    """
+    nblocks = scale.shape[-1]
+    padded = _unpacked_length(data.shape[-1], fmt, packed)
+    length = padded if length is None else length
+    lead = data.shape[:-1]
+    data2, scale2 = data.reshape(-1, data.shape[-1]), scale.reshape(-1, nblocks)
+    out = _memory.empty((data2.shape[0], length), dtype, data.device)
+    if lut.use_tables(data.device):
+        lut.dequantize_rows(data2, scale2, fmt, packed, padded, out, lut.LUT_CHUNK_ELEMENTS)
+        return out.reshape(*lead, length)
+    codes2 = unpack_codes(data2, fmt) if packed else data2
+    for lo, hi in _row_chunks(codes2.shape[0], padded):
+        values = decode_codes_fast(codes2[lo:hi], fmt).reshape(hi - lo, nblocks, -1)
+        values.mul_(scale_values(scale2[lo:hi]).unsqueeze(-1))
+        out[lo:hi] = values.reshape(hi - lo, padded)[:, :length]
+    return out.reshape(*lead, length)
