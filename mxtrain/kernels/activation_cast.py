@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from mxtrain.kernels import cast as _cast
-from mxtrain.modules.activations import ACTIVATIONS, activation as torch_activation_impl, check_activation
+from mxtrain.activations import ACTIVATIONS, activation as torch_activation_impl, check_activation
 from mxtrain.quantization import MXTensor, quantize_mx
 from mxtrain.quantization._validate import normalize_axis
 from mxtrain.quantization.mx import _check_common
@@ -172,7 +172,7 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     ``dh``'s shape), contiguous, of the values' dtype.
     """
     from mxtrain.kernels.dispatch import quantize, values_request
-    from mxtrain.modules.activations import activation_backward
+    from mxtrain.activations import activation_backward
 
     name = check_activation(activation)
     gated = ACTIVATION_IDS[name] >= 6

@@ -1,63 +1,27 @@
-"""Activation functions of LayerNormMLP and their backward from the saved input (gated ones in one Triton pass on CUDA)."""
+"""LayerNormMLP's activations (:mod:`mxtrain.activations`), with the gated ones in one Triton pass each on CUDA
+where no autograd graph is being built."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from mxtrain import activations as _torch_ops
+from mxtrain.activations import ACTIVATIONS, GATED, PLAIN, check_activation, is_gated
 from mxtrain.kernels.gated_activation import gated_activation, gated_activation_backward
 from mxtrain.kernels.gated_activation import supports as gated_kernel_supports
 
-GATED = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu,
-         "geglu_tanh": lambda h: F.gelu(h, approximate="tanh")}  # Gemma's MLP (gelu_pytorch_tanh)
-PLAIN = {
-    "gelu": F.gelu,
-    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-    "relu": F.relu,
-    "squared_relu": lambda h: torch.square(F.relu(h)),
-    "silu": F.silu,
-}
-ACTIVATIONS = tuple(PLAIN) + tuple(GATED)
-
-
-def check_activation(name: str) -> str:
-    if not isinstance(name, str) or name.lower() not in ACTIVATIONS:
-        raise ValueError(f"unknown activation {name!r}; allowed: {', '.join(ACTIVATIONS)}")
-    return name.lower()
-
-
-def is_gated(name: str) -> bool:
-    """Gated activations take fc1 outputs of width 2*ffn: ``act(first half) * second half``."""
-    return name in GATED
+__all__ = ["ACTIVATIONS", "GATED", "PLAIN", "activation", "activation_backward", "check_activation", "is_gated"]
 
 
 def activation(h: torch.Tensor, name: str) -> torch.Tensor:
     if name in GATED and h.is_cuda and not (h.requires_grad and torch.is_grad_enabled()) \
             and gated_kernel_supports(h, name) is None:
         return gated_activation(h, name)  # one pass over h instead of two strided kernels (no autograd graph)
-    if name in GATED:
-        gate, up = h.chunk(2, dim=-1)
-        return GATED[name](gate) * up
-    return PLAIN[name](h)
-
-
-# The backward ops autograd itself runs for these (same kernels, same bits), called directly: the
-# activation is not recomputed first (a full read and write of an ffn-wide tensor saved)
-_DIRECT_BACKWARD = {
-    "gelu": lambda h, g: torch.ops.aten.gelu_backward(g, h, approximate="none"),
-    "gelu_tanh": lambda h, g: torch.ops.aten.gelu_backward(g, h, approximate="tanh"),
-    "silu": lambda h, g: torch.ops.aten.silu_backward(g, h),
-}
+    return _torch_ops.activation(h, name)
 
 
 def activation_backward(h: torch.Tensor, grad: torch.Tensor, name: str) -> torch.Tensor:
     """d act(h) / dh applied to ``grad`` (from ``h``: elementwise)."""
     if name in GATED and h.is_cuda and gated_kernel_supports(h, name, grad) is None:
         return gated_activation_backward(h, grad, name)  # one pass instead of recomputing through autograd
-    direct = _DIRECT_BACKWARD.get(name)
-    if direct is not None and grad.dtype == h.dtype and grad.shape == h.shape:
-        return direct(h, grad)
-    with torch.enable_grad():
-        h_ = h.detach().requires_grad_(True)
-        (dh,) = torch.autograd.grad(activation(h_, name), h_, grad)
-    return dh
+    return _torch_ops.activation_backward(h, grad, name)
