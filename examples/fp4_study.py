@@ -2,6 +2,7 @@
 
     python examples/fp4_study.py                      # the setting of docs/fp4.md (CPU, a few minutes a run)
     python examples/fp4_study.py --steps 20 --layers 1 --width 64 --variants fp32,mxfp4   # smoke run
+    python examples/fp4_study.py --replot s0.json,s1.json --out docs/fp4_study   # merge runs made per seed
 
 The model is written here as nanoGPT writes it (plain ``nn.Linear`` / ``nn.LayerNorm`` /
 ``nn.GELU``, input and output embeddings tied) and is converted with
@@ -205,23 +206,32 @@ def main(argv=None) -> None:
     p.add_argument("--eval-batches", type=int, default=20)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--out", default="fp4_study", help="writes <out>.json and <out>.png")
+    p.add_argument("--replot", default=None, metavar="A.json,B.json",
+                   help="train nothing: merge the results of earlier runs (e.g. one per seed) into <out>")
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
-    seeds = [int(s) for s in args.seeds.split(",")]
-    torch.set_num_threads(args.threads)
-    data = char_data()
-    results = []
-    for seed in seeds:
-        for v in variants:
-            r = run(v, args, data, seed)
-            results.append(r)
-            print(f"seed {seed} {v:>10}: val loss {r['val_loss']:.4f} ({r['seconds']:.0f} s; "
-                  f"high precision: {', '.join(r['kept_high_precision']) or '-'})", flush=True)
-    setting = (f"{args.layers} layers, width {args.width}, {args.heads} heads, vocab {data[2]} chars, "
-               f"{args.steps} steps of {args.batch_size}x{args.seq_len}, AdamW lr {args.lr}")
+    if args.replot:
+        saved = [json.loads(pathlib.Path(f).read_text()) for f in args.replot.split(",")]
+        if len({s["setting"] for s in saved}) != 1:
+            p.error("--replot: the runs were made with different settings: " + "; ".join(s["setting"] for s in saved))
+        setting = saved[0]["setting"]
+        results = [r for s in saved for r in s["results"] if r["variant"] in variants]
+    else:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        torch.set_num_threads(args.threads)
+        data = char_data()
+        results = []
+        for seed in seeds:
+            for v in variants:
+                r = run(v, args, data, seed)
+                results.append(r)
+                print(f"seed {seed} {v:>10}: val loss {r['val_loss']:.4f} ({r['seconds']:.0f} s; "
+                      f"high precision: {', '.join(r['kept_high_precision']) or '-'})", flush=True)
+        setting = (f"{args.layers} layers, width {args.width}, {args.heads} heads, vocab {data[2]} chars, "
+                   f"{args.steps} steps of {args.batch_size}x{args.seq_len}, AdamW lr {args.lr}")
     print(setting)
     print(table(results, variants))
     out = pathlib.Path(args.out)

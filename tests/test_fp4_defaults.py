@@ -2,6 +2,7 @@
 converted module, and MXFP4Recipe's stochastic gradient rounding follows torch's seed."""
 
 import copy
+import math
 import pickle
 
 import pytest
@@ -197,3 +198,31 @@ def test_new_mxfp4_defaults_train_closer_to_fp32_than_the_old_ones(one_thread):
     new = _train_tiny_lm(dict(recipe=mxtrain.MXFP4Recipe()))
     assert old - fp32 > 0.02, (fp32, old)  # the problem is hard enough for 4 bits to show
     assert abs(new - fp32) < 0.6 * (old - fp32), (fp32, old, new)
+
+
+# --- the study script (examples/fp4_study.py), on random tokens ---------------------------------
+
+def test_fp4_study_script_runs_its_variants(one_thread, tmp_path):
+    import argparse
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "fp4_study.py"
+    spec = importlib.util.spec_from_file_location("fp4_study", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    args = argparse.Namespace(seq_len=8, layers=1, width=32, heads=2, lr=1e-3, batch_size=2, steps=2, warmup=1,
+                              eval_every=1, eval_batches=1)
+    g = torch.Generator().manual_seed(0)
+    data = (torch.randint(0, 20, (500,), generator=g), torch.randint(0, 20, (200,), generator=g), 20)
+    results = [study.run(v, args, data, seed=0) for v in ("fp32", "mxfp4-old", "mxfp4")]
+    assert [r["kept_high_precision"] for r in results] == [[], [], ["lm_head"]]
+    assert all(len(r["curve"]) == 2 and math.isfinite(r["val_loss"]) for r in results)
+    text = study.table(results, ["fp32", "mxfp4-old", "mxfp4"])
+    assert text.splitlines()[2].startswith("| fp32 |") and "+0.0%" in text.splitlines()[2]
+    # --replot merges saved runs into one table and plot
+    saved = tmp_path / "s0.json"
+    saved.write_text(json.dumps({"setting": "tiny", "results": results}))
+    study.main(["--replot", str(saved), "--variants", "fp32,mxfp4", "--out", str(tmp_path / "merged")])
+    assert (tmp_path / "merged.png").stat().st_size > 0 and (tmp_path / "merged.json").exists()
