@@ -237,7 +237,8 @@ def main(argv=None) -> None:
     out = pathlib.Path(args.out)
     out.with_suffix(".json").write_text(json.dumps({"setting": setting, "args": vars(args), "results": results},
                                                    indent=1))
-    plot(results, variants, out.with_suffix(".png"), f"char-level GPT on Austen: {setting}")
+    seeds_run = len({r["seed"] for r in results})
+    plot(results, variants, out.with_suffix(".png"), f"char-level GPT on Austen, mean of {seeds_run} seed(s)\n{setting}")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
