@@ -149,8 +149,9 @@ def _transplant(new_cls: type, old: nn.Module) -> nn.Module:
 # Llama, torchtitan) only at the root, where it cannot be an attention block's output projection
 OUTPUT_LAYER_NAMES = ("lm_head", "embed_out")
 ROOT_OUTPUT_LAYER_NAMES = ("output",)
-# set in a replacement's __dict__ by convert(), so it survives pickling and deepcopy and a second
-# convert() sees it (a converted module is no longer of a torch type, so it would be passed over silently)
+# the torch type a replacement replaced, set in its __dict__ by convert(), so it survives pickling and
+# deepcopy and a second convert() sees it (a converted module is no longer of a torch type, so it would be
+# passed over silently)
 _CONVERTED_MARK = "_mxtrain_converted"
 
 
@@ -182,13 +183,14 @@ def output_layers(model: nn.Module) -> dict[str, str]:
     return found
 
 
-def _matches(selector, name: str, module: nn.Module) -> bool:
+def _matches(selector, name: str, module: nn.Module, original: type | None = None) -> bool:
+    """``original``: the torch type a converted ``module`` replaced, which a type selector also matches."""
     if isinstance(selector, (list, tuple, set, frozenset)):
-        return any(_matches(s, name, module) for s in selector)
+        return any(_matches(s, name, module, original) for s in selector)
     if isinstance(selector, str):
         return fnmatch.fnmatchcase(name, selector)
     if isinstance(selector, type):
-        return isinstance(module, selector)
+        return isinstance(module, selector) or (original is not None and issubclass(original, selector))
     if callable(selector):
         return bool(selector(name, module))
     raise TypeError(f"include/exclude take names (glob patterns), module types or predicates f(name, module); "
@@ -302,7 +304,7 @@ def convert(model: nn.Module, recipe: Recipe | None = None, *, include=None, exc
                     handle.skipped.append((name, reason))
                     continue
                 new = _transplant(_pinned(new_cls) if recipe is not None else new_cls, child)
-                new.__dict__[_CONVERTED_MARK] = True
+                new.__dict__[_CONVERTED_MARK] = type(child)
                 if recipe is not None:
                     new.__dict__["_mx_recipe"] = recipe
                 if fixup:
@@ -318,9 +320,9 @@ def convert(model: nn.Module, recipe: Recipe | None = None, *, include=None, exc
 def _refuse_converted(model: nn.Module, include, exclude) -> None:
     """Raise if ``include``/``exclude`` select a module an earlier :func:`convert` made (before anything changes)."""
     already = [name for name, m in model.named_modules()
-               if m is not model and m.__dict__.get(_CONVERTED_MARK)
-               and (include is None or _matches(include, name, m))
-               and (exclude is None or not _matches(exclude, name, m))]
+               if m is not model and (original := m.__dict__.get(_CONVERTED_MARK)) is not None
+               and (include is None or _matches(include, name, m, original))
+               and (exclude is None or not _matches(exclude, name, m, original))]
     if not already:
         return
     shown = ", ".join(repr(n) for n in already[:4]) + (f" and {len(already) - 4} more" if len(already) > 4 else "")

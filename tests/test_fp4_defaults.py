@@ -118,6 +118,15 @@ def test_double_convert_is_refused_for_copies_and_submodules_too():
             convert(clone, mxtrain.MXFP8Recipe())
 
 
+def test_double_convert_selected_by_the_torch_type_is_refused():
+    model = TinyGPT()
+    convert(model, mxtrain.MXFP4Recipe(), include=nn.Linear)
+    with pytest.raises(ValueError, match=r"'block.1', 'block.3'"):  # mxtrain.Linear replaced an nn.Linear
+        convert(model, mxtrain.MXFP8Recipe(), include=nn.Linear)
+    handle = convert(model, mxtrain.MXFP8Recipe(), exclude=nn.Linear)  # the rest is still free to convert
+    assert sorted(replaced_names(handle)) == ["block.0", "block.2", "ln_f"]
+
+
 def test_disjoint_conversions_still_compose():
     model = TinyGPT()
     convert(model, mxtrain.MXFP4Recipe(), include="block.*")

@@ -324,7 +324,8 @@ class Recipe:
             ``"floor"`` (toward zero) or ``"stochastic"``.
         grad_rounding: rounding for the two grad-output roles (``dgrad_grad_output``,
             ``wgrad_grad_output``), e.g. ``"stochastic"`` to round gradients
-            stochastically while the forward stays deterministic. None (default) = ``rounding``.
+            stochastically while the forward stays deterministic. None (default; ``"stochastic"``
+            in :class:`MXFP4Recipe`) = ``rounding``.
         elemwise_format: precision of elementwise ops (norms, activations, softmax):
             None (default, not quantized), ``"bfloatN"`` (8 exponent bits, e.g.
             ``"bfloat16"``) or ``"fpN"`` (5 exponent bits, e.g. ``"fp16"``). Stored
