@@ -38,6 +38,13 @@ which patches torch for the whole process.
 ``include`` / ``exclude`` select modules by qualified name (a glob such as
 ``"encoder.*"`` or ``"fc1"``), by type (``nn.Softmax``), or by a predicate
 ``f(name, module) -> bool``; a list means any of them.
+
+The output layer of a language model stays in high precision unless
+``keep_output_layer=False`` (see :func:`output_layers` and docs/fp4.md): it is
+one small GEMM whose quantization error lands directly on the logits, and a
+weight tied to the embedding would be quantized for the lookup's gradient too.
+A module converted by an earlier ``convert`` is never converted twice: a call
+that selects one raises, saying how to undo the first conversion.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from mxtrain.modules.conv import (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvT
 from mxtrain.modules.groupnorm import GroupNorm
 from mxtrain.recipes import Recipe
 
-__all__ = ["convert", "unconvert", "Conversion", "CONVERSIONS", "RECIPE_CHECKS"]
+__all__ = ["convert", "unconvert", "output_layers", "Conversion", "CONVERSIONS", "RECIPE_CHECKS"]
 
 
 def _layernorm_ok(m):
@@ -138,13 +145,52 @@ def _transplant(new_cls: type, old: nn.Module) -> nn.Module:
     return new
 
 
-def _matches(selector, name: str, module: nn.Module) -> bool:
+# leaf names of vocabulary projections: Hugging Face (lm_head), GPT-NeoX (embed_out); "output" (Meta
+# Llama, torchtitan) only at the root, where it cannot be an attention block's output projection
+OUTPUT_LAYER_NAMES = ("lm_head", "embed_out")
+ROOT_OUTPUT_LAYER_NAMES = ("output",)
+# the torch type a replacement replaced, set in its __dict__ by convert(), so it survives pickling and
+# deepcopy and a second convert() sees it (a converted module is no longer of a torch type, so it would be
+# passed over silently)
+_CONVERTED_MARK = "_mxtrain_converted"
+
+
+def output_layers(model: nn.Module) -> dict[str, str]:
+    """The ``nn.Linear`` layers of ``model`` that :func:`convert` keeps in high precision by default.
+
+    ``{qualified name: why}`` for: a Linear whose weight is an ``nn.Embedding``'s weight
+    (tied input and output embeddings); a Linear named ``lm_head`` or ``embed_out`` (any
+    depth) or ``output`` (at the root); failing both, in a model holding an embedding,
+    the last Linear that projects onto that embedding's vocabulary (``out_features ==
+    num_embeddings``). A model without embeddings (an MLP, a CNN) has none.
+    """
+    embeddings = {name: m for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    tied = {id(m.weight): name for name, m in embeddings.items()}
+    found: dict[str, str] = {}
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, m in linears:
+        leaf = name.rsplit(".", 1)[-1]
+        if id(m.weight) in tied:
+            found[name] = f"its weight is tied to the embedding {tied[id(m.weight)]!r}"
+        elif leaf in OUTPUT_LAYER_NAMES or name in ROOT_OUTPUT_LAYER_NAMES:
+            found[name] = f"it is named {leaf!r}"
+    if not found:
+        vocab = {m.num_embeddings: name for name, m in embeddings.items()}
+        heads = [(name, m) for name, m in linears if m.out_features in vocab]
+        if heads:
+            name, m = heads[-1]
+            found[name] = f"it projects onto the vocabulary of the embedding {vocab[m.out_features]!r}"
+    return found
+
+
+def _matches(selector, name: str, module: nn.Module, original: type | None = None) -> bool:
+    """``original``: the torch type a converted ``module`` replaced, which a type selector also matches."""
     if isinstance(selector, (list, tuple, set, frozenset)):
-        return any(_matches(s, name, module) for s in selector)
+        return any(_matches(s, name, module, original) for s in selector)
     if isinstance(selector, str):
         return fnmatch.fnmatchcase(name, selector)
     if isinstance(selector, type):
-        return isinstance(module, selector)
+        return isinstance(module, selector) or (original is not None and issubclass(original, selector))
     if callable(selector):
         return bool(selector(name, module))
     raise TypeError(f"include/exclude take names (glob patterns), module types or predicates f(name, module); "
@@ -202,7 +248,8 @@ class Conversion:
                 f"undone={self.undone})")
 
 
-def convert(model: nn.Module, recipe: Recipe | None = None, *, include=None, exclude=None) -> Conversion:
+def convert(model: nn.Module, recipe: Recipe | None = None, *, include=None, exclude=None,
+            keep_output_layer: bool = True) -> Conversion:
     """Replace, in place, the torch modules of ``model`` by their MX versions (see the module docstring).
 
     Args:
@@ -210,16 +257,26 @@ def convert(model: nn.Module, recipe: Recipe | None = None, *, include=None, exc
         recipe: pin this recipe on the new modules; None: they follow ``mx_autocast``.
         include: only convert modules matching this (name glob, type, predicate or a list of them).
         exclude: leave modules matching this alone.
+        keep_output_layer: True (default) leaves the output layer(s) found by :func:`output_layers`
+            in high precision (listed in ``Conversion.skipped``); False converts them too.
 
     Returns:
         a :class:`Conversion`; ``.undo()`` (or ``mxtrain.unconvert(model)``, or leaving a
         ``with`` block) restores the original modules.
+
+    Raises:
+        ValueError: a selected module was already converted by an earlier ``convert``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert expects an nn.Module, got {type(model).__name__}")
     if recipe is not None and not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be an mxtrain recipe (MXFP8Recipe(), MXRecipe(...)...) or None, "
                         f"got {type(recipe).__name__}")
+    if not isinstance(keep_output_layer, bool):
+        raise TypeError(f"keep_output_layer must be True (leave the output layer in high precision) or False "
+                        f"(convert it too), got {type(keep_output_layer).__name__} {keep_output_layer!r}")
+    _refuse_converted(model, include, exclude)
+    kept = output_layers(model) if keep_output_layer else {}
     handle = Conversion(model=model, recipe=recipe)
     done: dict[int, nn.Module] = {}  # a module shared by several parents is replaced once
     for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
@@ -240,10 +297,14 @@ def convert(model: nn.Module, recipe: Recipe | None = None, *, include=None, exc
                 reason = check(child) if check else None
                 if not reason and recipe is not None and new_cls in RECIPE_CHECKS:
                     reason = RECIPE_CHECKS[new_cls](recipe)
+                if not reason and name in kept:
+                    reason = (f"output layer kept in high precision ({kept[name]}); "
+                              f"convert(..., keep_output_layer=False) converts it")
                 if reason:
                     handle.skipped.append((name, reason))
                     continue
                 new = _transplant(_pinned(new_cls) if recipe is not None else new_cls, child)
+                new.__dict__[_CONVERTED_MARK] = type(child)
                 if recipe is not None:
                     new.__dict__["_mx_recipe"] = recipe
                 if fixup:
@@ -254,6 +315,23 @@ def convert(model: nn.Module, recipe: Recipe | None = None, *, include=None, exc
             handle._swaps.append((parent, attr, child, new))
     model.__dict__.setdefault("_mxtrain_conversions", []).append(handle)
     return handle
+
+
+def _refuse_converted(model: nn.Module, include, exclude) -> None:
+    """Raise if ``include``/``exclude`` select a module an earlier :func:`convert` made (before anything changes)."""
+    already = [name for name, m in model.named_modules()
+               if m is not model and (original := m.__dict__.get(_CONVERTED_MARK)) is not None
+               and (include is None or _matches(include, name, m, original))
+               and (exclude is None or not _matches(exclude, name, m, original))]
+    if not already:
+        return
+    shown = ", ".join(repr(n) for n in already[:4]) + (f" and {len(already) - 4} more" if len(already) > 4 else "")
+    recipe = model.get_submodule(already[0]).__dict__.get("_mx_recipe")
+    pinned = f"with {recipe!r}" if recipe is not None else "following mx_autocast"
+    raise ValueError(f"mxtrain.convert: {len(already)} module(s) of this model are already converted ({shown}, "
+                     f"{pinned}); converting them again would do nothing. Undo the earlier conversion first "
+                     f"(handle.undo() or mxtrain.unconvert(model)) and convert again with the new recipe, or "
+                     f"leave them out with exclude=/include=")
 
 
 def unconvert(model: nn.Module) -> int:

@@ -41,16 +41,35 @@ def role_formats(recipe):
 @pytest.mark.parametrize("cls", ALL_CLASSES)
 def test_shared_defaults(cls):
     recipe = cls()
-    for name, value in SHARED_DEFAULTS.items():
+    # MXFP4 rounds its gradients stochastically by default (test_mxfp4_defaults_round_gradients_stochastically)
+    expected = dict(SHARED_DEFAULTS, grad_rounding="stochastic") if cls is MXFP4Recipe else SHARED_DEFAULTS
+    for name, value in expected.items():
         assert getattr(recipe, name) == value, name
+
+
+def test_mxfp4_defaults_round_gradients_stochastically():
+    roles = MXFP4Recipe().roles()
+    for name in ROLE_NAMES:
+        expected = "stochastic" if name in GRAD_OUTPUT_ROLES else "even"
+        assert roles[name] == RoleSpec(fmt="fp4_e2m1", block_size=32, scale_mode="rceil", rounding=expected), name
+    assert MXFP4Recipe().seed is None  # torch's global RNG: torch.manual_seed makes a run reproducible
+    deterministic = MXFP4Recipe(grad_rounding=None)
+    assert {s.rounding for s in deterministic.roles().values()} == {"even"}
+    assert repr(deterministic) == "MXFP4Recipe(grad_rounding=None)"
+    assert recipe_from_dict(deterministic.to_dict()) == deterministic
+    assert recipe_from_string("mxfp4:grad_rounding=none") == deterministic
+    # the other shorthand recipes keep deterministic gradients
+    for cls in (MXFP8Recipe, MXFP6Recipe, MXINT8Recipe, MXRecipe):
+        assert cls().grad_rounding is None
 
 
 @pytest.mark.parametrize("cls, fmt", [(MXFP8Recipe, "fp8_e4m3"), (MXFP6Recipe, "fp6_e2m3"),
                                       (MXFP4Recipe, "fp4_e2m1"), (MXINT8Recipe, "int8")])
 def test_shorthand_recipes_use_one_format_for_every_role(cls, fmt):
     assert role_formats(cls()) == dict.fromkeys(ROLE_NAMES, fmt)
-    for spec in cls().roles().values():
-        assert spec == RoleSpec(fmt=fmt, block_size=32, scale_mode="rceil", rounding="even")
+    for name, spec in cls().roles().items():
+        rounding = "stochastic" if cls is MXFP4Recipe and name in GRAD_OUTPUT_ROLES else "even"
+        assert spec == RoleSpec(fmt=fmt, block_size=32, scale_mode="rceil", rounding=rounding)
 
 
 def test_mx_recipe_defaults_to_high_precision_everywhere():
@@ -127,7 +146,9 @@ def test_grad_rounding_applies_to_grad_output_roles_only():
         expected = "stochastic" if name in GRAD_OUTPUT_ROLES else "nearest"
         assert recipe.role(name).rounding == expected
     assert recipe.seed == 7
-    assert MXFP4Recipe(rounding="floor").role("wgrad_grad_output").rounding == "floor"
+    # grad_rounding=None: the gradients follow `rounding` (MXFP4Recipe's own default is "stochastic")
+    assert MXFP4Recipe(rounding="floor", grad_rounding=None).role("wgrad_grad_output").rounding == "floor"
+    assert MXFP8Recipe(rounding="floor").role("wgrad_grad_output").rounding == "floor"
 
 
 def test_shared_options_reach_every_role():

@@ -324,7 +324,8 @@ class Recipe:
             ``"floor"`` (toward zero) or ``"stochastic"``.
         grad_rounding: rounding for the two grad-output roles (``dgrad_grad_output``,
             ``wgrad_grad_output``), e.g. ``"stochastic"`` to round gradients
-            stochastically while the forward stays deterministic. None (default) = ``rounding``.
+            stochastically while the forward stays deterministic. None (default; ``"stochastic"``
+            in :class:`MXFP4Recipe`) = ``rounding``.
         elemwise_format: precision of elementwise ops (norms, activations, softmax):
             None (default, not quantized), ``"bfloatN"`` (8 exponent bits, e.g.
             ``"bfloat16"``) or ``"fpN"`` (5 exponent bits, e.g. ``"fp16"``). Stored
@@ -532,12 +533,20 @@ class MXFP6Recipe(Recipe):
 
 @_recipe_dataclass
 class MXFP4Recipe(Recipe):
-    """MXFP4: fp4_e2m1 elements for every role.
+    """MXFP4: fp4_e2m1 elements for every role, gradients rounded stochastically by default.
 
-    FP4 gradients are coarse; ``grad_rounding="stochastic"`` keeps them unbiased.
+    With 8 magnitudes per block, rounding a gradient to nearest is biased and small
+    components vanish; ``grad_rounding="stochastic"`` (the default here, as in Transformer
+    Engine's NVFP4 recipe) keeps the two grad-output roles unbiased while the forward
+    stays round-to-nearest-even. ``grad_rounding=None`` gives the deterministic recipe.
+    Seed policy: ``seed=None`` (default) draws from torch's global RNG, so
+    ``torch.manual_seed`` makes a run reproducible; an int gives the recipe its own
+    stream and leaves the global RNG (dropout, data order) untouched.
+    See docs/fp4.md for the layers :func:`mxtrain.convert` keeps in high precision.
     Shared options: see :class:`Recipe`.
     """
 
+    grad_rounding: str | None = _recipe_field("stochastic", _check_rounding_or_none, _text_as_str_or_none)
     short_name: ClassVar[str] = "mxfp4"
 
     def _role_formats(self) -> Mapping[str, str | None]:

@@ -11,7 +11,8 @@ from mxtrain.recipes import MXRecipe
 
 RECIPES = {
     "mxfp8": lambda: mxtrain.MXFP8Recipe(),
-    "mxfp4": lambda: mxtrain.MXFP4Recipe(),  # packed codes: two per byte
+    # packed codes: two per byte; deterministic gradients (the default rounds them stochastically), bit for bit
+    "mxfp4": lambda: mxtrain.MXFP4Recipe(grad_rounding=None),
     "mxfp6_b16_floor": lambda: mxtrain.MXFP6Recipe(block_size=16, scale_mode="floor"),
     "mxint8": lambda: mxtrain.MXINT8Recipe(),
     "mx_fwd_only": lambda: MXRecipe(fprop_input="fp8_e4m3", fprop_weight="fp8_e4m3"),  # backward in hp
