@@ -22,7 +22,8 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
     ``backward`` and the optimizer (built with ``capturable=True``; ``zero_grad(set_to_none=False)``
     inside the step, or gradients made before the capture, so their addresses stay fixed).
     It runs ``warmup`` times on a side stream first (kernel builds, autotuning, lazy state such as
-    DelayedScaling's slots), then once under capture. The returned function returns what ``step``
+    DelayedScaling's slots): real steps, which update the weights, the optimizer and recipe state on
+    the batch the static tensors hold. Then it is captured on the same stream. The returned function returns what ``step``
     returned during the capture; its tensors hold each replay's values.
 
     mxtrain's stochastic-rounding generators on the device are registered with the graph, so each
@@ -57,7 +58,7 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
                                    "use a recipe without stochastic rounding or a newer torch")
             graph.register_generator_state(gen)
     try:
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):
             out = step()
     except RuntimeError as e:
         raise RuntimeError(

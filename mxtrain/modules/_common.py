@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mxtrain import config
 from mxtrain.kernels.dispatch import quantize
@@ -43,6 +45,10 @@ def set_generator_states(states: list[dict]) -> None:
     restored = set()
     for entry in states:
         key = (int(entry["seed"]), torch.device(entry["device"]))
+        if key[1].type == "cuda" and (not torch.cuda.is_available() or (key[1].index or 0) >= torch.cuda.device_count()):
+            warnings.warn(f"stochastic-rounding generator of seed {key[0]} on {key[1]} not restored: this process has "
+                          "no such device, so its stochastic rounding starts afresh from the seed", stacklevel=2)
+            continue
         gen = _GENERATORS.get(key)
         if gen is None:
             gen = _GENERATORS[key] = torch.Generator(device=key[1])
@@ -119,8 +125,11 @@ def weight_cast_cache():
 
     Inside the context a module's weight planes (forward and backward) are kept after their first
     cast and reused while the parameter is the same object with the same version counter and
-    storage: an optimizer step or any in-place change recasts it, as Transformer Engine's
-    ``is_first_microbatch`` does by hand. Results are bit-identical to casting every time. Not cached:
+    storage, and no ``torch.optim`` optimizer has stepped: an optimizer step or any in-place change recasts
+    it, as Transformer Engine's ``is_first_microbatch`` does by hand. Writes through ``p.data`` outside an
+    optimizer are invisible to the version counter: leave the context before making them. Results are
+    bit-identical to casting every time. Under plain FSDP2 (no quantized all-gather) the cached planes of
+    every layer stay alive through the step. Not cached:
     stochastically rounded weights, DelayedScaling (its scale moves every forward), FSDP2-gathered
     MX planes (they arrive cast), and casts under ``torch.compile`` or CUDA-graph capture. The planes
     are freed when the outermost context exits; wrap one optimizer step's microbatches::
@@ -132,9 +141,12 @@ def weight_cast_cache():
             opt.step(); opt.zero_grad()
     """
     _WEIGHT_CASTS.depth += 1
+    # an optimizer that writes through ``p.data`` leaves the version counter alone: any step drops the casts
+    hook = register_optimizer_step_post_hook(lambda *_: _WEIGHT_CASTS.entries.clear())
     try:
         yield
     finally:
+        hook.remove()
         _WEIGHT_CASTS.depth -= 1
         if _WEIGHT_CASTS.depth == 0:
             _WEIGHT_CASTS.entries.clear()

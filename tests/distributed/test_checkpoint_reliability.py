@@ -277,3 +277,18 @@ def test_train_lm_refuses_to_resume_under_another_recipe(tmp_path, monkeypatch, 
     assert "RecipeMismatchError" in err and "allow-recipe-change" in err
     train_lm.main(["--recipe", DELAYED, "--resume", "--allow-recipe-change", *common])
     train_lm.main(["--recipe", "mxfp8", "--resume", *common])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a checkpoint from a GPU loaded where there is none")
+def test_generator_of_a_missing_device_warns_and_the_others_restore():
+    from mxtrain.modules import _common
+
+    cpu = torch.Generator().manual_seed(11)
+    torch.randint(0, 10, (5,), generator=cpu)
+    states = [{"seed": 5, "device": "cuda:0", "state": torch.Generator().get_state()},
+              {"seed": 7, "device": "cpu", "state": cpu.get_state()}]
+    with pytest.warns(UserWarning, match="seed 5 on cuda:0 not restored"):
+        _common.set_generator_states(states)
+    restored = _common._GENERATORS[(7, torch.device("cpu"))]
+    assert torch.equal(restored.get_state(), cpu.get_state())
+    assert (5, torch.device("cuda:0")) not in _common._GENERATORS

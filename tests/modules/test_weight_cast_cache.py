@@ -84,3 +84,28 @@ def test_not_cached_where_a_cast_is_not_a_pure_function_of_the_weight(spec):
             torch.no_grad():
         model(torch.randn(4, 64))
         assert _common._WEIGHT_CASTS.entries == {}
+
+
+def test_an_optimizer_step_through_data_recasts():
+    """Optimizers that write ``p.data`` leave the version counter alone: any optimizer step drops the casts."""
+
+    class DataSGD(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.data.add_(1.0)  # no version bump
+
+    model = mxtrain.Linear(64, 32)
+    x = torch.randn(4, 64)
+    opt = DataSGD(model.parameters())
+    with mxtrain.weight_cast_cache(), mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()), torch.no_grad():
+        y1 = model(x)
+        version = model.weight._version
+        opt.step()
+        assert model.weight._version == version and _common._WEIGHT_CASTS.entries == {}
+        y2 = model(x)
+    with mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()), torch.no_grad():
+        assert torch.equal(y2, model(x)) and not torch.equal(y1, y2)
