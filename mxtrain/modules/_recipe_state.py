@@ -187,22 +187,34 @@ def gemm_recipe(recipe, gemm: str):
     return recipe if for_gemm is None else for_gemm(gemm)
 
 
+# wrappers whose attribute name torch's distributed state dicts leave out of parameter names
+_WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def _state_modules(model) -> dict:
+    """``{name: module}`` of the modules that can keep recipe state, named as their parameters are in
+    ``get_state_dict`` (without torch.compile / checkpoint / FSDP1 wrapper segments), so that a model saved
+    compiled loads into the plain one."""
+    return {".".join(p for p in name.split(".") if p not in _WRAPPER_NAMES): m
+            for name, m in model.named_modules() if isinstance(m, RecipeStateMixin)}
+
+
 def recipe_state_modules(model) -> list[str]:
-    """Names (as ``named_modules`` gives them) of the modules in ``model`` that can keep recipe state."""
-    return [name for name, m in model.named_modules() if isinstance(m, RecipeStateMixin)]
+    """Names (as the model's state-dict keys name them) of the modules in ``model`` that can keep recipe state."""
+    return list(_state_modules(model))
 
 
 def recipe_states(model) -> dict:
     """``{module name: state_dict()}`` of every module of ``model`` that keeps recipe state now."""
-    return {name: m.recipe_state.state_dict() for name, m in model.named_modules()
-            if isinstance(m, RecipeStateMixin) and m.recipe_state is not None}
+    return {name: m.recipe_state.state_dict() for name, m in _state_modules(model).items()
+            if m.recipe_state is not None}
 
 
 def load_recipe_states(model, states: dict) -> None:
     """Give each recipe-state module of ``model`` its entry of ``states`` (from :func:`recipe_states`),
     created if the module has none yet; modules without an entry forget theirs. Raises on names or
     kinds ``model`` cannot take, before changing any module."""
-    modules = {name: m for name, m in model.named_modules() if isinstance(m, RecipeStateMixin)}
+    modules = _state_modules(model)
     unknown = sorted(set(states) - set(modules))
     if unknown:
         raise ValueError(f"recipe state saved for modules this model lacks: {unknown[:5]}"

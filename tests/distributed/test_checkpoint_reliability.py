@@ -292,3 +292,22 @@ def test_generator_of_a_missing_device_warns_and_the_others_restore():
     restored = _common._GENERATORS[(7, torch.device("cpu"))]
     assert torch.equal(restored.get_state(), cpu.get_state())
     assert (5, torch.device("cuda:0")) not in _common._GENERATORS
+
+
+def test_saved_from_a_compiled_model_loads_into_the_plain_one(tmp_path):
+    """torch.compile wraps the model (``_orig_mod.``): recipe state is named as the parameters are, so a
+    checkpoint of the compiled model resumes the plain one (and the reverse)."""
+    recipe = mxtrain.recipe_from_string(DELAYED)
+    model = _model()
+    opt = _opt(model)
+    _train(model, opt, recipe, range(3))
+    save_checkpoint(str(tmp_path), 3, torch.compile(model), opt, recipe=recipe)  # compiled lazily: never run
+    fresh = _model(seed=1)
+    fresh_opt = _opt(fresh)
+    load_checkpoint(latest_checkpoint(str(tmp_path)), fresh, fresh_opt, recipe=recipe)
+    assert _same(_params(fresh), _params(model))
+    for (name, a), b in zip(((n, m) for n, m in model.named_modules() if getattr(m, "recipe_state", None)),
+                            (m for m in fresh.modules() if getattr(m, "recipe_state", None))):
+        assert torch.equal(a.recipe_state.amax_history, b.recipe_state.amax_history), name
+        assert torch.equal(a.recipe_state.scale, b.recipe_state.scale), name
+    assert _train(fresh, fresh_opt, recipe, range(3, 5)) == _train(model, opt, recipe, range(3, 5))
