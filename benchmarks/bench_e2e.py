@@ -20,6 +20,18 @@ time to issue one eager step (no synchronisation inside a step), which says whet
     python benchmarks/bench_e2e.py --model llama-1b                       # all default sides
     python benchmarks/bench_e2e.py --model smollm2-135m --sides hf,mx:mxfp8,mx:mxfp8+graph --rounds 2
     python benchmarks/bench_e2e.py --model llama-1b --profile mx:fp8_current   # where one step's time goes
+
+``--fsdp`` (under ``torchrun``) trains the model with FSDP2 instead: ``fully_shard`` on every decoder layer and
+the root, fp32 master weights with bf16 compute and fp32 reduce-scatter (``MixedPrecisionPolicy``), fused AdamW,
+``--batch`` sequences per rank. Sides then gather their weights as follows: ``hf`` in bf16; ``ao-tensorwise``
+in float8 (``enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_scale_for_fsdp`` after each
+optimizer step, torchao's best FSDP2 configuration); ``ao-rowwise`` in bf16 (torchao has no rowwise all-gather);
+``mx:<recipe>`` quantized by ``mxtrain.distributed.enable_quantized_all_gather`` (MX bytes or FP8 codes), or in
+bf16 with ``+bf16ag``. ``+compile`` compiles each decoder layer (as torchtitan does); ``+graph`` is refused.
+Tokens/s count every rank's tokens; the table adds each side's all-gather bytes and kernel time per step.
+
+    torchrun --nproc_per_node=2 benchmarks/bench_e2e.py --fsdp --model llama-1b --batch 2 \
+        --sides hf,ao-tensorwise,mx:mxfp8,mx:fp8_current,mx:fp8_block --warmup 5 --steps 45
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import mxtrain
@@ -71,12 +84,14 @@ def hf_config(name: str, layers: int | None):
 def parse_side(side: str) -> tuple[str, str | None, frozenset]:
     """``side`` -> (kind, recipe spec, modes): kind in hf / ao / mx, modes a subset of {compile, graph}."""
     base, *modes = side.split("+")
-    bad = set(modes) - {"compile", "graph"}
+    bad = set(modes) - {"compile", "graph", "bf16ag"}
     if bad or len(set(modes)) != len(modes):
-        raise ValueError(f"side {side!r}: modes after '+' must be compile and/or graph, got {modes}")
+        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph or bf16ag, got {modes}")
     modes = frozenset(modes)
     if base == "hf":
         return "hf", None, modes
+    if "bf16ag" in modes and not base.startswith("mx:"):
+        raise ValueError(f"side {side!r}: +bf16ag applies to mx:<recipe> sides (under --fsdp) only")
     if base in ("ao-tensorwise", "ao-rowwise"):
         return "ao", base.removeprefix("ao-"), modes | {"compile"}
     if base.startswith("mx:"):
@@ -124,6 +139,63 @@ def build(side: str, cfg, device, seed: int):
     return step, list(model.parameters())
 
 
+def build_fsdp(side: str, cfg, device, seed: int):
+    """(step function, parameters, after-optimizer hook) of one side under FSDP2 (see the module docstring)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import LlamaForCausalLM
+
+    kind, spec, modes = parse_side(side)
+    if "graph" in modes:
+        raise ValueError(f"side {side!r}: +graph is not supported with --fsdp (FSDP2's collectives and streams "
+                         "are not captured by make_graphed_step); use +compile or eager")
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialised where it trains (a 1B model's CPU init takes seconds per side)
+        hf = LlamaForCausalLM(cfg)  # fp32 master weights, as FSDP2 shards them
+    after_step = None
+    if kind in ("hf", "ao"):
+        model, layers = hf, hf.model.layers
+        if kind == "ao":
+            import dataclasses
+
+            from torchao.float8 import (Float8LinearConfig, convert_to_float8_training,
+                                        precompute_float8_dynamic_scale_for_fsdp)
+
+            config = Float8LinearConfig.from_recipe_name(spec)
+            if spec == "tensorwise":
+                config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+            convert_to_float8_training(model, config=config, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+            if spec == "tensorwise":
+                after_step = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
+    else:
+        from mxtrain.distributed import enable_quantized_all_gather
+        from mxtrain.integrations.llama import convert_llama
+
+        model = convert_llama(hf, dtype=torch.float32, device=device)
+        del hf
+        layers = model.layers
+    recipe = mxtrain.recipe_from_string(spec) if kind == "mx" else None
+    if recipe is not None and "bf16ag" not in modes:
+        enable_quantized_all_gather(model, recipe=recipe)
+    if "compile" in modes:  # each decoder layer, before fully_shard, as torchtitan does
+        for i, layer in enumerate(list(layers)):
+            layers.register_module(str(i), torch.compile(layer))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+
+    def step(ids, targets):
+        if kind == "mx":
+            with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
+                loss = model(ids, targets)
+        else:
+            logits = model(input_ids=ids).logits
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        loss.backward()
+        return loss
+    return step, list(model.parameters()), after_step
+
+
 def batches(cfg, batch: int, seq: int, device, seed: int, count: int = 4):
     """``count`` random (inputs, targets) pairs; each side sees the same ones in the same order."""
     g = torch.Generator(device=device).manual_seed(seed)
@@ -134,10 +206,16 @@ def batches(cfg, batch: int, seq: int, device, seed: int, count: int = 4):
 def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
     """Build, warm up and time one side; returns its figures. Every side runs warmup + 3 + steps steps."""
     _, _, modes = parse_side(side)
-    torch.cuda.reset_peak_memory_stats()
-    step, params = build(side, cfg, device, args.seed)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if args.fsdp else (0, 1)
+    if args.fsdp:
+        step, params, after_step = build_fsdp(side, cfg, device, args.seed)
+    else:
+        (step, params), after_step = build(side, cfg, device, args.seed), None
     opt = torch.optim.AdamW(params, lr=args.lr, fused=True, capturable="graph" in modes)
-    data = batches(cfg, batch, seq, device, args.seed)
+    data = batches(cfg, batch, seq, device, args.seed + rank)
     inputs, targets = (t.clone() for t in data[0])  # static buffers, refilled before each step
     count = [0]
 
@@ -145,6 +223,8 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
         loss = step(inputs, targets)
         opt.step()
         opt.zero_grad(set_to_none="graph" not in modes)
+        if after_step is not None:
+            after_step()
         return loss
 
     def next_batch():
@@ -157,6 +237,12 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
         next_batch()
         return train_step()
 
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+        if args.fsdp:
+            dist.barrier()
+
     for _ in range(args.warmup - ("graph" in modes)):
         run()
     if "graph" in modes:  # the last warm-up step runs in make_graphed_step, the capture runs none
@@ -166,23 +252,44 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
         def run():
             next_batch()
             return graphed()
-    torch.cuda.synchronize()
+    sync()
     issue = []
     for _ in range(3):  # host time to issue a step, the queue drained first
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         run()
         issue.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(args.steps):
-        loss = run()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / args.steps
-    return {"side": side, "ms": ms, "tokens_per_s": batch * seq / ms * 1e3, "issue_ms": 1e3 * min(issue),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": loss.item()}
+    gather = None
+    if args.fsdp:
+        from bench_fsdp import AllGatherTimer  # benchmarks/ is on sys.path when this file runs as a script
+
+        gather = AllGatherTimer(device)
+    sync()
+    try:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = run()
+        if cuda:
+            end.record()
+        sync()
+        ms = start.elapsed_time(end) / args.steps if cuda else 1e3 * (time.perf_counter() - t0) / args.steps
+        if gather is not None:
+            gather_ms, gather_bytes = 1e3 * gather.seconds() / args.steps, gather.bytes / args.steps
+    finally:
+        if gather is not None:
+            gather.close()
+    loss = loss.detach().float()
+    if args.fsdp:  # the mean over ranks of the last step's loss
+        dist.all_reduce(loss)
+        loss /= world
+    res = {"side": side, "ms": ms, "tokens_per_s": world * batch * seq / ms * 1e3, "issue_ms": 1e3 * min(issue),
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), "loss": loss.item()}
+    if gather is not None:
+        res.update(allgather_ms=gather_ms, allgather_mib=gather_bytes / 2**20)
+    return res
 
 
 def mxtrain_kernel_names() -> set[str]:
@@ -260,6 +367,21 @@ def profile_side(side: str, cfg, batch: int, seq: int, args, device) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
+def init_distributed() -> torch.device:
+    """NCCL on this rank's GPU under torchrun, else gloo on the CPU; a stuck collective fails after 5 minutes."""
+    timeout = datetime.timedelta(minutes=5)
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
+    return device
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="llama-1b")
@@ -274,13 +396,24 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, metavar="SIDES", help="profile these eager sides instead of timing")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 over torchrun's ranks (NCCL; gloo on CPU tests the code path only)")
     args = p.parse_args()
     for name in ("rounds", "steps", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_e2e.py needs a CUDA device")
-    device = torch.device("cuda")
+    if args.fsdp:
+        if "RANK" not in os.environ:
+            p.error("--fsdp runs under torchrun: torchrun --nproc_per_node=N benchmarks/bench_e2e.py --fsdp ...")
+        if args.profile:
+            p.error("--profile profiles one process; it does not combine with --fsdp")
+        device = init_distributed()
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_e2e.py needs a CUDA device (or --fsdp under torchrun, which runs on CPU with gloo)")
+    else:
+        device = torch.device("cuda")
+    rank = dist.get_rank() if args.fsdp else 0
+    say = print if rank == 0 else (lambda *a, **k: None)
     cfg = hf_config(args.model, args.layers)
     _, batch, seq = MODELS[args.model]
     batch, seq = args.batch or batch, args.seq or seq
@@ -292,16 +425,22 @@ def main():
         return
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     for s in sides:
-        parse_side(s)
+        if args.fsdp and "graph" in parse_side(s)[2]:
+            p.error(f"side {s!r}: +graph is not supported with --fsdp")
     versions = f"torch {torch.__version__}"
     for mod in ("transformers", "torchao", "triton"):
         try:
             versions += f", {mod} {__import__(mod).__version__}"
         except ImportError:
             pass
-    print(f"{datetime.date.today()} {torch.cuda.get_device_name()} {versions}\n"
-          f"{args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}, "
-          f"vocab {cfg.vocab_size}; {batch} x {seq} tokens a step; {args.steps} steps x {args.rounds} rounds")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    world = dist.get_world_size() if args.fsdp else 1
+    setup = (f"FSDP2 over {world} x {name} ({'NCCL' if device.type == 'cuda' else 'gloo'}), fp32 master weights, "
+             f"bf16 compute, fp32 reduce-scatter; {batch} x {seq} tokens a step per rank" if args.fsdp
+             else f"{batch} x {seq} tokens a step")
+    say(f"{datetime.date.today()} {name} {versions}\n"
+        f"{args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}, "
+        f"vocab {cfg.vocab_size}; {setup}; {args.warmup} warm-up + {args.steps} timed steps x {args.rounds} rounds")
     results = []
     for r in range(args.rounds):
         order = sides if r % 2 == 0 else sides[::-1]
@@ -310,32 +449,39 @@ def main():
                 res = run_side(side, cfg, batch, seq, args, device)
             except Exception as e:  # one side failing must not lose the others' figures
                 res = {"side": side, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-                print(f"round {r}: {side} failed: {res['error']}", flush=True)
+                print(f"rank {rank} round {r}: {side} failed: {res['error']}", flush=True)
             else:
-                print(f"round {r}: {side:<24} {res['ms']:8.1f} ms  {res['tokens_per_s']:9.0f} tok/s  "
-                      f"issue {res['issue_ms']:6.1f} ms  peak {res['peak_gib']:5.1f} GiB  loss {res['loss']:.4f}",
-                      flush=True)
+                gather = (f"  all-gather {res['allgather_mib']:7.1f} MiB {res['allgather_ms']:6.1f} ms"
+                          if "allgather_ms" in res else "")
+                say(f"round {r}: {side:<24} {res['ms']:8.1f} ms  {res['tokens_per_s']:9.0f} tok/s  "
+                    f"issue {res['issue_ms']:6.1f} ms  peak {res['peak_gib']:5.1f} GiB  loss {res['loss']:.4f}{gather}",
+                    flush=True)
             res["round"] = r
             results.append(res)
             gc.collect()
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             torch._dynamo.reset()
     hf_ms = {r["round"]: r["ms"] for r in results if r["side"] == "hf" and "ms" in r}
-    print(f"\n{'side':<26}{'tok/s (best)':>13}{'vs hf':>12}{'issue ms':>10}{'peak GiB':>10}{'loss':>9}")
+    extra = f"{'AG MiB':>9}{'AG ms':>8}" if args.fsdp else ""
+    say(f"\n{'side':<26}{'tok/s (best)':>13}{'vs hf':>12}{'issue ms':>10}{'peak GiB':>10}{'loss':>9}{extra}")
     for side in sides:
         rows = [r for r in results if r["side"] == side and "ms" in r]
         if not rows:
-            print(f"{side:<26}{'failed':>13}")
+            say(f"{side:<26}{'failed':>13}")
             continue
         best = max(rows, key=lambda r: r["tokens_per_s"])
         ratios = [hf_ms[r["round"]] / r["ms"] for r in rows if r["round"] in hf_ms]
         ratio = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-"
-        print(f"{side:<26}{best['tokens_per_s']:>13.0f}{ratio:>12}{best['issue_ms']:>10.1f}"
-              f"{best['peak_gib']:>10.1f}{best['loss']:>9.4f}")
-    if args.json:
+        extra = f"{best['allgather_mib']:>9.1f}{best['allgather_ms']:>8.1f}" if args.fsdp else ""
+        say(f"{side:<26}{best['tokens_per_s']:>13.0f}{ratio:>12}{best['issue_ms']:>10.1f}"
+            f"{best['peak_gib']:>10.1f}{best['loss']:>9.4f}{extra}")
+    if args.json and rank == 0:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": torch.cuda.get_device_name(), "versions": versions,
+            json.dump({"args": vars(args), "device": name, "world": world, "versions": versions,
                        "results": results}, f, indent=1)
+    if args.fsdp:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
