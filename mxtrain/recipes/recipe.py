@@ -322,15 +322,16 @@ _SHORT_NAMES: dict[str, type["Recipe"]] = {}
 
 def _register(cls: type["Recipe"]) -> None:
     # A class defined again under the same module and qualified name (a module reload) replaces itself.
-    for table, key, what in ((_CLASSES, cls.__name__, "class name"),
-                             (_SHORT_NAMES, cls.__dict__.get("short_name"), "short name")):
-        if not key:
-            continue
+    entries = [(table, key, what) for table, key, what in ((_CLASSES, cls.__name__, "class name"),
+                                                          (_SHORT_NAMES, cls.__dict__.get("short_name"), "short name"))
+               if key]
+    for table, key, what in entries:
         old = table.get(key)
         if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
             raise TypeError(f"recipe {what} {key!r} of {cls.__module__}.{cls.__qualname__} is already taken by "
                             f"{old.__module__}.{old.__qualname__}: recipe dicts and recipe strings name a class by it, "
                             f"so it must be unique")
+    for table, key, _ in entries:
         table[key] = cls
 
 
