@@ -37,8 +37,9 @@ def _options(cls) -> set[str]:
     return set(cls.field_names())
 
 
-MX_ONLY = set().union(*map(_options, RECIPE_CLASSES.values())) - set().union(*map(_options, FLOAT8_RECIPE_CLASSES.values()))
-FP8_ONLY = set().union(*map(_options, FLOAT8_RECIPE_CLASSES.values())) - set().union(*map(_options, RECIPE_CLASSES.values()))
+MX_OPTIONS = set().union(*map(_options, RECIPE_CLASSES.values()))
+FP8_OPTIONS = set().union(*map(_options, FLOAT8_RECIPE_CLASSES.values()))
+MX_ONLY, FP8_ONLY = MX_OPTIONS - FP8_OPTIONS, FP8_OPTIONS - MX_OPTIONS
 
 # Values to try for each option, in order: the first the class accepts and that differs from its default is used.
 CANDIDATES = {
@@ -115,8 +116,8 @@ def test_mx_recipes_have_no_fp8_attributes(cls):
 
 
 @pytest.mark.parametrize("make, pattern", [
-    (lambda: Float8CurrentScaling(seed=1), r"Float8CurrentScaling\.seed is an MX recipe option and does not apply to FP8 "
-                                           r"recipes; valid options: fp8_format, .*amax_reduction_group"),
+    (lambda: Float8CurrentScaling(seed=1), r"Float8CurrentScaling\.seed is an MX recipe option and does not apply "
+                                           r"to FP8 recipes; valid options: fp8_format, .*amax_reduction_group"),
     (lambda: DelayedScaling().replace(block_size=16), r"DelayedScaling\.block_size is an MX recipe option"),
     (lambda: MXFP8Recipe(margin=1), r"MXFP8Recipe\.margin is an FP8 recipe option and does not apply to MX recipes"),
     (lambda: MXFP8Recipe(fprop_weight="int4"), r"MXFP8Recipe has no option 'fprop_weight' \(an option of MXRecipe\)"),

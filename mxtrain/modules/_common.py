@@ -23,7 +23,7 @@ _GENERATORS: dict[tuple[int, torch.device], torch.Generator] = {}
 
 def recipe_generator(recipe, device: torch.device) -> torch.Generator | None:
     """One generator per (recipe seed, device), advanced call after call: reproducible runs.
-    None (torch's global RNG) for an MX recipe without a seed, and for an FP8 recipe, which never rounds stochastically."""
+    None (torch's global RNG) for an MX recipe without a seed and for FP8 recipes (no stochastic rounding)."""
     if not isinstance(recipe, MXRecipeBase) or recipe.seed is None:
         return None
     key = (recipe.seed, device)

@@ -24,7 +24,6 @@ Like mxtrain/recipes/recipe.py this module imports no torch.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 from collections.abc import Mapping

@@ -514,7 +514,8 @@ class Recipe:
                 raise ValueError(f"unknown recipe type {RECIPE_TAG_KEY}={tag!r}; valid: {_choices(_CLASSES)}")
             if not issubclass(target, cls):
                 raise ValueError(f"{cls.__name__}.from_dict got a dict tagged {RECIPE_TAG_KEY}={tag!r}, which is not "
-                                 f"a subclass of {cls.__name__}; use Recipe.from_dict to rebuild any recipe class from its tag")
+                                 f"a subclass of {cls.__name__}; use Recipe.from_dict to rebuild any recipe class "
+                                 f"from its tag")
         elif cls.__dict__.get("_abstract", False):
             raise ValueError(f"recipe dict has no {RECIPE_TAG_KEY!r} key naming its class; "
                              f"expected one of {_choices(_RecipeClasses(cls))}")
