@@ -222,10 +222,6 @@ class Float8Recipe(Recipe, abstract=True):
                                          **self._spec_options(tensor))
         return specs
 
-    def role(self, name: str) -> Float8RoleSpec:
-        """How one GEMM operand role (one of ``ROLE_NAMES``) is cast to FP8."""
-        return super().role(name)
-
 
 @_recipe_dataclass
 class Float8CurrentScaling(Float8Recipe):

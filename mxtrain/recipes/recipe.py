@@ -588,10 +588,6 @@ class MXRecipeBase(Recipe, abstract=True):
                                    scale_mode=self.scale_mode, rounding=rounding)
         return specs
 
-    def role(self, name: str) -> RoleSpec:
-        """The quantization of one GEMM operand role (one of ``ROLE_NAMES``)."""
-        return super().role(name)
-
     @property
     def elemwise_rounding(self) -> str:
         """``rounding``: elementwise results are rounded as the GEMM operands are."""
