@@ -20,7 +20,7 @@ from mxtrain.quantization import MXTensor, fake_quantize_mx, quantize_elemwise, 
 from mxtrain.quantization.float8 import Float8Tensor, fake_quantize_float8, quantize_float8
 from mxtrain.recipes import (
     ROLE_NAMES, DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Float8Recipe, MXFP4Recipe, MXFP6Recipe,
-    MXFP8Recipe, MXINT8Recipe, MXRecipe, Recipe, RoleSpec, recipe_from_dict, recipe_from_string,
+    MXFP8Recipe, MXINT8Recipe, MXRecipe, MXRecipeBase, Recipe, RoleSpec, recipe_from_dict, recipe_from_string,
 )
 from mxtrain.convert import Conversion, convert, unconvert
 from mxtrain.graphs import make_graphed_step
@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "mx_autocast", "get_recipe", "is_autocast_enabled",
-    "Recipe", "RoleSpec", "MXRecipe", "MXFP8Recipe", "MXFP6Recipe", "MXFP4Recipe", "MXINT8Recipe",
+    "Recipe", "RoleSpec", "MXRecipeBase", "MXRecipe", "MXFP8Recipe", "MXFP6Recipe", "MXFP4Recipe", "MXINT8Recipe",
     "recipe_from_dict", "recipe_from_string", "ROLE_NAMES",
     "Float8Recipe", "Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling",
     "Float8Tensor", "quantize_float8", "fake_quantize_float8", "convert", "unconvert", "Conversion",

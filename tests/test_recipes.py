@@ -254,7 +254,7 @@ def test_unknown_constructor_argument_and_positional_arguments_rejected():
 
 
 def test_base_recipe_is_abstract():
-    with pytest.raises(TypeError, match="Recipe is the abstract base class.*MXFP8Recipe"):
+    with pytest.raises(TypeError, match="Recipe is an abstract base class.*MXFP8Recipe"):
         Recipe()
 
 

@@ -63,7 +63,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from mxtrain import config
-from mxtrain.recipes import RoleSpec
+from mxtrain.recipes import MXRecipeBase, RoleSpec
 from mxtrain.recipes.float8 import BLOCK_LEN, Float8Recipe, Float8RoleSpec
 from mxtrain.autocast import get_recipe
 from mxtrain.formats import parse_format
@@ -872,7 +872,7 @@ def enable_quantized_all_gather(model: nn.Module, *, activation_checkpointing: b
         world_size = dist.get_world_size()
     if isinstance(recipe, Float8Recipe):
         world_size = None
-    elif recipe is not None:
+    elif isinstance(recipe, MXRecipeBase):
         block_size = recipe.block_size
     converted, skipped = [], []
     for mod_name, m in model.named_modules():

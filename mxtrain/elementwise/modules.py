@@ -40,7 +40,7 @@ def elementwise_specs(recipe) -> MxSpecs | None:
     specs["bfloat" if fmt.ebits == 8 else "fp"] = fmt.bits
     for key in DEFAULTS:
         if key == "round" or key.startswith("round_"):
-            specs[key] = _MX_ROUND[recipe.rounding]
+            specs[key] = _MX_ROUND[recipe.elemwise_rounding]
     specs["bfloat_subnorms"] = recipe.elemwise_subnormals
     specs["quantize_backprop"] = recipe.quantize_backward
     return specs

@@ -16,13 +16,15 @@ from mxtrain.kernels.dispatch import quantize
 from mxtrain.modules._float8 import quantize_float8_operand
 from mxtrain.quantization import MXTensor, quantize_elemwise
 from mxtrain.recipes.float8 import Float8RoleSpec
+from mxtrain.recipes.recipe import MXRecipeBase, RoleSpec
 
 _GENERATORS: dict[tuple[int, torch.device], torch.Generator] = {}
 
 
 def recipe_generator(recipe, device: torch.device) -> torch.Generator | None:
-    """One generator per (recipe seed, device), advanced call after call: reproducible runs."""
-    if recipe is None or recipe.seed is None:
+    """One generator per (recipe seed, device), advanced call after call: reproducible runs.
+    None (torch's global RNG) for an MX recipe without a seed and for FP8 recipes (no stochastic rounding)."""
+    if not isinstance(recipe, MXRecipeBase) or recipe.seed is None:
         return None
     key = (recipe.seed, device)
     gen = _GENERATORS.get(key)
@@ -159,8 +161,9 @@ def _cache_key(t2d: torch.Tensor, specs_axes, at_once: bool):
     if t2d.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     for spec, _ in specs_axes:
-        if spec is not None and (getattr(spec, "rounding", None) == "stochastic"
-                                 or getattr(spec, "scaling", None) == "delayed"):
+        # a stochastic cast draws afresh each time; a delayed-scaling one records the weight's amax
+        if (isinstance(spec, RoleSpec) and spec.rounding == "stochastic") or (
+                isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed"):
             return None
     return id(t2d), tuple(specs_axes), at_once
 
@@ -423,8 +426,9 @@ def round_elemwise(t: torch.Tensor, recipe) -> torch.Tensor:
     ``recipe.seed``, shared with the GEMM operands' rounding), torch's global RNG when the seed is None."""
     if recipe is None or recipe.elemwise_format is None:
         return t
-    gen = recipe_generator(recipe, t.device) if recipe.rounding == "stochastic" else None
-    return quantize_elemwise(t, recipe.elemwise_format, rounding=recipe.rounding,
+    rounding = recipe.elemwise_rounding
+    gen = recipe_generator(recipe, t.device) if rounding == "stochastic" else None
+    return quantize_elemwise(t, recipe.elemwise_format, rounding=rounding,
                              subnormals=recipe.elemwise_subnormals, seed=gen)
 
 

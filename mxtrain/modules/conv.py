@@ -32,6 +32,7 @@ from torch import nn
 
 from mxtrain.autocast import get_recipe
 from mxtrain.modules._common import once_differentiable, recipe_generator
+from mxtrain.recipes.recipe import MXRecipeBase, RoleSpec
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "mx_conv",
            "mx_conv_transpose", "fake_quantize_role", "unsupported_recipe"]
@@ -42,10 +43,9 @@ _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 def unsupported_recipe(recipe) -> str | None:
     """Why the MX convolutions cannot run ``recipe`` (None: they can)."""
-    from mxtrain.recipes.float8 import Float8Recipe
-    if isinstance(recipe, Float8Recipe):
-        return (f"MX convolutions take MX recipes (MXFP8Recipe, MXRecipe...); FP8 recipes such as "
-                f"{type(recipe).__name__} are supported by Linear/LayerNormLinear/LayerNormMLP only")
+    if not isinstance(recipe, MXRecipeBase):
+        return (f"MX convolutions take MX recipes (MXFP8Recipe, MXRecipe...), not {type(recipe).__name__}; "
+                f"FP8 recipes are supported by Linear/LayerNormLinear/LayerNormMLP only")
     return None
 
 
@@ -56,7 +56,7 @@ def fake_quantize_role(t: torch.Tensor, spec, axis: int, generator, groups: int 
     """
     if spec is None or spec.fmt is None or t.numel() == 0:  # an empty batch has no blocks to quantize
         return t.float()
-    if not hasattr(spec, "scale_mode") or spec.scale_mode not in ("floor", "rceil", "even"):
+    if not isinstance(spec, RoleSpec):
         raise NotImplementedError(f"MX convolutions take MX role specs, got {type(spec).__name__} (FP8 recipes "
                                   "are supported by Linear/LayerNormLinear/LayerNormMLP only)")
     if groups > 1:

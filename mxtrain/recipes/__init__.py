@@ -1,13 +1,12 @@
-"""Recipes: per-GEMM-operand MX formats, block size, scale mode, rounding, elementwise precision;
-and the Hopper FP8 recipes (:mod:`mxtrain.recipes.float8`).
+"""Recipes: a base :class:`Recipe` with what every recipe shares (elementwise precision, backward on/off);
+the MX family (:class:`MXRecipeBase`: per-GEMM-operand MX formats, block size, scale mode, rounding)
+and the Hopper FP8 family (:class:`Float8Recipe`, :mod:`mxtrain.recipes.float8`).
 
 See :mod:`mxtrain.recipes.recipe` for the interface the modules consume
 (``recipe.role(name) -> RoleSpec``) and docs/recipes.md for a guide.
 """
 
-from mxtrain.recipes import recipe as _recipe_module
 from mxtrain.recipes.float8 import (
-    ALL_RECIPE_CLASSES,
     FLOAT8_RECIPE_CLASSES,
     BoundFloat8Recipe,
     DelayedScaling,
@@ -15,14 +14,15 @@ from mxtrain.recipes.float8 import (
     Float8CurrentScaling,
     Float8Recipe,
     Float8RoleSpec,
-    recipe_from_dict,
 )
-from mxtrain.recipes.parse import HIGH_PRECISION_NAMES, RECIPE_SHORT_NAMES, recipe_from_string
+from mxtrain.recipes.parse import HIGH_PRECISION_NAMES, recipe_from_string
 from mxtrain.recipes.recipe import (
+    ALL_RECIPE_CLASSES,
     BACKWARD_ROLES,
     FORWARD_ROLES,
     GRAD_OUTPUT_ROLES,
     RECIPE_CLASSES,
+    RECIPE_SHORT_NAMES,
     ROLE_NAMES,
     ROUNDINGS,
     SCALE_MODES,
@@ -31,17 +31,16 @@ from mxtrain.recipes.recipe import (
     MXFP8Recipe,
     MXINT8Recipe,
     MXRecipe,
+    MXRecipeBase,
     Recipe,
     RoleSpec,
+    recipe_from_dict,
 )
-
-# Recipe.from_dict(d) dispatches through recipe.py's module-level recipe_from_dict, which knows
-# the MX classes only; point it at the one that also knows the FP8 classes.
-_recipe_module.recipe_from_dict = recipe_from_dict
 
 __all__ = [
     "Recipe",
     "RoleSpec",
+    "MXRecipeBase",
     "MXRecipe",
     "MXFP8Recipe",
     "MXFP6Recipe",

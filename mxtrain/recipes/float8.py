@@ -1,8 +1,10 @@
 """Hopper FP8 recipes: per-tensor current scaling, delayed scaling, DeepSeek-V3-style 128-block scaling.
 
 They plug into the same machinery as the MX recipes: ``mx_autocast(recipe=...)``,
-the same modules, the same ``recipe.role(name)`` view. Their role view is a
-:class:`Float8RoleSpec` instead of a :class:`~mxtrain.recipes.RoleSpec`;
+the same modules, the same ``recipe.role(name)`` view. They share only the
+options of :class:`~mxtrain.recipes.Recipe` with the MX recipes: block sizes, scale
+modes, rounding and seeds are MX options they do not have. Their role view is a
+:class:`Float8RoleSpec`, not an MX :class:`~mxtrain.recipes.RoleSpec`;
 ``quantize_operand`` (mxtrain/modules/_common.py) sends those to the FP8
 quantizer and ``mx_gemm`` sends the resulting ``Float8Tensor`` operands to the
 FP8 GEMM.
@@ -22,7 +24,6 @@ Like mxtrain/recipes/recipe.py this module imports no torch.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -31,11 +32,11 @@ from typing import Any, ClassVar
 
 from mxtrain.formats import parse_format
 from mxtrain.recipes.recipe import (
+    ALL_RECIPE_CLASSES,
     BACKWARD_ROLES,
-    RECIPE_CLASSES,
-    RECIPE_TAG_KEY,
     ROLE_NAMES,
     Recipe,
+    _RecipeClasses,
     _check_bool,
     _check_choice,
     _check_int,
@@ -45,6 +46,7 @@ from mxtrain.recipes.recipe import (
     _recipe_field,
     _text_as_bool,
     _text_as_int,
+    recipe_from_dict,
 )
 
 __all__ = [
@@ -140,8 +142,10 @@ class Float8RoleSpec:
         state, slot: delayed scaling: the module's amax-history state and the name
             of this tensor in it (set when a module binds the recipe; None otherwise).
 
-    It also answers the :class:`~mxtrain.recipes.RoleSpec` attributes the modules
-    read: ``quantized``, ``block_size``, ``scale_mode``, ``rounding``.
+    Like an MX :class:`~mxtrain.recipes.RoleSpec` it has ``fmt``, ``quantized`` and
+    ``elem_format``; MX's ``block_size``, ``scale_mode`` and ``rounding`` it has not (an
+    FP8 cast rounds to nearest-even and saturates): code that needs them asks
+    ``isinstance(spec, RoleSpec)`` first.
     """
 
     fmt: str | None
@@ -170,30 +174,11 @@ class Float8RoleSpec:
     def elem_format(self):
         return None if self.fmt is None else parse_format(self.fmt)
 
-    @property
-    def block_size(self) -> int:
-        """Elements per scale along the reduction axis: 128 for block scaling, 0 (whole tensor) otherwise."""
-        return 0 if self.block is None else self.block[1]
-
-    @property
-    def scale_mode(self) -> str:
-        return "pow2" if self.power_of_2_scales else "fp32"
-
-    @property
-    def rounding(self) -> str:
-        return "even"  # FP8 casts round to nearest, ties to even, and saturate
-
 
 # --- recipes ------------------------------------------------------------------------------
 
-# Fields of the Recipe base that FP8 recipes do not use: hidden from to_dict/from_dict/repr and
-# the command line, and rejected when set (FP8 casts round to nearest-even; scales are fp32).
-_UNUSED_BASE_FIELDS = ("block_size", "scale_mode", "rounding", "grad_rounding", "seed")
-_RUNTIME_FIELDS = ("amax_reduction_group",)
-
-
 @_recipe_dataclass
-class Float8Recipe(Recipe):
+class Float8Recipe(Recipe, abstract=True):
     """Base of the FP8 recipes (not instantiable): the options they share.
 
     Attributes:
@@ -208,8 +193,9 @@ class Float8Recipe(Recipe):
             serialised: pass it where a tensor is sharded across ranks (sequence /
             tensor parallelism) so that all ranks cast with the same scale.
 
-    The MX options of the base class (``block_size``, ``scale_mode``, ``rounding``,
-    ``grad_rounding``, ``seed``) do not apply and are rejected.
+    The MX options (``block_size``, ``scale_mode``, ``rounding``, ``grad_rounding``,
+    ``seed``) are not options of the FP8 recipes: FP8 casts round to nearest-even with
+    fp32 scales. Passing one raises ``TypeError`` saying so.
     """
 
     fp8_format: str = _recipe_field("hybrid", _check_float8_format)
@@ -217,23 +203,7 @@ class Float8Recipe(Recipe):
     amax_reduction_group: Any = field(default=None, compare=False)
 
     scaling: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        if type(self) is Float8Recipe:
-            raise TypeError("Float8Recipe is an abstract base class; instantiate one of "
-                            f"{', '.join(FLOAT8_RECIPE_CLASSES)}")
-        super().__post_init__()
-        owner = type(self).__name__
-        for name in _UNUSED_BASE_FIELDS:
-            default = Recipe.__dataclass_fields__[name].default
-            if getattr(self, name) != default:
-                raise ValueError(f"{owner}.{name} is an MX recipe option and does not apply to FP8 recipes "
-                                 f"(FP8 casts round to nearest-even with fp32 scales); leave it unset")
-
-    @classmethod
-    def _ordered_fields(cls) -> list[dataclasses.Field]:
-        hidden = _UNUSED_BASE_FIELDS + _RUNTIME_FIELDS
-        return [f for f in super()._ordered_fields() if f.name not in hidden]
+    family: ClassVar[str] = "FP8"
 
     def tensor_format(self, tensor: str) -> str:
         """The FP8 format of ``"input"``, ``"weight"`` or ``"grad_output"``."""
@@ -242,8 +212,7 @@ class Float8Recipe(Recipe):
     def _spec_options(self, tensor: str) -> dict:
         return {}
 
-    @functools.cached_property
-    def _role_specs(self) -> dict[str, Float8RoleSpec]:
+    def _make_role_specs(self) -> dict[str, Float8RoleSpec]:
         specs = {}
         for name in ROLE_NAMES:
             tensor = ROLE_TENSORS[name]
@@ -252,9 +221,6 @@ class Float8Recipe(Recipe):
                                          power_of_2_scales=self.power_of_2_scales, slot=None,
                                          **self._spec_options(tensor))
         return specs
-
-    def _role_formats(self) -> Mapping[str, str | None]:
-        return {name: self.tensor_format(ROLE_TENSORS[name]) for name in ROLE_NAMES}
 
 
 @_recipe_dataclass
@@ -398,22 +364,5 @@ class BoundFloat8Recipe:
         return f"BoundFloat8Recipe({self.recipe!r}, gemm={self.gemm!r})"
 
 
-FLOAT8_RECIPE_CLASSES: Mapping[str, type[Recipe]] = {
-    cls.__name__: cls for cls in (Float8CurrentScaling, DelayedScaling, Float8BlockScaling)
-}
-ALL_RECIPE_CLASSES: Mapping[str, type[Recipe]] = {**RECIPE_CLASSES, **FLOAT8_RECIPE_CLASSES}
-
-
-def recipe_from_dict(d: Mapping[str, Any]) -> Recipe:
-    """Rebuild any recipe, MX or FP8, from ``recipe.to_dict()`` output, choosing the class by its tag."""
-    if not isinstance(d, Mapping):
-        raise TypeError(f"recipe_from_dict expects a mapping, got {_describe(d)}")
-    if RECIPE_TAG_KEY not in d:
-        raise ValueError(f"recipe dict has no {RECIPE_TAG_KEY!r} key naming its class; "
-                         f"expected one of {_choices(ALL_RECIPE_CLASSES)}")
-    tag = d[RECIPE_TAG_KEY]
-    cls = ALL_RECIPE_CLASSES.get(tag) if isinstance(tag, str) else None
-    if cls is None:
-        raise ValueError(f"unknown recipe type {RECIPE_TAG_KEY}={tag!r}; valid: {_choices(ALL_RECIPE_CLASSES)}")
-    return cls.from_dict(d)
-
+# A live read-only view of the registered FP8 recipe classes (ALL_RECIPE_CLASSES: MX and FP8).
+FLOAT8_RECIPE_CLASSES: Mapping[str, type[Recipe]] = _RecipeClasses(Float8Recipe)

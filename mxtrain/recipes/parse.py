@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
-from mxtrain.recipes.float8 import FLOAT8_RECIPE_CLASSES
-from mxtrain.recipes.recipe import _FROM_TEXT, RECIPE_CLASSES, Recipe
+from mxtrain.recipes.recipe import _FROM_TEXT, RECIPE_SHORT_NAMES, Recipe
 
 __all__ = ["RECIPE_SHORT_NAMES", "HIGH_PRECISION_NAMES", "recipe_from_string"]
-
-RECIPE_SHORT_NAMES: dict[str, type[Recipe]] = {
-    cls.short_name: cls for cls in (*RECIPE_CLASSES.values(), *FLOAT8_RECIPE_CLASSES.values())}
 
 # Words meaning "no MX recipe": the model runs in its own dtype, mx_autocast(enabled=False).
 HIGH_PRECISION_NAMES = ("none", "off", "bf16", "bfloat16", "fp16", "float16", "fp32", "float32")
 
-_SYNTAX = ("'NAME' or 'NAME:key=value,key=value' with NAME one of "
-           f"{', '.join(repr(n) for n in RECIPE_SHORT_NAMES)} or {', '.join(repr(n) for n in HIGH_PRECISION_NAMES)}")
+
+def _syntax() -> str:
+    # built when needed: a recipe class defined after this import adds its short name
+    return ("'NAME' or 'NAME:key=value,key=value' with NAME one of "
+            f"{', '.join(repr(n) for n in RECIPE_SHORT_NAMES)} or {', '.join(repr(n) for n in HIGH_PRECISION_NAMES)}")
 
 
 def recipe_from_string(text: str) -> Recipe | None:
     """Parse a command-line recipe spec; None for high precision.
 
     ``"mxfp8"``, ``"mxfp6"``, ``"mxfp4"``, ``"mxint8"``, ``"mx"`` name the MX recipe
-    classes, ``"fp8_current"``, ``"fp8_delayed"``, ``"fp8_block"`` the FP8 ones
-    (case-insensitive, ``-`` or ``_``); ``"bf16"``, ``"none"``, ``"off"``, ``"fp32"``...
+    classes, ``"fp8_current"``, ``"fp8_delayed"``, ``"fp8_block"`` the FP8 ones, and a
+    subclass that sets its own ``short_name`` is found by it (case-insensitive, ``-`` or
+    ``_``); ``"bf16"``, ``"none"``, ``"off"``, ``"fp32"``...
     give None (no MX quantization). Options follow a colon as comma-separated
     ``key=value`` pairs, with the recipe's field names as keys::
 
@@ -45,7 +45,7 @@ def recipe_from_string(text: str) -> Recipe | None:
         return None
     cls = RECIPE_SHORT_NAMES.get(name)
     if cls is None:
-        raise ValueError(f"unknown recipe {name!r} in {text!r}; expected {_SYNTAX}")
+        raise ValueError(f"unknown recipe {name!r} in {text!r}; expected {_syntax()}")
     return cls(**_parse_options(cls, options, text))
 
 
@@ -56,7 +56,7 @@ def _parse_options(cls: type[Recipe], options: str, text: str) -> dict:
         key, eq, value = item.partition("=")
         key, value = key.strip(), value.strip()
         if not eq or not key:
-            raise ValueError(f"recipe spec {text!r}: option {item!r} is not key=value; expected {_SYNTAX}")
+            raise ValueError(f"recipe spec {text!r}: option {item!r} is not key=value; expected {_syntax()}")
         if key not in field_by_name:
             raise ValueError(f"recipe spec {text!r}: unknown option {key!r} for {cls.__name__}; "
                              f"valid options: {', '.join(field_by_name)}")

@@ -8,11 +8,16 @@ each of the six GEMM operand roles of a linear layer ``Y = X Wᵀ``::
     dgrad  dX = dY W    dgrad_grad_output (dY), dgrad_weight (W)
     wgrad  dW = dYᵀ X   wgrad_grad_output (dY), wgrad_input (X)
 
-plus four recipe-wide attributes: ``elemwise_format``, ``elemwise_subnormals``,
-``quantize_backward`` and ``seed``. Every recipe class, the shorthand ones
-(:class:`MXFP8Recipe`, :class:`MXFP6Recipe`, :class:`MXFP4Recipe`,
-:class:`MXINT8Recipe`) and the fully custom :class:`MXRecipe`, answers the same
-interface, so a module never needs to know which class it was given.
+plus the options every recipe shares (:class:`Recipe`: ``elemwise_format``,
+``elemwise_subnormals``, ``quantize_backward``). The MX recipes derive from
+:class:`MXRecipeBase`, which adds what only they have (``block_size``, ``scale_mode``,
+``rounding``, ``grad_rounding``, ``seed``): the shorthand ones (:class:`MXFP8Recipe`,
+:class:`MXFP6Recipe`, :class:`MXFP4Recipe`, :class:`MXINT8Recipe`) and the fully custom
+:class:`MXRecipe`. The FP8 family lives in :mod:`mxtrain.recipes.float8`. Code that needs a
+family's own options asks for the family (``isinstance(recipe, MXRecipeBase)``).
+
+Every concrete recipe class registers itself when it is defined, so
+:meth:`Recipe.from_dict` rebuilds any of them, a user's subclass included.
 
 This module is pure data: it imports no torch, so a recipe can be built, printed
 and serialised anywhere (a launcher, a sweep driver, a config file).
@@ -50,12 +55,15 @@ __all__ = [
     "ROUNDINGS",
     "RoleSpec",
     "Recipe",
+    "MXRecipeBase",
     "MXRecipe",
     "MXFP8Recipe",
     "MXFP6Recipe",
     "MXFP4Recipe",
     "MXINT8Recipe",
     "RECIPE_CLASSES",
+    "ALL_RECIPE_CLASSES",
+    "RECIPE_SHORT_NAMES",
     "recipe_from_dict",
 ]
 
@@ -300,32 +308,85 @@ class RoleSpec:
         return None if self.fmt is None else parse_format(self.fmt)
 
 
-# --- Recipe base ------------------------------------------------------------------
+# --- Recipe base and the class registry -------------------------------------------
 
 # Every recipe class is declared with this: kw_only because positional recipe
 # arguments would be unreadable at call sites; repr=False keeps Recipe.__repr__.
 _recipe_dataclass = dataclass(frozen=True, kw_only=True, repr=False)
 
+# Every concrete recipe class, by the name its to_dict "recipe" tag carries, and by its short name
+# (recipe_from_string). Filled by Recipe.__init_subclass__, so a class is known once it is defined.
+_CLASSES: dict[str, type["Recipe"]] = {}
+_SHORT_NAMES: dict[str, type["Recipe"]] = {}
+
+
+def _register(cls: type["Recipe"]) -> None:
+    # A class defined again under the same module and qualified name (a module reload) replaces itself.
+    entries = [(table, key, what) for table, key, what in ((_CLASSES, cls.__name__, "class name"),
+                                                          (_SHORT_NAMES, cls.__dict__.get("short_name"), "short name"))
+               if key]
+    for table, key, what in entries:
+        old = table.get(key)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(f"recipe {what} {key!r} of {cls.__module__}.{cls.__qualname__} is already taken by "
+                            f"{old.__module__}.{old.__qualname__}: recipe dicts and recipe strings name a class by it, "
+                            f"so it must be unique")
+    for table, key, _ in entries:
+        table[key] = cls
+
+
+class _RecipeClasses(Mapping):
+    """A live, read-only ``{class name: class}`` view of the registered recipe classes deriving from ``base``."""
+
+    def __init__(self, base: type["Recipe"]) -> None:
+        self._base = base
+
+    def _classes(self) -> dict[str, type["Recipe"]]:
+        return {name: cls for name, cls in _CLASSES.items() if issubclass(cls, self._base)}
+
+    def __getitem__(self, name: str) -> type["Recipe"]:
+        return self._classes()[name]
+
+    def __iter__(self):
+        return iter(self._classes())
+
+    def __len__(self) -> int:
+        return len(self._classes())
+
+    def __repr__(self) -> str:
+        return f"_RecipeClasses({self._base.__name__}: {', '.join(self._classes())})"
+
+
+def _option_names(cls) -> set[str]:
+    return {f.name for f in fields(cls) if f.init}
+
+
+def _unknown_option_message(cls, name: str) -> str:
+    owner = cls.__name__
+    options = cls.field_names()
+    valid = f"valid options: {', '.join(options + tuple(sorted(_option_names(cls) - set(options))))}"
+    holders = [c for c in _CLASSES.values() if name in _option_names(c)]
+    families = {c.family for c in holders}
+    if len(families) == 1 and cls.family not in families:
+        (family,) = families
+        return f"{owner}.{name} is an {family} recipe option and does not apply to {cls.family} recipes; {valid}"
+    if holders:
+        return (f"{owner} has no option {name!r} (an option of {', '.join(c.__name__ for c in holders)}); {valid}")
+    return f"{owner} has no option {name!r}; {valid}"
+
 
 @_recipe_dataclass
 class Recipe:
-    """Base of every recipe: the options shared by all, and the role-view interface.
+    """Base of every recipe: what all recipes share, the role view, serialisation and the class registry.
 
-    Not instantiable itself; use :class:`MXFP8Recipe`, :class:`MXFP6Recipe`,
-    :class:`MXFP4Recipe`, :class:`MXINT8Recipe` or :class:`MXRecipe`.
+    Not instantiable itself. Two families derive from it: the MX recipes (:class:`MXRecipeBase`:
+    :class:`MXFP8Recipe`, :class:`MXFP6Recipe`, :class:`MXFP4Recipe`, :class:`MXINT8Recipe`,
+    :class:`MXRecipe`) and the FP8 recipes (:class:`~mxtrain.recipes.Float8Recipe`). Every concrete
+    subclass registers itself when defined, under its class name (the ``"recipe"`` tag of
+    :meth:`to_dict`, read back by :meth:`from_dict`) and its ``short_name`` (:func:`recipe_from_string`).
+    A base that should not register is declared ``class Base(Recipe, abstract=True)``.
 
     Attributes (shared by every recipe):
-        block_size: elements per shared scale (int >= 0, default 32; 0 = one scale for
-            the whole reduction axis). microxcaling: ``block_size``.
-        scale_mode: ``"rceil"`` (default; Transformer Engine / cuBLAS, never saturates),
-            ``"floor"`` (OCP MX v1.0 and microxcaling) or ``"even"``.
-        rounding: element rounding for every role: ``"even"`` (default, ties to even),
-            ``"nearest"`` (ties away from zero; microxcaling's ``round`` default),
-            ``"floor"`` (toward zero) or ``"stochastic"``.
-        grad_rounding: rounding for the two grad-output roles (``dgrad_grad_output``,
-            ``wgrad_grad_output``), e.g. ``"stochastic"`` to round gradients
-            stochastically while the forward stays deterministic. None (default; ``"stochastic"``
-            in :class:`MXFP4Recipe`) = ``rounding``.
         elemwise_format: precision of elementwise ops (norms, activations, softmax):
             None (default, not quantized), ``"bfloatN"`` (8 exponent bits, e.g.
             ``"bfloat16"``) or ``"fpN"`` (5 exponent bits, e.g. ``"fp16"``). Stored
@@ -336,63 +397,70 @@ class Recipe:
             microxcaling: ``bfloat_subnorms``.
         quantize_backward: False runs the dgrad and wgrad GEMMs in high precision
             (their four roles report ``fmt=None``). microxcaling: ``quantize_backprop``.
-        seed: int in [0, 2**64 - 1] seeding stochastic rounding, so runs are
-            reproducible; None uses torch's global RNG.
     """
 
-    block_size: int = _recipe_field(32, _check_block_size, _text_as_int)
-    scale_mode: str = _recipe_field("rceil", _check_scale_mode)
-    rounding: str = _recipe_field("even", _check_rounding)
-    grad_rounding: str | None = _recipe_field(None, _check_rounding_or_none, _text_as_str_or_none)
     elemwise_format: str | None = _recipe_field(None, _check_elemwise_format, _text_as_str_or_none)
     elemwise_subnormals: bool = _recipe_field(True, _check_bool, _text_as_bool)
     quantize_backward: bool = _recipe_field(True, _check_bool, _text_as_bool)
-    seed: int | None = _recipe_field(None, _check_seed, _text_as_int_or_none)
 
-    # Short name used by recipe_from_string ("mxfp8", "mx", ...).
+    # Short name used by recipe_from_string ("mxfp8", "mx", ...); registered only where a class sets its own.
     short_name: ClassVar[str] = ""
+    # The family a class belongs to ("MX", "FP8"), named in error messages.
+    family: ClassVar[str] = ""
+    _abstract: ClassVar[bool] = True
+    # Options listed last, in this order, by to_dict / repr / field_names (a class's own options come first).
+    _trailing_fields: ClassVar[tuple[str, ...]] = ("elemwise_format", "elemwise_subnormals", "quantize_backward")
+
+    def __init_subclass__(cls, *, abstract: bool = False, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._abstract = abstract
+        if not abstract:
+            _register(cls)
+
+    def __new__(cls, /, *args, **kwargs):
+        # Checked before the dataclass __init__, whose own error would neither list the valid options
+        # nor say that an option belongs to the other family.
+        if cls.__dict__.get("_abstract", False):
+            raise TypeError(f"{cls.__name__} is an abstract base class; instantiate one of "
+                            f"{', '.join(_RecipeClasses(cls))}")
+        valid = _option_names(cls)
+        for name in kwargs:
+            if name not in valid:
+                raise TypeError(_unknown_option_message(cls, name))
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        if type(self) is Recipe:
-            raise TypeError("Recipe is the abstract base class; instantiate one of "
-                            f"{', '.join(RECIPE_CLASSES)}")
         _run_field_checks(self)
-        _check_block_packs(type(self).__name__, self.block_size, self._role_formats().values())
 
     # -- the interface the modules consume --
 
-    def _role_formats(self) -> Mapping[str, str | None]:
-        """The format of each role before ``quantize_backward`` is applied."""
+    def _make_role_specs(self) -> dict[str, Any]:
+        """The role view of each of the six ``ROLE_NAMES``, computed once (see :meth:`role`)."""
         raise NotImplementedError
 
     @functools.cached_property
-    def _role_specs(self) -> dict[str, RoleSpec]:
+    def _role_specs(self) -> dict[str, Any]:
         # Computed once per recipe: modules call role() on every forward/backward.
         # (cached_property writes the instance __dict__ directly, so it works on a
         # frozen dataclass and is not a field: equality and hashing ignore it.)
-        formats = self._role_formats()
-        specs = {}
-        for name in ROLE_NAMES:
-            fmt = formats[name]
-            if name in BACKWARD_ROLES and not self.quantize_backward:
-                fmt = None
-            rounding = self.rounding
-            if name in GRAD_OUTPUT_ROLES and self.grad_rounding is not None:
-                rounding = self.grad_rounding
-            specs[name] = RoleSpec(fmt=fmt, block_size=self.block_size,
-                                   scale_mode=self.scale_mode, rounding=rounding)
-        return specs  # a plain dict, so the cache pickles with the recipe
+        return self._make_role_specs()  # a plain dict, so the cache pickles with the recipe
 
-    def role(self, name: str) -> RoleSpec:
-        """The quantization of one GEMM operand role (one of ``ROLE_NAMES``)."""
+    def role(self, name: str):
+        """The quantization of one GEMM operand role (one of ``ROLE_NAMES``): a :class:`RoleSpec` for
+        an MX recipe, a ``Float8RoleSpec`` for an FP8 one."""
         try:
             return self._role_specs[name]
         except (KeyError, TypeError):
             raise ValueError(f"unknown GEMM operand role {name!r}; valid roles: {_choices(ROLE_NAMES)}") from None
 
-    def roles(self) -> Mapping[str, RoleSpec]:
+    def roles(self) -> Mapping[str, Any]:
         """All six role views, in ``ROLE_NAMES`` order (read-only mapping)."""
         return MappingProxyType(self._role_specs)
+
+    @property
+    def elemwise_rounding(self) -> str:
+        """How results rounded to ``elemwise_format`` are rounded: ``"even"`` unless the family says otherwise."""
+        return "even"
 
     # -- construction helpers --
 
@@ -402,10 +470,11 @@ class Recipe:
 
     @classmethod
     def _ordered_fields(cls) -> list[dataclasses.Field]:
-        # The class's own fields (fp8_format, the role formats...) read best first.
-        shared = {f.name for f in fields(Recipe)}
-        all_fields = fields(cls)
-        return [f for f in all_fields if f.name not in shared] + [f for f in all_fields if f.name in shared]
+        # The recipe options (fields with a check; not run-time objects such as a process group):
+        # the class's own (fp8_format, the role formats...) read best first.
+        options = {f.name: f for f in fields(cls) if _CHECK in f.metadata}
+        last = [options[name] for name in cls._trailing_fields if name in options]
+        return [f for f in options.values() if f.name not in cls._trailing_fields] + last
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -421,34 +490,108 @@ class Recipe:
     # -- serialisation --
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field plus ``"recipe": <class name>``; values are str, int, bool or None (JSON-safe)."""
+        """Every option plus ``"recipe": <class name>``; values are str, int, float, bool or None (JSON-safe)."""
         d: dict[str, Any] = {RECIPE_TAG_KEY: type(self).__name__}
         d.update((f.name, getattr(self, f.name)) for f in self._ordered_fields())
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Recipe":
-        """Rebuild a recipe from :meth:`to_dict` output. Missing fields take their defaults.
+        """Rebuild a recipe from :meth:`to_dict` output; missing fields take their defaults.
 
-        On ``Recipe`` itself this dispatches on the ``"recipe"`` tag (see
-        :func:`recipe_from_dict`); on a concrete class the tag is optional but must
-        match. Unknown keys raise ``ValueError``.
+        The ``"recipe"`` tag picks the class: any registered class on ``Recipe`` (and on a family
+        base, any of that family); on a concrete class the tag is optional but must name it or a
+        subclass. An unknown tag or key raises ``ValueError`` naming the valid ones.
         """
         if not isinstance(d, Mapping):
             raise TypeError(f"{cls.__name__}.from_dict expects a mapping, got {_describe(d)}")
-        if cls is Recipe:
-            return recipe_from_dict(d)
         kwargs = dict(d)
-        tag = kwargs.pop(RECIPE_TAG_KEY, cls.__name__)
-        if tag != cls.__name__:
-            raise ValueError(f"{cls.__name__}.from_dict got a dict tagged {RECIPE_TAG_KEY}={tag!r}; "
-                             f"use recipe_from_dict to rebuild any recipe class from its tag")
-        valid = cls.field_names()
+        target = cls
+        if RECIPE_TAG_KEY in kwargs:
+            tag = kwargs.pop(RECIPE_TAG_KEY)
+            target = _CLASSES.get(tag) if isinstance(tag, str) else None
+            if target is None:
+                raise ValueError(f"unknown recipe type {RECIPE_TAG_KEY}={tag!r}; valid: {_choices(_CLASSES)}")
+            if not issubclass(target, cls):
+                raise ValueError(f"{cls.__name__}.from_dict got a dict tagged {RECIPE_TAG_KEY}={tag!r}, which is not "
+                                 f"a subclass of {cls.__name__}; use Recipe.from_dict to rebuild any recipe class "
+                                 f"from its tag")
+        elif cls.__dict__.get("_abstract", False):
+            raise ValueError(f"recipe dict has no {RECIPE_TAG_KEY!r} key naming its class; "
+                             f"expected one of {_choices(_RecipeClasses(cls))}")
+        valid = target.field_names()
         unknown = [k for k in kwargs if k not in valid]
         if unknown:
-            raise ValueError(f"unknown key(s) for {cls.__name__}: {_choices(unknown)}; "
+            raise ValueError(f"unknown key(s) for {target.__name__}: {_choices(unknown)}; "
                              f"valid keys: {_choices((RECIPE_TAG_KEY,) + valid)}")
-        return cls(**kwargs)
+        return target(**kwargs)
+
+
+def recipe_from_dict(d: Mapping[str, Any]) -> Recipe:
+    """Rebuild any recipe, MX or FP8, from ``recipe.to_dict()`` output: ``Recipe.from_dict(d)``."""
+    return Recipe.from_dict(d)
+
+
+# --- the MX family ----------------------------------------------------------------
+
+
+@_recipe_dataclass
+class MXRecipeBase(Recipe, abstract=True):
+    """Base of the MX recipes (not instantiable): E8M0 block scales, and the options they share.
+
+    Attributes (shared by every MX recipe, besides those of :class:`Recipe`):
+        block_size: elements per shared scale (int >= 0, default 32; 0 = one scale for
+            the whole reduction axis). microxcaling: ``block_size``.
+        scale_mode: ``"rceil"`` (default; Transformer Engine / cuBLAS, never saturates),
+            ``"floor"`` (OCP MX v1.0 and microxcaling) or ``"even"``.
+        rounding: element rounding for every role, and for ``elemwise_format``: ``"even"``
+            (default, ties to even), ``"nearest"`` (ties away from zero; microxcaling's
+            ``round`` default), ``"floor"`` (toward zero) or ``"stochastic"``.
+        grad_rounding: rounding for the two grad-output roles (``dgrad_grad_output``,
+            ``wgrad_grad_output``), e.g. ``"stochastic"`` to round gradients
+            stochastically while the forward stays deterministic. None (default; ``"stochastic"``
+            in :class:`MXFP4Recipe`) = ``rounding``.
+        seed: int in [0, 2**64 - 1] seeding stochastic rounding, so runs are
+            reproducible; None uses torch's global RNG.
+    """
+
+    block_size: int = _recipe_field(32, _check_block_size, _text_as_int)
+    scale_mode: str = _recipe_field("rceil", _check_scale_mode)
+    rounding: str = _recipe_field("even", _check_rounding)
+    grad_rounding: str | None = _recipe_field(None, _check_rounding_or_none, _text_as_str_or_none)
+    seed: int | None = _recipe_field(None, _check_seed, _text_as_int_or_none)
+
+    family: ClassVar[str] = "MX"
+    _trailing_fields: ClassVar[tuple[str, ...]] = (
+        "block_size", "scale_mode", "rounding", "grad_rounding", "elemwise_format", "elemwise_subnormals",
+        "quantize_backward", "seed")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_block_packs(type(self).__name__, self.block_size, self._role_formats().values())
+
+    def _role_formats(self) -> Mapping[str, str | None]:
+        """The MX element format of each role before ``quantize_backward`` is applied."""
+        raise NotImplementedError
+
+    def _make_role_specs(self) -> dict[str, RoleSpec]:
+        formats = self._role_formats()
+        specs = {}
+        for name in ROLE_NAMES:
+            fmt = formats[name]
+            if name in BACKWARD_ROLES and not self.quantize_backward:
+                fmt = None
+            rounding = self.rounding
+            if name in GRAD_OUTPUT_ROLES and self.grad_rounding is not None:
+                rounding = self.grad_rounding
+            specs[name] = RoleSpec(fmt=fmt, block_size=self.block_size,
+                                   scale_mode=self.scale_mode, rounding=rounding)
+        return specs
+
+    @property
+    def elemwise_rounding(self) -> str:
+        """``rounding``: elementwise results are rounded as the GEMM operands are."""
+        return self.rounding
 
 
 # --- concrete recipes -------------------------------------------------------------
@@ -488,7 +631,7 @@ def _same_format_for_every_role(fmt: str) -> dict[str, str]:
 
 
 @_recipe_dataclass
-class MXFP8Recipe(Recipe):
+class MXFP8Recipe(MXRecipeBase):
     """MXFP8 training: FP8 elements, 32-element blocks, E8M0 scales (Transformer Engine's MXFP8BlockScaling).
 
     Attributes:
@@ -499,7 +642,7 @@ class MXFP8Recipe(Recipe):
 
     The shared options (``block_size=32``, ``scale_mode="rceil"``, ``rounding="even"``,
     ``grad_rounding``, ``elemwise_format``, ``elemwise_subnormals``,
-    ``quantize_backward``, ``seed``) are described on :class:`Recipe`.
+    ``quantize_backward``, ``seed``) are described on :class:`MXRecipeBase` and :class:`Recipe`.
     """
 
     fp8_format: str = _recipe_field("e4m3", _check_fp8_format)
@@ -514,14 +657,14 @@ class MXFP8Recipe(Recipe):
 
 
 @_recipe_dataclass
-class MXFP6Recipe(Recipe):
+class MXFP6Recipe(MXRecipeBase):
     """MXFP6: FP6 elements for every role.
 
     Attributes:
         fp6_format: ``"e2m3"`` (default: more mantissa, max 7.5) or ``"e3m2"`` (more
             range, max 28). Any spelling (``"fp6_e3m2"``, ``"E3M2"``) is accepted and stored short.
 
-    Shared options: see :class:`Recipe`.
+    Shared options: see :class:`MXRecipeBase` and :class:`Recipe`.
     """
 
     fp6_format: str = _recipe_field("e2m3", _check_fp6_format)
@@ -532,7 +675,7 @@ class MXFP6Recipe(Recipe):
 
 
 @_recipe_dataclass
-class MXFP4Recipe(Recipe):
+class MXFP4Recipe(MXRecipeBase):
     """MXFP4: fp4_e2m1 elements for every role, gradients rounded stochastically by default.
 
     With 8 magnitudes per block, rounding a gradient to nearest is biased and small
@@ -543,7 +686,7 @@ class MXFP4Recipe(Recipe):
     ``torch.manual_seed`` makes a run reproducible; an int gives the recipe its own
     stream and leaves the global RNG (dropout, data order) untouched.
     See docs/fp4.md for the layers :func:`mxtrain.convert` keeps in high precision.
-    Shared options: see :class:`Recipe`.
+    Shared options: see :class:`MXRecipeBase` and :class:`Recipe`.
     """
 
     grad_rounding: str | None = _recipe_field("stochastic", _check_rounding_or_none, _text_as_str_or_none)
@@ -554,10 +697,10 @@ class MXFP4Recipe(Recipe):
 
 
 @_recipe_dataclass
-class MXINT8Recipe(Recipe):
+class MXINT8Recipe(MXRecipeBase):
     """MXINT8: int8 elements (sign-magnitude fixed point, k/64) for every role.
 
-    Shared options: see :class:`Recipe`.
+    Shared options: see :class:`MXRecipeBase` and :class:`Recipe`.
     """
 
     short_name: ClassVar[str] = "mxint8"
@@ -567,7 +710,7 @@ class MXINT8Recipe(Recipe):
 
 
 @_recipe_dataclass
-class MXRecipe(Recipe):
+class MXRecipe(MXRecipeBase):
     """Fully custom: an MX element format, or None (high precision), for each GEMM operand role.
 
     Each role field takes any name or alias ``mxtrain.formats.parse_format`` reads
@@ -589,7 +732,7 @@ class MXRecipe(Recipe):
 
     The shared options (block_size, scale_mode, rounding, grad_rounding,
     elemwise_format, elemwise_subnormals, quantize_backward, seed) are described on
-    :class:`Recipe`; their microxcaling keys are ``block_size``, (none: microxcaling
+    :class:`MXRecipeBase` and :class:`Recipe`; their microxcaling keys are ``block_size``, (none: microxcaling
     always floors), ``round``, (none), ``bfloat`` / ``fp``, ``bfloat_subnorms``,
     ``quantize_backprop``, (none).
     """
@@ -611,20 +754,7 @@ class MXRecipe(Recipe):
         return {name: getattr(self, name) for name in ROLE_NAMES}
 
 
-RECIPE_CLASSES: Mapping[str, type[Recipe]] = MappingProxyType({
-    cls.__name__: cls for cls in (MXFP8Recipe, MXFP6Recipe, MXFP4Recipe, MXINT8Recipe, MXRecipe)
-})
-
-
-def recipe_from_dict(d: Mapping[str, Any]) -> Recipe:
-    """Rebuild any recipe from ``recipe.to_dict()`` output, choosing the class by its ``"recipe"`` tag."""
-    if not isinstance(d, Mapping):
-        raise TypeError(f"recipe_from_dict expects a mapping, got {_describe(d)}")
-    if RECIPE_TAG_KEY not in d:
-        raise ValueError(f"recipe dict has no {RECIPE_TAG_KEY!r} key naming its class; "
-                         f"expected one of {_choices(RECIPE_CLASSES)}")
-    tag = d[RECIPE_TAG_KEY]
-    cls = RECIPE_CLASSES.get(tag) if isinstance(tag, str) else None
-    if cls is None:
-        raise ValueError(f"unknown recipe type {RECIPE_TAG_KEY}={tag!r}; valid: {_choices(RECIPE_CLASSES)}")
-    return cls.from_dict(d)
+# Live read-only views of the registry: a subclass defined later appears in them.
+RECIPE_CLASSES: Mapping[str, type[Recipe]] = _RecipeClasses(MXRecipeBase)  # the MX recipe classes
+ALL_RECIPE_CLASSES: Mapping[str, type[Recipe]] = _RecipeClasses(Recipe)  # every recipe class, MX and FP8
+RECIPE_SHORT_NAMES: Mapping[str, type[Recipe]] = MappingProxyType(_SHORT_NAMES)  # recipe_from_string's names

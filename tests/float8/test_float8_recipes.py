@@ -34,14 +34,14 @@ def test_role_views(cls, fp8_format):
     r = cls(fp8_format=fp8_format)
     for name in ROLE_NAMES:
         spec = r.role(name)
-        assert isinstance(spec, Float8RoleSpec) and spec.quantized and spec.rounding == "even"
+        assert isinstance(spec, Float8RoleSpec) and spec.quantized
         assert spec.tensor == TENSOR_OF[name] and spec.scaling == cls.scaling
         grad = TENSOR_OF[name] == "grad_output"
         assert spec.fmt == ("fp8_e5m2" if (grad and fp8_format == "hybrid") else "fp8_e4m3")
         if cls is Float8BlockScaling:
-            assert spec.block == ((128, 128) if spec.tensor == "weight" else (1, 128)) and spec.block_size == 128
+            assert spec.block == ((128, 128) if spec.tensor == "weight" else (1, 128)) 
         else:
-            assert spec.block is None and spec.block_size == 0
+            assert spec.block is None
     # the two uses of one tensor share one spec, so quantize_operand casts them in one call
     assert r.role("fprop_input") == r.role("wgrad_input")
     assert r.role("fprop_weight") == r.role("dgrad_weight")
@@ -57,7 +57,7 @@ def test_quantize_backward_false(cls):
 
 def test_options_reach_the_specs():
     spec = Float8CurrentScaling(power_of_2_scales=True, amax_epsilon=1e-6).role("fprop_input")
-    assert (spec.power_of_2_scales, spec.amax_epsilon, spec.scale_mode) == (True, 1e-6, "pow2")
+    assert (spec.power_of_2_scales, spec.amax_epsilon) == (True, 1e-6)
     assert DelayedScaling(margin=3).role("fprop_weight").margin == 3
 
 
@@ -69,10 +69,12 @@ def test_options_reach_the_specs():
     (dict(amax_epsilon=-1.0), ValueError, r"amax_epsilon must be a finite float >= 0"),
     (dict(amax_epsilon=float("nan")), ValueError, r"amax_epsilon must be a finite float >= 0"),
     (dict(amax_epsilon="0"), TypeError, r"amax_epsilon must be a float"),
-    (dict(block_size=16), ValueError, r"Float8CurrentScaling\.block_size is an MX recipe option"),
-    (dict(scale_mode="floor"), ValueError, r"scale_mode is an MX recipe option"),
-    (dict(rounding="stochastic"), ValueError, r"rounding is an MX recipe option"),
-    (dict(seed=1), ValueError, r"seed is an MX recipe option"),
+    (dict(block_size=16), TypeError, r"Float8CurrentScaling\.block_size is an MX recipe option and does not apply "
+                                     r"to FP8 recipes; valid options: fp8_format, power_of_2_scales, amax_epsilon"),
+    (dict(scale_mode="floor"), TypeError, r"scale_mode is an MX recipe option"),
+    (dict(rounding="stochastic"), TypeError, r"rounding is an MX recipe option"),
+    (dict(seed=1), TypeError, r"seed is an MX recipe option"),
+    (dict(margin=1), TypeError, r"Float8CurrentScaling has no option 'margin' \(an option of DelayedScaling\)"),
     (dict(elemwise_format="fp8_e4m3"), ValueError, r"elemwise_format got 'fp8_e4m3'"),
 ])
 def test_current_scaling_validation(kwargs, error, pattern):
@@ -85,7 +87,7 @@ def test_current_scaling_validation(kwargs, error, pattern):
     (dict(margin=1.5), TypeError, r"margin must be an int"),
     (dict(amax_history_len=0), ValueError, r"amax_history_len must be an int in \[1, "),
     (dict(amax_compute_algo="mean"), ValueError, r"amax_compute_algo must be one of 'max', 'most_recent'"),
-    (dict(grad_rounding="stochastic"), ValueError, r"grad_rounding is an MX recipe option"),
+    (dict(grad_rounding="stochastic"), TypeError, r"grad_rounding is an MX recipe option"),
 ])
 def test_delayed_scaling_validation(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):

@@ -60,7 +60,7 @@ def elem(t: torch.Tensor, recipe) -> torch.Tensor:
     """The recipe's elementwise rounding (norm / activation outputs and their input grads)."""
     if recipe is None or recipe.elemwise_format is None:
         return t
-    return quantize_elemwise(t, recipe.elemwise_format, rounding=recipe.rounding,
+    return quantize_elemwise(t, recipe.elemwise_format, rounding=recipe.elemwise_rounding,
                              subnormals=recipe.elemwise_subnormals)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from mxtrain.compat.mx.elemwise_ops import elemwise_format_of
 from mxtrain.compat.mx.specs import DEFAULTS, MxSpecs, finalize_mx_specs
 from mxtrain.formats import MX_FORMAT_NAMES, parse_elemwise_format
-from mxtrain.recipes import MXRecipe, Recipe
+from mxtrain.recipes import MXRecipe, MXRecipeBase, Recipe
 
 __all__ = ["specs_from_recipe", "recipe_from_specs", "ROLE_TO_SPEC_KEY"]
 
@@ -47,6 +47,9 @@ def specs_from_recipe(recipe: Recipe) -> MxSpecs:
     if not isinstance(recipe, Recipe):
         raise TypeError(f"specs_from_recipe expects a recipe (MXFP8Recipe(), MXRecipe(...)...), "
                         f"got {type(recipe).__name__}")
+    if not isinstance(recipe, MXRecipeBase):
+        raise TypeError(f"specs_from_recipe takes MX recipes (MXFP8Recipe, MXRecipe...); microxcaling has no "
+                        f"equivalent of the {recipe.family or type(recipe).__name__} recipe {type(recipe).__name__}")
     if recipe.scale_mode != "floor":
         raise ValueError(f"microxcaling computes the shared exponent with the floor rule only; this recipe has "
                          f"scale_mode={recipe.scale_mode!r}. Use recipe.replace(scale_mode='floor')")
