@@ -4,7 +4,7 @@
     python benchmarks/bench_study.py --steps 938       # one epoch (60000 images, batch 64)
     python benchmarks/bench_study.py --record          # append a section to benchmarks/RESULTS.md
 
-The model is ``mxtrain.examples.fashion_mnist.FashionCNN`` built once with
+The model is ``FashionCNN`` of ``examples/fashion_mnist_study.py`` built once with
 ``mxtrain.compat.mx`` and once with microxcaling's ``mx`` (imported at run time
 from third_party/microxcaling), with MXFP8 (fp8_e4m3, 32-element blocks, E8M0
 scales) matmuls and bfloat16 elementwise ops, microxcaling's defaults otherwise
@@ -36,7 +36,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mxtrain.compat import mx as ours  # noqa: E402
-from mxtrain.examples.fashion_mnist import FashionCNN, load_data, parse_config  # noqa: E402
+from mxtrain.cli import load_example  # noqa: E402
+
+_study = load_example("examples/fashion_mnist_study.py")
+FashionCNN, load_data, parse_config = _study.FashionCNN, _study.load_data, _study.parse_config
 
 CONFIG = "fp8_e4m3+bfloat16"
 
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
             f"- device: {cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads; "
             f"load average before/after: {load_before[0]:.2f} / {load_after[0]:.2f}",
             f"- torch {torch.__version__}, Python {platform.python_version()}; mxtrain {git_commit()}",
-            f"- model: the Fashion-MNIST study classifier (mxtrain.examples.fashion_mnist.FashionCNN), {CONFIG}: "
+            f"- model: the Fashion-MNIST study classifier (FashionCNN of examples/fashion_mnist_study.py), {CONFIG}: "
             "MXFP8 e4m3 matmuls (block 32, E8M0), bfloat16 elementwise, round=nearest, quantized backward; "
             f"batch 64, Adadelta; {args.steps} timed steps after {args.warmup} warm-up steps, "
             f"{args.rounds} alternating rounds per library",

@@ -8,8 +8,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-GATED = {"swiglu": F.silu, "geglu": F.gelu, "reglu": F.relu,
-         "geglu_tanh": lambda h: F.gelu(h, approximate="tanh")}  # Gemma's MLP (gelu_pytorch_tanh)
 PLAIN = {
     "gelu": F.gelu,
     "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
@@ -17,6 +15,10 @@ PLAIN = {
     "squared_relu": lambda h: torch.square(F.relu(h)),
     "silu": F.silu,
 }
+# a gated activation is act(first half) * second half; the act of its gate, by name
+GATE_ACTIVATION = {"swiglu": "silu", "geglu": "gelu", "reglu": "relu",
+                   "geglu_tanh": "gelu_tanh"}  # Gemma's MLP (gelu_pytorch_tanh)
+GATED = {name: PLAIN[gate] for name, gate in GATE_ACTIVATION.items()}
 ACTIVATIONS = tuple(PLAIN) + tuple(GATED)
 
 

@@ -4,7 +4,10 @@
     mxtrain study fashion-mnist --quick              # a couple of minutes on a CPU
     mxtrain study fashion-mnist [--epochs 10] [--subset N] [--configs A,B] [--out DIR] [--device cpu|cuda]
 
-``mxtrain study fashion-mnist --help`` lists every option.
+``mxtrain study fashion-mnist --help`` lists every option. The study itself is an application,
+``examples/fashion_mnist_study.py`` of the source checkout (also runnable as
+``python examples/fashion_mnist_study.py``); the command loads it from the checkout this file lies in,
+so it needs a clone (installed with ``pip install -e`` or not), not a wheel.
 
 This module imports only the standard library: ``mxtrain --help`` and ``--version``
 answer without loading torch (the ``mxtrain`` command enters through the top-level
@@ -25,7 +28,8 @@ import time
 
 __all__ = ["main", "build_parser", "version", "HelpFormatter", "bounded_int", "bounded_float", "positive_int",
            "nonnegative_int", "positive_float", "nonnegative_float", "split_recipe_specs", "check_writable_dir",
-           "new_run_dir", "clamp_warmup", "run_label", "save_results", "add_study_arguments", "STUDY_QUICK"]
+           "new_run_dir", "clamp_warmup", "run_label", "save_results", "add_study_arguments", "STUDY_QUICK",
+           "load_example"]
 
 
 def version() -> str:
@@ -222,7 +226,7 @@ minutes on a 2-core CPU (290 s of CPU time).
 
 
 def add_study_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options of ``mxtrain study fashion-mnist`` (also ``python -m mxtrain.examples.fashion_mnist``)."""
+    """The options of ``mxtrain study fashion-mnist`` (also ``python examples/fashion_mnist_study.py``)."""
     q = STUDY_QUICK
     p.add_argument("--quick", action="store_true",
                    help=f"a 5-minute CPU run: --configs {q['configs']} --epochs {q['epochs']} "
@@ -273,7 +277,8 @@ def resolve_study_args(args: argparse.Namespace) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------ the command
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``mxtrain`` parser; commands name their runner as ``"module:function"`` (imported when run)."""
+    """The ``mxtrain`` parser; commands name their runner as ``"module:function"`` or ``"examples/file.py:function"``
+    (imported when run)."""
     parser = argparse.ArgumentParser(prog="mxtrain", description="mxtrain: MX-format training and format studies",
                                      formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"mxtrain {version()}")
@@ -286,8 +291,33 @@ def build_parser() -> argparse.ArgumentParser:
                             "(about 10 hours on a CPU by default; --quick: minutes)",
                             description=STUDY_DESCRIPTION, formatter_class=HelpFormatter)
     add_study_arguments(fm)
-    fm.set_defaults(run="mxtrain.examples.fashion_mnist:run_from_args")
+    fm.set_defaults(run="examples/fashion_mnist_study.py:run_from_args")
     return parser
+
+
+def load_example(relpath: str):
+    """Import ``relpath`` (``examples/<name>.py``) of the source checkout holding this package.
+
+    Applications live outside the package; a wheel install has no ``examples/``, and the error says so.
+    """
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), relpath)
+    if not os.path.isfile(path):
+        raise SystemExit(f"mxtrain: {relpath} is not beside this mxtrain package ({path} is missing); the studies "
+                         "live in the source checkout: clone the repository and run the command there (pip install "
+                         f"-e . keeps it working from anywhere), or run python {relpath} in the clone")
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == path:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def main(argv=None) -> int:
@@ -305,7 +335,8 @@ def main(argv=None) -> int:
         print("\nerror: name a " + ("study" if args.command else "command"), file=sys.stderr)
         return 2
     module, _, func = run.partition(":")
-    return getattr(importlib.import_module(module), func)(args)
+    loaded = load_example(module) if module.endswith(".py") else importlib.import_module(module)
+    return getattr(loaded, func)(args)
 
 
 if __name__ == "__main__":

@@ -112,15 +112,29 @@ def test_study_quick_preset_and_explicit_options():
 def test_study_refuses_empty_configs_and_bad_api_values(tmp_path, capsys):
     assert cli.main(["study", "fashion-mnist", "--configs", ",", "--out", str(tmp_path)]) == 2
     assert "--configs names no configuration" in capsys.readouterr().err
-    from mxtrain.examples import fashion_mnist as fm
+    fm = cli.load_example("examples/fashion_mnist_study.py")
     for kwargs in ({"subset": 0}, {"epochs": 0}, {"batch_size": 0}):
         with pytest.raises(ValueError, match="whole number >= 1"):
             fm.run_study(["fp32+fp32"], out=tmp_path, **kwargs)
 
 
+def test_study_is_loaded_from_the_checkout_not_the_package(tmp_path):
+    """The study lives in examples/ (no mxtrain.examples); without a checkout beside the package the error says so."""
+    fm = cli.load_example("examples/fashion_mnist_study.py")
+    assert Path(fm.__file__) == ROOT / "examples" / "fashion_mnist_study.py"
+    assert importlib.util.find_spec("mxtrain.examples") is None
+    with pytest.raises(SystemExit, match="examples/no_such_study.py is not beside this mxtrain package"):
+        cli.load_example("examples/no_such_study.py")
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "fashion_mnist_study.py"), "--epochs", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 2 and "usage: python examples/fashion_mnist_study.py" in proc.stderr
+    assert "argument --epochs: 0 is not allowed" in proc.stderr
+
+
 def test_study_lists_only_files_written(tmp_path, monkeypatch):
     """Without matplotlib no study.png is written, and none is claimed."""
-    from mxtrain.examples import fashion_mnist as fm
+    fm = cli.load_example("examples/fashion_mnist_study.py")
     meta = {"device": "cpu", "torch": "x", "train_images": 1, "test_images": 1, "seed": 0}
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: import raises ImportError
     assert fm._write(tmp_path, {}, 1, None, meta) == ["runs.csv", "runs.json", "tables.md"]

@@ -1,11 +1,14 @@
-"""The Fashion-MNIST format study: configuration names, cost model, search order, and the command on a tiny subset."""
+"""The Fashion-MNIST format study (examples/fashion_mnist_study.py): configuration names, cost model, search order,
+and the command on a tiny subset."""
 
 import csv
 import json
 
 import pytest
 
-from mxtrain.examples import fashion_mnist as fm
+from mxtrain import cli
+
+fm = cli.load_example("examples/fashion_mnist_study.py")  # as ``mxtrain study`` loads it
 
 
 def test_parse_config_and_bits():

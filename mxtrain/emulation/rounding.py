@@ -1,9 +1,8 @@
-"""Fast exact rounding on the CPU: elementwise (bfloatN / fpN) and MX fake quantization (floor scale).
+"""Fast exact elementwise rounding on the CPU (bfloatN / fpN), and microxcaling's MX scale options.
 
-Bit-identical to the reference quantizers (:func:`mxtrain.quantization.quantize_elemwise`
-and :func:`mxtrain.quantization.fake_quantize_mx` with ``scale_mode="floor"``) for
-every fp32 input; ``tests/compat/test_fast_rounding.py`` checks it on random and
-adversarial values. They take fewer passes over memory than the reference:
+:func:`round_elemwise` is bit-identical to :func:`mxtrain.quantization.quantize_elemwise`
+for every fp32 input; ``tests/compat/test_fast_rounding.py`` checks it on random and
+adversarial values. It takes fewer passes over memory than the reference:
 
 * Mantissa rounding of a normal fp32 value to ``m`` bits is done on its bit
   pattern: add half a step (or half a step minus one plus the kept LSB, for
@@ -13,11 +12,11 @@ adversarial values. They take fewer passes over memory than the reference:
 * Values below the format's smallest normal sit on a uniform grid; the few of
   them in a tensor are gathered and rounded with the reference's exact rule
   (``t - floor(t)`` is exact).
-* MX blocks are reduced in place (a ``[pre, nblocks, block, post]`` view), so no
-  block axis is moved or padded unless the last block is ragged.
 
 Other inputs (bf16/fp16 tensors are widened; stochastic rounding, flushed
-subnormals, unusual formats) go to the reference.
+subnormals, unusual formats) go to the reference. MX fake quantization has one
+CPU implementation, the reference's lookup tables (:mod:`mxtrain.quantization.lut`);
+:func:`fake_quantize_mx_floor` adds only microxcaling's scale options to it.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import torch
 
 from mxtrain.formats import ElemFormat, parse_elemwise_format
 from mxtrain.quantization import fake_quantize_mx, quantize_elemwise
+from mxtrain.quantization.rounding import grid_value, round_to_grid
 
 __all__ = ["round_elemwise", "fake_quantize_mx_floor", "FAST_ROUNDINGS"]
 
@@ -56,15 +56,6 @@ def _round_mantissa_bits(b: torch.Tensor, drop: int, rounding: str, inplace: boo
 # exact ties-away rounding for every non-negative fp32 t (at 2**-25 under a tie the sum stays below the
 # integer; at a tie it rounds up onto it; larger binades are coarser than 2**-25)
 _HALF_DOWN = 0.5 - 2.0**-25
-
-
-def _round_nonneg(t: torch.Tensor, rounding: str) -> torch.Tensor:
-    """Round non-negative fp32 ``t`` to integers (new tensor), exactly."""
-    if rounding == "even":
-        return torch.round(t)
-    if rounding == "floor":
-        return torch.floor(t)
-    return t.add(_HALF_DOWN).floor_()
 
 
 def _round_small(a: torch.Tensor, up: float, rounding: str) -> torch.Tensor:
@@ -169,15 +160,12 @@ _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _block_scales(amax: torch.Tensor, emax: int, scale_bits: int, flush_fp32_subnorms: bool):
-    """(2**X, 2**-X) per block, X = floor(log2 amax) - emax from the bits; NaN for non-finite blocks.
+    """(2**X, 2**-X) per block, X = floor(log2 amax) - emax from the bits, with microxcaling's scale options.
 
-    With 8-bit scales: 2**floor(log2 amax) is amax's exponent field alone, times 2**-emax,
-    at least 2**-127 (a zero block's X does not matter: its elements stay 0). A NaN/Inf
-    amax gives 2**X = Inf and 2**-X = 0, so every element of the block becomes 0 * Inf = NaN.
+    X is clamped to ``[-(2**(s-1)-1), 2**(s-1)-1]`` for ``s = scale_bits`` and a larger one makes
+    the block NaN (as a NaN/Inf amax does); ``flush_fp32_subnorms`` gives 2**X = 0 to blocks whose
+    amax is an fp32 subnormal.
     """
-    if scale_bits == 8 and not flush_fp32_subnorms:
-        sc = (amax.view(torch.int32) & _EXP_MASK).view(torch.float32).mul_(2.0**-emax).clamp_(min=2.0**-127)
-        return sc, sc.reciprocal()
     ab = amax.view(torch.int32) & _ABS
     biased = ab >> _MANT_BITS
     e = torch.where(biased == 0, torch.where(ab == 0, -126, -127), biased - 127) - emax
@@ -198,26 +186,29 @@ def _block_scales(amax: torch.Tensor, emax: int, scale_bits: int, flush_fp32_sub
 def fake_quantize_mx_floor(x: torch.Tensor, fmt: ElemFormat, block_size: int = 32, axis: int = -1,
                            rounding: str = "even", scale_bits: int = 8,
                            flush_fp32_subnorms: bool = False) -> torch.Tensor:
-    """``fake_quantize_mx(x, fmt, block_size, axis, scale_mode="floor", rounding)``, same bits, fewer passes.
+    """``fake_quantize_mx(x, fmt, block_size, axis, scale_mode="floor", rounding)``, plus microxcaling's scale options.
 
-    ``fmt`` is an :class:`ElemFormat` usable as an MX element (or fp16/bfloat16
-    marked so). ``scale_bits`` other than 8 clamp the shared exponent to
-    ``[-(2**(s-1)-1), 2**(s-1)-1]`` and make larger ones NaN (microxcaling);
-    ``flush_fp32_subnorms`` zeroes blocks whose amax is an fp32 subnormal.
+    With 8-bit scales and no flush this is :func:`~mxtrain.quantization.fake_quantize_mx` itself (its
+    lookup tables on the CPU). ``scale_bits`` other than 8 clamp the shared exponent to
+    ``[-(2**(s-1)-1), 2**(s-1)-1]`` and make larger ones NaN (microxcaling); ``flush_fp32_subnorms``
+    zeroes blocks whose amax is an fp32 subnormal. Those scales are computed here; the elements are
+    rounded by the reference's grid functions.
     """
-    if x.dtype in (torch.bfloat16, torch.float16) and rounding in FAST_ROUNDINGS:
+    if scale_bits == 8 and not flush_fp32_subnorms:
+        return fake_quantize_mx(x, fmt, block_size=block_size, axis=axis, scale_mode="floor", rounding=rounding)
+    if rounding not in FAST_ROUNDINGS:
+        raise NotImplementedError(f"scale_bits != 8 and mx_flush_fp32_subnorms take rounding in {FAST_ROUNDINGS}, "
+                                  f"got {rounding!r}")
+    if x.dtype != torch.float32:
         return fake_quantize_mx_floor(x.float(), fmt, block_size, axis, rounding, scale_bits,
                                       flush_fp32_subnorms).to(x.dtype)
-    if not _is_fast(x, rounding):
-        if scale_bits != 8 or flush_fp32_subnorms:
-            raise NotImplementedError("scale_bits != 8 and mx_flush_fp32_subnorms need fp32 input and "
-                                      f"rounding in {FAST_ROUNDINGS}")
-        return fake_quantize_mx(x, fmt, block_size=block_size, axis=axis, scale_mode="floor", rounding=rounding)
+    if x.numel() == 0:
+        return x.clone()
     ax = axis % x.ndim
     shape = x.shape
     length = shape[ax]
     bs = block_size if block_size > 0 else length
-    if length > bs and length % bs:
+    if length > bs and length % bs:  # the ragged last block on its own: zero padding would not change its amax
         main = length - length % bs
         parts = [fake_quantize_mx_floor(x.narrow(ax, lo, n), fmt, block_size, ax, rounding, scale_bits,
                                         flush_fp32_subnorms) for lo, n in ((0, main), (main, length - main))]
@@ -230,28 +221,8 @@ def fake_quantize_mx_floor(x: torch.Tensor, fmt: ElemFormat, block_size: int = 3
     amax = torch.maximum(xv.amin(dim=2, keepdim=True).neg_(), xv.amax(dim=2, keepdim=True))
     sc, inv = _block_scales(amax, fmt.emax, scale_bits, flush_fp32_subnorms)
     y = xv * inv
+    q, step_inv = round_to_grid(y, fmt, rounding, None)
+    vals = torch.copysign(grid_value(q, step_inv, fmt).clamp_(max=fmt.max_norm), y)
     if fmt.is_int:
-        if fmt.mbits:
-            y.mul_(2.0**fmt.mbits)
-        if rounding == "even":
-            y.round_()
-        elif rounding == "floor":
-            y.trunc_()
-        else:
-            y = torch.copysign(_round_nonneg(y.abs(), rounding), y)
-        qmax = float(2 ** (fmt.bits - 1) - 1)
-        y.clamp_(-qmax, qmax)
-        if fmt.mbits:
-            y.mul_(2.0**-fmt.mbits)
-        y.add_(0.0)  # two's complement has no -0
-    else:
-        if fmt.emin > -126 and _select_mode(y):
-            y = _fix_small_select(_round_mantissa_bits(y.view(torch.int32), _MANT_BITS - fmt.mbits, rounding,
-                                                       inplace=False).view(torch.float32), y, fmt.mbits, fmt.emin,
-                                  rounding)
-        else:
-            small = _gather_small(y, fmt.emin) if fmt.emin > -126 else None
-            _round_mantissa_bits(y.view(torch.int32), _MANT_BITS - fmt.mbits, rounding, inplace=True)
-            _scatter_small_(y, small, fmt.mbits, fmt.emin, rounding)
-        y.clamp_(-fmt.max_norm, fmt.max_norm)
-    return y.mul_(sc).view(shape)
+        vals.add_(0.0)  # two's complement has no -0: -0.0 + 0.0 == +0.0
+    return vals.mul_(sc).view(shape)  # a NaN block's scale is NaN, whatever its elements rounded to

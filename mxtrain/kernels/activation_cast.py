@@ -38,16 +38,14 @@ from typing import NamedTuple
 import torch
 
 from mxtrain.kernels import cast as _cast
-from mxtrain.activations import ACTIVATIONS, activation as torch_activation_impl, check_activation
+from mxtrain.activations import activation as torch_activation_impl, check_activation, is_gated
+from mxtrain.kernels.ids import ACTIVATION_IDS
 from mxtrain.quantization import MXTensor, quantize_mx
 from mxtrain.quantization._validate import normalize_axis
 from mxtrain.quantization.mx import _check_common
 
 __all__ = ["activation_cast", "activation_backward_cast", "ActivationGradCast", "torch_activation", "ACTIVATION_IDS"]
 
-ACTIVATION_IDS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5,
-                  "swiglu": 6, "geglu": 7, "reglu": 8, "geglu_tanh": 9}
-assert set(ACTIVATION_IDS) == set(ACTIVATIONS)
 
 
 class _OutputLike(NamedTuple):
@@ -175,7 +173,7 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     from mxtrain.activations import activation_backward
 
     name = check_activation(activation)
-    gated = ACTIVATION_IDS[name] >= 6
+    gated = is_gated(name)
     if h.ndim < 1 or (gated and h.shape[-1] % 2):
         raise ValueError(f"{name} needs an input with {'an even' if gated else 'a'} last dimension, "
                          f"got {list(h.shape)}")

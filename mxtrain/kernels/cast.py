@@ -35,6 +35,8 @@ import torch
 
 from mxtrain import config
 from mxtrain.formats import ElemFormat
+from mxtrain.activations import GATE_ACTIVATION
+from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS
 from mxtrain.kernels._triton_utils import (
     HAVE_TRITON, ROUNDING_IDS, SCALE_MODE_IDS, device_supported, format_consts, interpret_mode, is_pow2,
     launch_options, tl, triton,
@@ -66,6 +68,19 @@ if HAVE_TRITON:
     from triton.language.extra import libdevice
 
     from mxtrain.kernels._triton_utils import decode_codes as _decode
+
+    # the ids of mxtrain.kernels.ids as constexprs the jit functions can read (ACT 0: no activation)
+    _BF16 = tl.constexpr(DTYPE_IDS[torch.bfloat16])
+    _FP16 = tl.constexpr(DTYPE_IDS[torch.float16])
+    _GELU = tl.constexpr(ACTIVATION_IDS["gelu"])
+    _GELU_TANH = tl.constexpr(ACTIVATION_IDS["gelu_tanh"])
+    _RELU = tl.constexpr(ACTIVATION_IDS["relu"])
+    _SQUARED_RELU = tl.constexpr(ACTIVATION_IDS["squared_relu"])
+    _SILU = tl.constexpr(ACTIVATION_IDS["silu"])
+    _SWIGLU = tl.constexpr(ACTIVATION_IDS["swiglu"])
+    _GEGLU = tl.constexpr(ACTIVATION_IDS["geglu"])
+    _GEGLU_TANH = tl.constexpr(ACTIVATION_IDS["geglu_tanh"])
+    _FIRST_GATED = tl.constexpr(min(ACTIVATION_IDS[name] for name in GATE_ACTIVATION))  # gated ids come last
 
     @triton.jit
     def _inverse_scale(scale):
@@ -195,12 +210,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _round_to_dtype(v, OUT_KIND: tl.constexpr):
-        """fp32 ``v`` rounded (to nearest even) to the output dtype, as fp32: 0 fp32, 1 bf16, 2 fp16."""
-        if OUT_KIND == 1:
+        """fp32 ``v`` rounded (to nearest even) to the output dtype (its ``DTYPE_IDS`` id), as fp32."""
+        if OUT_KIND == _BF16:
             vb = v.to(tl.int32, bitcast=True)
             hb = (vb + 0x7FFF + ((vb >> 16) & 1)) & -65536
             return tl.where(v != v, v, hb.to(tl.float32, bitcast=True))
-        elif OUT_KIND == 2:
+        elif OUT_KIND == _FP16:
             return v.to(tl.float16).to(tl.float32)
         else:
             return v
@@ -208,9 +223,9 @@ if HAVE_TRITON:
     @triton.jit
     def _store_out(ptr, v, mask, OUT_KIND: tl.constexpr):
         """Store fp32 ``v`` (already rounded to the output dtype) in that dtype; bf16 goes as int16 bits."""
-        if OUT_KIND == 1:
+        if OUT_KIND == _BF16:
             tl.store(ptr, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
-        elif OUT_KIND == 2:
+        elif OUT_KIND == _FP16:
             tl.store(ptr, v.to(tl.float16), mask=mask)
         else:
             tl.store(ptr, v, mask=mask)
@@ -225,26 +240,26 @@ if HAVE_TRITON:
 
     @triton.jit
     def _activation(x, ACT: tl.constexpr, TORCH_CUDA: tl.constexpr):
-        """fp32 activation in torch's formulas: 1 gelu, 2 gelu_tanh, 3 relu, 4 squared_relu, 5 silu.
+        """fp32 activation in torch's formulas, ACT a plain id of ``ACTIVATION_IDS`` (silu: any other).
 
         TORCH_CUDA (compiled kernels only: libdevice has no interpreter version) follows torch's
         CUDA kernels where they differ from torch's CPU ones: libdevice ``expf`` / ``tanhf``, and
         relu(-0.0) = +0.0; otherwise fast ``tl.exp``, tanh via a sigmoid, relu(-0.0) = -0.0."""
-        if ACT == 1:
+        if ACT == _GELU:
             return (x * 0.5) * (1.0 + tl.math.erf(x * 0.7071067811865476))
-        elif ACT == 2:
+        elif ACT == _GELU_TANH:
             inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
             if TORCH_CUDA:
                 t = libdevice.tanh(inner)
             else:
                 t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
             return (0.5 * x) * (1.0 + t)
-        elif ACT == 3:  # NaN stays NaN, as torch
+        elif ACT == _RELU:  # NaN stays NaN, as torch
             if TORCH_CUDA:
                 return tl.where(x <= 0.0, 0.0, x)
             else:
                 return tl.where(x < 0.0, 0.0, x)
-        elif ACT == 4:
+        elif ACT == _SQUARED_RELU:
             r = tl.where(x < 0.0, 0.0, x)
             return r * r
         else:
@@ -252,13 +267,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _act_bwd(x, g, ACT: tl.constexpr, GPU: tl.constexpr):
-        """``g * act'(x)`` in fp32 as torch's CUDA backward kernels write it: 1 gelu, 2 gelu_tanh, 3 relu,
-        4 squared_relu (autograd of ``square(relu(x))``: ``g * (2 * r)``, then relu's threshold), 5 silu."""
-        if ACT == 1:
+        """``g * act'(x)`` in fp32 as torch's CUDA backward kernels write it (ACT as :func:`_activation`);
+        squared_relu is autograd's of ``square(relu(x))``: ``g * (2 * r)``, then relu's threshold."""
+        if ACT == _GELU:
             cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
             pdf = _exp(-0.5 * x * x, GPU) * 0.3989422804014327
             return g * (cdf + x * pdf)
-        elif ACT == 2:  # gelu_backward(approximate="tanh"), term by term
+        elif ACT == _GELU_TANH:  # gelu_backward(approximate="tanh"), term by term
             x_sq = x * x
             inner = 0.7978845608028654 * (x + 0.044715 * (x_sq * x))
             if GPU:
@@ -269,10 +284,10 @@ if HAVE_TRITON:
             inner_derivative = 0.7978845608028654 * (1.0 + 0.13414499163627625 * x_sq)  # fp32(3) * fp32(0.044715)
             right_derivative = (0.5 * x) * (1.0 - t * t) * inner_derivative
             return g * (left_derivative + right_derivative)
-        elif ACT == 3:
+        elif ACT == _RELU:
             return tl.where(x <= 0.0, 0.0, g)  # threshold_backward: x <= 0 -> 0 (NaN x passes g)
-        elif ACT == 4:
-            r = _activation(x, 3, GPU)
+        elif ACT == _SQUARED_RELU:
+            r = _activation(x, _RELU, GPU)
             return tl.where(r <= 0.0, 0.0, g * (2.0 * r))
         else:
             s = tl.math.div_rn(1.0, 1.0 + _exp(-x, GPU))
@@ -280,27 +295,28 @@ if HAVE_TRITON:
 
     @triton.jit
     def _gate_activation(x, ACT: tl.constexpr, GPU: tl.constexpr):
-        """The gate's activation of a gated ACT: 6 swiglu silu, 7 geglu gelu, 8 reglu relu, 9 geglu_tanh gelu_tanh."""
-        if ACT == 6:
-            return _activation(x, 5, GPU)
-        elif ACT == 7:
-            return _activation(x, 1, GPU)
-        elif ACT == 9:
-            return _activation(x, 2, GPU)
+        """The gate's activation of a gated ACT (``GATE_ACTIVATION``: swiglu silu, geglu gelu, reglu relu,
+        geglu_tanh gelu_tanh)."""
+        if ACT == _SWIGLU:
+            return _activation(x, _SILU, GPU)
+        elif ACT == _GEGLU:
+            return _activation(x, _GELU, GPU)
+        elif ACT == _GEGLU_TANH:
+            return _activation(x, _GELU_TANH, GPU)
         else:
-            return _activation(x, 3, GPU)
+            return _activation(x, _RELU, GPU)
 
     @triton.jit
     def _gate_act_bwd(x, g, ACT: tl.constexpr, GPU: tl.constexpr):
         """``g * act'(x)`` of the gate's activation of a gated ACT (as :func:`_gate_activation`)."""
-        if ACT == 6:
-            return _act_bwd(x, g, 5, GPU)
-        elif ACT == 7:
-            return _act_bwd(x, g, 1, GPU)
-        elif ACT == 9:
-            return _act_bwd(x, g, 2, GPU)
+        if ACT == _SWIGLU:
+            return _act_bwd(x, g, _SILU, GPU)
+        elif ACT == _GEGLU:
+            return _act_bwd(x, g, _GELU, GPU)
+        elif ACT == _GEGLU_TANH:
+            return _act_bwd(x, g, _GELU_TANH, GPU)
         else:
-            return _act_bwd(x, g, 3, GPU)
+            return _act_bwd(x, g, _RELU, GPU)
 
     @triton.jit
     def _store_codes(codes, base_ptr, rows, row_stride, row_mask, c0, LP, R: tl.constexpr, C: tl.constexpr,
@@ -343,7 +359,7 @@ if HAVE_TRITON:
         IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr,
         BIAS: tl.constexpr, MAX_CODE: tl.constexpr, MAX_NORM: tl.constexpr, INV_MAX_BITS: tl.constexpr,
         NAN_KIND: tl.constexpr, PACK_BITS: tl.constexpr, BF16_BITS: tl.constexpr,
-        y_ptr=None, stride_ym=0, GATE_OFF=0, ACT: tl.constexpr = 0, OUT_KIND: tl.constexpr = 0,
+        y_ptr=None, stride_ym=0, GATE_OFF=0, ACT: tl.constexpr = 0, OUT_KIND: tl.constexpr = DTYPE_IDS[torch.float32],
         WRITE_Y: tl.constexpr = False,
         row_val_ptr=None, col_val_ptr=None, stride_vm=0, ROW_CODES: tl.constexpr = True,
         COL_CODES: tl.constexpr = True, ROW_VALS: tl.constexpr = False, COL_VALS: tl.constexpr = False,
@@ -376,7 +392,7 @@ if HAVE_TRITON:
         m_in = rm < M
         k_in = rk < K
         in_mask = m_in[:, None] & k_in[None, :]
-        if GRAD and ACT >= 6:
+        if GRAD and ACT >= _FIRST_GATED:
             # gated gradient: columns [0, N) of dh are the gate's, [N, 2N) the up half's (N = GATE_OFF); each
             # column reads its gate a, its up value and its g. As autograd of act(a) * up in h's dtype:
             # d_up = g * act(a) (act(a) rounded), d_a = act'(a) applied to g * up (rounded)
@@ -394,12 +410,12 @@ if HAVE_TRITON:
             x = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=in_mask, other=0),
                        BF16_BITS)
         if ACT != 0:
-            if GRAD and ACT >= 6:
+            if GRAD and ACT >= _FIRST_GATED:
                 x = _round_to_dtype(x, OUT_KIND)
             elif GRAD:
                 g = _widen(tl.load(g_ptr + rm[:, None] * stride_gm + rk[None, :], mask=in_mask, other=0), BF16_BITS)
                 x = _round_to_dtype(_act_bwd(x, g, ACT, GPU), OUT_KIND)
-            elif ACT >= 6:  # gated: act(gate) rounded to the dtype, times up, rounded again (as torch in bf16)
+            elif ACT >= _FIRST_GATED:  # gated: act(gate) rounded to the dtype, times up, rounded again (as torch in bf16)
                 up = _widen(tl.load(x_ptr + rm[:, None] * stride_xm + (rk[None, :] + GATE_OFF) * stride_xk,
                                     mask=in_mask, other=0), BF16_BITS)
                 a = _round_to_dtype(_gate_activation(x, ACT, False), OUT_KIND)
@@ -640,7 +656,6 @@ def _alloc(shape, fill: int = 0xA5, device=None) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.uint8, device=device)
 
 
-_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _alloc_values(shape, dtype, device) -> torch.Tensor:
@@ -773,7 +788,7 @@ def _activation_args(x2, act, y, k):
         return {}
     if y is not None and (y.stride(1) != 1 or y.dtype != x2.dtype):
         raise ValueError("the activation output must be row-contiguous in the input dtype")
-    out_kind = _OUT_KIND[x2.dtype]
+    out_kind = DTYPE_IDS[x2.dtype]
     y_arg = None if y is None else (y.view(torch.int16) if y.dtype == torch.bfloat16 else y)
     return dict(y_ptr=y_arg, stride_ym=0 if y is None else y.stride(0), GATE_OFF=k, ACT=act, OUT_KIND=out_kind,
                 WRITE_Y=y is not None)

@@ -31,6 +31,8 @@ import torch
 from mxtrain import config
 from mxtrain.formats import ElemFormat
 from mxtrain.quantization import MXPlane, MXTensor
+from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS
+from mxtrain.quantization.float8 import FP8_MAX
 from mxtrain.quantization._validate import normalize_axes
 from mxtrain.quantization.mx import _check_common
 
@@ -45,7 +47,7 @@ HEADERS = (CSRC_DIR / "cast_common.cuh",)
 _ABI_VERSION = 6
 # the kernel's output / input switches (mx_cast.cu's Flags)
 _ROW_CODES, _ROW_VALS, _COL_CODES, _COL_VALS, _GAMMA_BF16, _ROUND_BF16 = 1, 2, 4, 8, 16, 32
-_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_DTYPES = DTYPE_IDS  # the csrc entry points' dtype argument
 _FORMATS = {"fp8_e4m3": 0, "fp8_e5m2": 1}
 _SCALE_MODES = {"floor": 0, "rceil": 1, "even": 2}
 
@@ -265,7 +267,7 @@ def _launch(lib: ctypes.CDLL, x2: torch.Tensor, fmt: ElemFormat, scale_mode: str
 # ---- fused sources: activation + cast, norm + cast -------------------------------------------
 
 # activation ids of the CUDA prologue (cast_common.cuh act_fwd); gated activations stay with Triton
-CUDA_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
+CUDA_ACTIVATIONS = PLAIN_ACTIVATION_IDS  # act_fwd / act_bwd of csrc/cast_common.cuh
 # Norm + cast and activation + cast on the CUDA kernel (mx_source_cast_kernel): on by default, faster
 # than Triton's fused kernels (benchmarks/RESULTS.md); MXTRAIN_CUDA_FUSED_SOURCES=0 keeps Triton's.
 # A norm's statistics run MXTRAIN_NORM_LOOKAHEAD bands of 128 rows ahead of the tiles that use them (their
@@ -513,9 +515,8 @@ def dequantize_fp8_at(data_ptr: int, scale_ptr: int, data_ld: int, scale_ld: int
 
 # ---- FP8 block scaling (mxtrain/csrc/fp8_block_cast.cu) ------------------------------------------
 
-_FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
-# the Triton block cast's activation ids (mxtrain.kernels.float8_cast.FUSED_ACTIVATIONS / _GRADS)
-_FP8_ACTS = ({"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}, {"gelu": 1, "relu": 3, "silu": 5})
+# what fp8_block_cast.cu casts: act(x) (PRE 1) and g * act'(x) (PRE 2) of these activations
+_FP8_ACTS = (tuple(PLAIN_ACTIVATION_IDS), ("gelu", "relu", "silu"))
 
 
 def fp8_block_unsupported(x: torch.Tensor, grad: torch.Tensor | None, columnwise: bool) -> str | None:
@@ -561,7 +562,7 @@ def fp8_block_cast(x: torch.Tensor, grad: torch.Tensor | None, fmt: str, square:
         return None if t is None else t.data_ptr()
     err = lib.mxtrain_fp8_block_cast(
         x.data_ptr(), g.data_ptr(), M, N, x.stride(0), g.stride(0), _DTYPES[x.dtype], _FORMATS[fmt], pre,
-        acts[act] if pre else 0, flags, _FP8_MAX[fmt], float(amax_epsilon), ptr(row), ptr(rsi), ptr(col), ptr(csi),
+        ACTIVATION_IDS[act] if pre else 0, flags, FP8_MAX[fmt], float(amax_epsilon), ptr(row), ptr(rsi), ptr(col), ptr(csi),
         ptr(dbias), -(-N // 128), -(-M // 128), _raw_stream(x.device))
     if err:
         raise RuntimeError(f"mxtrain CUDA FP8 block cast failed: {lib.mxtrain_cuda_error_string(err).decode()}")

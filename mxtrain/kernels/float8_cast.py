@@ -37,6 +37,7 @@ from mxtrain import config
 from mxtrain.kernels._triton_utils import interpret_mode
 from mxtrain.kernels.cast import _act_bwd, _activation, _round_to_dtype, _store_out, _widen
 from mxtrain.kernels.dispatch import register_float8_quantize
+from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
     quantize_float8 as quantize_float8_reference,
@@ -111,7 +112,7 @@ def _load_f32(ptr, offs, mask, BF16_BITS: tl.constexpr):
 def _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE: tl.constexpr, ACT: tl.constexpr,
                  X_BF16: tl.constexpr, G_BF16: tl.constexpr, OUT_KIND: tl.constexpr, GPU: tl.constexpr):
     """The fp32 tile that is cast. PRE 0: ``x``; 1: ``act(x)``; 2: ``g * act'(x)``; the last two rounded
-    to the source dtype (OUT_KIND 0 fp32, 1 bf16, 2 fp16) as the unfused torch ops round their outputs.
+    to the source dtype (OUT_KIND: its id in ``ids.DTYPE_IDS``) as the unfused torch ops round their outputs.
     Out-of-range lanes are 0."""
     x = _load_f32(x_ptr, rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask, X_BF16)
     if PRE == 0:
@@ -282,10 +283,9 @@ def _block_cast_cuda() -> bool:
     return settings.fp8_block_cast != "triton" and settings.cuda_kernels
 
 
-# activations the prologue computes (forward) and differentiates (backward)
-FUSED_ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3, "squared_relu": 4, "silu": 5}
-FUSED_ACTIVATION_GRADS = {"gelu": 1, "relu": 3, "silu": 5}
-_OUT_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# activations the prologue computes (forward) and differentiates (backward), with their ids
+FUSED_ACTIVATIONS = PLAIN_ACTIVATION_IDS
+FUSED_ACTIVATION_GRADS = {name: ACTIVATION_IDS[name] for name in ("gelu", "relu", "silu")}
 
 
 def _bits_view(t: torch.Tensor) -> torch.Tensor:
@@ -294,7 +294,7 @@ def _bits_view(t: torch.Tensor) -> torch.Tensor:
 
 def _prologue(who: str, x, rowwise, columnwise, act, grad):
     """Validate a fused cast's source arguments; returns ``(x, g, x bits, g bits, kernel constexprs)``."""
-    if x.ndim != 2 or x.dtype not in _OUT_KINDS:
+    if x.ndim != 2 or x.dtype not in DTYPE_IDS:
         raise ValueError(f"{who} takes a 2-D fp32/bf16/fp16 tensor, got {x.dtype} {list(x.shape)}")
     if not (rowwise or columnwise):
         raise ValueError(f"{who}: ask for the rowwise and/or the columnwise plane")
@@ -315,7 +315,7 @@ def _prologue(who: str, x, rowwise, columnwise, act, grad):
     pre = 0 if act is None else (1 if grad is None else 2)
     g = grad if grad is not None else x
     src = dict(PRE=pre, ACT=0 if act is None else (FUSED_ACTIVATIONS if pre == 1 else FUSED_ACTIVATION_GRADS)[act],
-               X_BF16=x.dtype == torch.bfloat16, G_BF16=g.dtype == torch.bfloat16, OUT_KIND=_OUT_KINDS[x.dtype],
+               X_BF16=x.dtype == torch.bfloat16, G_BF16=g.dtype == torch.bfloat16, OUT_KIND=DTYPE_IDS[x.dtype],
                GPU=not interpret_mode())
     return x, g, _bits_view(x), _bits_view(g), src
 

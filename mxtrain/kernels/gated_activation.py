@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import torch
 
+from mxtrain.activations import GATED
+from mxtrain.kernels.ids import DTYPE_IDS, gate_activation_id
 from mxtrain.kernels._triton_utils import HAVE_TRITON, device_supported, interpret_mode, launch_options, tl, triton
 
 __all__ = ["GATE_IDS", "gated_activation", "gated_activation_backward", "supports"]
 
 # gated activation -> the gate's activation id in cast._activation / cast._act_bwd
-GATE_IDS = {"swiglu": 5, "geglu": 1, "geglu_tanh": 2, "reglu": 3}
+GATE_IDS = {name: gate_activation_id(name) for name in GATED}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 if HAVE_TRITON:
-    from mxtrain.kernels.cast import _act_bwd, _activation, _round_to_dtype, _store_out, _widen
+    from mxtrain.kernels.cast import _BF16, _act_bwd, _activation, _round_to_dtype, _store_out, _widen
 
     @triton.jit
     def _gated_forward_kernel(h_ptr, y_ptr, F, stride_h, stride_y, ACT: tl.constexpr, OUT_KIND: tl.constexpr,
@@ -31,8 +31,8 @@ if HAVE_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < F
-        gate = _widen(tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0), OUT_KIND == 1)
-        up = _widen(tl.load(h_ptr + row * stride_h + F + cols, mask=mask, other=0), OUT_KIND == 1)
+        gate = _widen(tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0), OUT_KIND == _BF16)
+        up = _widen(tl.load(h_ptr + row * stride_h + F + cols, mask=mask, other=0), OUT_KIND == _BF16)
         a = _round_to_dtype(_activation(gate, ACT, GPU), OUT_KIND)
         _store_out(y_ptr + row * stride_y + cols, _round_to_dtype(a * up, OUT_KIND), mask, OUT_KIND)
 
@@ -42,9 +42,9 @@ if HAVE_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < F
-        gate = _widen(tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0), OUT_KIND == 1)
-        up = _widen(tl.load(h_ptr + row * stride_h + F + cols, mask=mask, other=0), OUT_KIND == 1)
-        g = _widen(tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0), OUT_KIND == 1)
+        gate = _widen(tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0), OUT_KIND == _BF16)
+        up = _widen(tl.load(h_ptr + row * stride_h + F + cols, mask=mask, other=0), OUT_KIND == _BF16)
+        g = _widen(tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0), OUT_KIND == _BF16)
         a = _round_to_dtype(_activation(gate, ACT, GPU), OUT_KIND)
         d_up = _round_to_dtype(g * a, OUT_KIND)
         d_gate = _round_to_dtype(_act_bwd(gate, _round_to_dtype(g * up, OUT_KIND), ACT, GPU), OUT_KIND)
@@ -85,7 +85,7 @@ def gated_activation(h: torch.Tensor, name: str) -> torch.Tensor:
     if y.numel():
         block = min(1024, triton.next_power_of_2(f))
         _gated_forward_kernel[_grid(h.shape[0], f, block)](
-            _bits(h), _bits(y), f, h.stride(0), y.stride(0), ACT=GATE_IDS[name], OUT_KIND=_OUT_KIND[h.dtype],
+            _bits(h), _bits(y), f, h.stride(0), y.stride(0), ACT=GATE_IDS[name], OUT_KIND=DTYPE_IDS[h.dtype],
             GPU=not interpret_mode(), BLOCK=block, **launch_options())
     return y
 
@@ -101,5 +101,5 @@ def gated_activation_backward(h: torch.Tensor, grad: torch.Tensor, name: str) ->
         block = min(1024, triton.next_power_of_2(f))
         _gated_backward_kernel[_grid(h.shape[0], f, block)](
             _bits(h), _bits(grad), _bits(dh), f, h.stride(0), grad.stride(0), dh.stride(0), ACT=GATE_IDS[name],
-            OUT_KIND=_OUT_KIND[h.dtype], GPU=not interpret_mode(), BLOCK=block, **launch_options())
+            OUT_KIND=DTYPE_IDS[h.dtype], GPU=not interpret_mode(), BLOCK=block, **launch_options())
     return dh

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from mxtrain import config
 from mxtrain.kernels import cast as _cast
+from mxtrain.kernels.ids import DTYPE_IDS
 from mxtrain.kernels._triton_utils import (
     HAVE_TRITON, ROUNDING_IDS, SCALE_MODE_IDS, format_consts, interpret_mode, launch_options, tl, triton,
 )
@@ -278,8 +279,8 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         row[0].stride(0) if row else 0, row[1].stride(0) if row else 0, kp, nbk,
         col[0].stride(0) if col else 0, col[1].stride(0) if col else 0, mp, nbm,
         RMS=kind == "RMSNorm", HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered_gamma,
-        WRITE_Y=y is not None, OUT_KIND=_cast._OUT_KIND[x.dtype], W_BF16=w_bf16,
-        W_KIND=_cast._OUT_KIND[weight.dtype],
+        WRITE_Y=y is not None, OUT_KIND=DTYPE_IDS[x.dtype], W_BF16=w_bf16,
+        W_KIND=DTYPE_IDS[weight.dtype],
         ROW=want_row, COL=want_col, BLOCK_M=block_m, BLOCK_K=block_k, BS=bs,
         SCALE_MODE=SCALE_MODE_IDS[scale_mode], ROUNDING=ROUNDING_IDS[rounding], HW_FP8=hw, INDEX64=index64,
         PACK_BITS=fmt_.bits if pack else 8, BF16_BITS=bf16, num_warps=warps,

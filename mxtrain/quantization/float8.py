@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from mxtrain.formats import ELEMENT_FORMATS
 from mxtrain.quantization._validate import check_dequantize_dtype
 from mxtrain.quantization.mxtensor import PlaneLookup
 
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+FP8_MAX = {name: ELEMENT_FORMATS[name].max_norm for name in FP8_DTYPES}  # 448 and 57344
 _FP32_MAX = torch.finfo(torch.float32).max
 _ALIASES = {"e4m3": "fp8_e4m3", "e4m3fn": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
             "e5m2": "fp8_e5m2", "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2"}

@@ -8,7 +8,7 @@ import torch
 from mxtrain.elementwise import rounding as fast_rounding
 from mxtrain.elementwise import fake_quantize_mx_floor, round_elemwise
 from mxtrain.formats import parse_format
-from mxtrain.quantization import fake_quantize_mx, quantize_elemwise
+from mxtrain.quantization import fake_quantize_mx, lut, quantize_elemwise
 
 
 def adversarial(n, seed=0):
@@ -58,15 +58,37 @@ GEOMETRIES = [((64, 100), -1, 32), ((8, 16, 5, 5), 1, 32), ((8, 70, 3), 1, 32), 
               ((5, 33), -1, 0), ((6, 7, 8), 1, 4), ((3, 40), 1, 1)]
 
 
+def _reference_fake_quantize(x, fmt, bs, axis, rounding, monkeypatch):
+    """fake_quantize_mx on the reference's own chunk functions (the CPU lookup tables off)."""
+    with monkeypatch.context() as m:
+        m.setattr(lut, "USE_LOOKUP_TABLES", False)
+        return fake_quantize_mx(x, fmt, bs, axis, "floor", rounding)
+
+
 @pytest.mark.parametrize("rounding", ["even", "nearest", "floor"])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp6_e3m2", "fp6_e2m3", "fp4_e2m1", "int8", "int4", "int2"])
-def test_mx_bits(fmt, rounding, mode):
+def test_mx_bits(fmt, rounding, monkeypatch):
+    """The one CPU path (the lookup tables behind fake_quantize_mx) against the reference, in every geometry."""
     for shape, axis, bs in GEOMETRIES:
         for scale in (1.0, 1e-38, 1e30):
             x = adversarial(math.prod(shape), seed=len(shape)).view(shape) * scale
             ours = fake_quantize_mx_floor(x, parse_format(fmt), bs, axis, rounding)
-            ref = fake_quantize_mx(x, fmt, bs, axis, "floor", rounding)
+            ref = _reference_fake_quantize(x, fmt, bs, axis, rounding, monkeypatch)
             assert bits_equal(ours, ref), (fmt, rounding, shape, axis, bs, scale)
+
+
+@pytest.mark.parametrize("rounding", ["even", "nearest", "floor"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp6_e2m3", "fp4_e2m1", "int8", "int2"])
+def test_mx_microxcaling_scale_options_round_as_the_reference(fmt, rounding, monkeypatch):
+    """With scale_bits / flush on, blocks those options leave alone get the reference's bits."""
+    x = adversarial(64 * 96).view(64, 96)
+    x[0] = torch.linspace(-1e-39, 1e-39, 96)  # fp32 subnormal blocks: flushed
+    ref = _reference_fake_quantize(x, fmt, 32, -1, rounding, monkeypatch)
+    flushed = fake_quantize_mx_floor(x, parse_format(fmt), 32, -1, rounding, flush_fp32_subnorms=True)
+    assert torch.all(flushed[0] == 0) and bits_equal(flushed[1:], ref[1:])
+    y = torch.randn(16, 64) * 4  # shared exponents well inside [-15, 15]
+    assert bits_equal(fake_quantize_mx_floor(y, parse_format(fmt), 32, -1, rounding, scale_bits=5),
+                      _reference_fake_quantize(y, fmt, 32, -1, rounding, monkeypatch))
 
 
 def test_mx_low_precision_inputs_and_stochastic():

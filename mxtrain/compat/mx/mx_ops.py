@@ -4,8 +4,8 @@ Shared exponent ``floor(log2 amax) - emax`` from the exponent bits (exact),
 clamped to ``+-(2**(scale_bits-1)-1)`` (``scale_bits=0`` means 8); elements
 rounded per ``round`` and saturated; blocks of ``block_size`` along ``axes``
 (``block_size=0``: the whole axis, or the whole tensor when ``axes`` is None).
-On the CPU this is :func:`mxtrain.elementwise.fake_quantize_mx_floor`, bit-identical
-to ``mxtrain.fake_quantize_mx(..., scale_mode="floor")``; with
+This is ``mxtrain.fake_quantize_mx(..., scale_mode="floor")`` (on the CPU its lookup tables),
+through :func:`mxtrain.elementwise.fake_quantize_mx_floor` for microxcaling's scale options; with
 ``custom_cuda=True`` on a CUDA tensor the quantize/dequantize kernels of
 :mod:`mxtrain.kernels.dispatch` run (the same bits).
 """

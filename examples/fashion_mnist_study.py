@@ -1,8 +1,8 @@
 """Fashion-MNIST format study: which MX matmul and elementwise formats keep the lab's classifier accurate?
 
-    mxtrain study fashion-mnist                       # the two tables of the lab, then the search
-    python -m mxtrain.examples.fashion_mnist --epochs 10 --device cuda --out runs/fmnist
-    mxtrain study fashion-mnist --subset 512 --epochs 1 --configs fp32+fp32,int8+bfloat16
+    python examples/fashion_mnist_study.py             # the two tables of the lab, then the search
+    python examples/fashion_mnist_study.py --epochs 10 --device cuda --out runs/fmnist
+    mxtrain study fashion-mnist --subset 512 --epochs 1 --configs fp32+fp32,int8+bfloat16   # the same, as a command
 
 The classifier is the one of the lab (seeds/lab_mx_formats_fashion_mnist.txt),
 whose script derives from PyTorch's MNIST example: conv 3x3 (1->32) -> ReLU ->
@@ -388,13 +388,13 @@ def _subprocess_run(cfg: StudyConfig, epochs: int, common: dict, workdir: Path):
     """Start one configuration in its own process (``--jobs``); returns (Popen, its output folder)."""
     import subprocess
     out = workdir / cfg.name.replace("/", "_").replace("+", "__")
-    cmd = [sys.executable, "-m", "mxtrain.examples.fashion_mnist", "--configs", cfg.name, "--epochs", str(epochs),
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--configs", cfg.name, "--epochs", str(epochs),
            "--no-search", "--quiet", "--out", str(out), "--device", common["device"], "--seed", str(common["seed"]),
            "--batch-size", str(common["batch_size"]), "--threads", str(common["threads"])]
     if common["subset"]:
         cmd += ["--subset", str(common["subset"])]
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[1])  # the checkout, so a clone without install runs too
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     log = open(out.with_suffix(".log"), "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), out
@@ -567,7 +567,7 @@ def _cpu_name() -> str:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The study's options (shared with ``mxtrain study fashion-mnist``, see :mod:`mxtrain.cli`)."""
-    p = parser or argparse.ArgumentParser(prog="python -m mxtrain.examples.fashion_mnist",
+    p = parser or argparse.ArgumentParser(prog="python examples/fashion_mnist_study.py",
                                           description=STUDY_DESCRIPTION, formatter_class=HelpFormatter)
     return add_study_arguments(p)
 
