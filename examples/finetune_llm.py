@@ -141,17 +141,22 @@ def load_tokens(args, tok, vocab_size: int):
     return encode(train), encode(val)
 
 
-def shard_model(model, world: int, mx_all_gather: bool):
+def shard_model(model, world: int, mx_all_gather: bool, device: torch.device):
     """FSDP2: every decoder layer, then the root (embedding, final norm and tied head).
 
     With ``mx_all_gather`` the GEMM weights of the mxtrain modules travel as packed MX
     bytes under an MX recipe (``mxtrain.distributed.enable_mx_all_gather``, called
     before ``fully_shard`` and before the optimizer exists); weights that do not split
-    into whole MX blocks across the ranks keep high-precision all-gathers.
+    into whole MX blocks across the ranks keep high-precision all-gathers. The mesh is on
+    ``device``'s type (FSDP2's default mesh is CUDA's wherever CUDA exists, which would move a
+    gloo run's CPU parameters to the GPU).
     """
     if world <= 1:
         return model
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
     if mx_all_gather:
         import warnings
 
@@ -160,8 +165,8 @@ def shard_model(model, world: int, mx_all_gather: bool):
             warnings.simplefilter("ignore")  # strict=False lists the weights it leaves alone
             model.mx_all_gather_weights = mxdist.enable_mx_all_gather(model, strict=False, world_size=world)
     for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -260,7 +265,8 @@ def train(label: str, recipe, base, data, args, device, rank: int, world: int, c
     from mxtrain.distributed.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     train_ids, val_ids = data
     mem = PeakMemory(device).start()
-    model = shard_model(copy.deepcopy(base).to(device), world, mx_all_gather=not args.no_mx_all_gather)
+    model = shard_model(copy.deepcopy(base).to(device), world, mx_all_gather=not args.no_mx_all_gather,
+                        device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(

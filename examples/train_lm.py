@@ -155,13 +155,15 @@ def train(spec: str, args, device, rank: int, world: int, data=None) -> dict:
     torch.manual_seed(args.seed)  # same init for every recipe
     model = GPT(cfg).to(device)
     if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         if args.mx_all_gather and recipe is not None:
             from mxtrain.distributed import enable_mx_all_gather
             enable_mx_all_gather(model, recipe=recipe, strict=False)  # before fully_shard (MX or FP8 recipes)
+        mesh = init_device_mesh(device.type, (world,))  # FSDP2's default is CUDA's wherever CUDA exists
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         if args.prefetch:  # FSDP2's explicit prefetching: gathers issued blocks ahead of the host
             from mxtrain.distributed import set_block_prefetch
             set_block_prefetch(model.blocks, args.prefetch, args.prefetch)

@@ -243,7 +243,8 @@ def test_train_lm_unusable_ckpt_dir_refused_first(train_lm, tmp_path):
 def test_train_lm_compare_writes_run_dir(train_lm, tmp_path, capsys):
     """--compare without --ckpt-dir, a spec with commas, warm-up clamped, labels and results files."""
     out = tmp_path / "run"
-    results = train_lm.main(TINY_LM + ["--compare", "bf16,mxfp4:grad_rounding=stochastic,seed=0", "--out", str(out)])
+    results = train_lm.main(TINY_LM + ["--compare", "bf16,mxfp4:grad_rounding=stochastic,seed=0", "--out", str(out),
+                                       "--device", "cpu"])  # the labels below name the device
     printed = capsys.readouterr().out
     assert [r["recipe"] for r in results] == ["fp32", "mxfp4:grad_rounding=stochastic,seed=0"]
     assert results[1]["recipe_dict"]["seed"] == 0
@@ -291,7 +292,8 @@ def test_finetune_tiny_run_writes_run_dir(finetune, tmp_path, capsys):
     out = tmp_path / "run"
     results = finetune.main(["--random-init", "--shape", "tiny", "--data", "random", "--seq-len", "8",
                              "--batch-size", "1", "--eval-batches", "1", "--steps", "1", "--no-progress",
-                             "--no-initial-eval", "--compare", "bf16", "--compare", "mxfp8", "--out", str(out)])
+                             "--no-initial-eval", "--compare", "bf16", "--compare", "mxfp8", "--out", str(out),
+                             "--device", "cpu"])
     printed = capsys.readouterr().out
     assert [r["recipe"] for r in results] == ["fp32", "mxfp8"]  # bf16 asked, fp32 ran: labelled fp32
     assert "high-precision compute fp32 on cpu" in printed and f"run directory: {out}" in printed

@@ -605,7 +605,10 @@ def to_hf_model(model: MXLlamaForCausalLM, dtype: torch.dtype | None = None):
     dtype = dtype or model.embed_tokens.weight.dtype
     # built on the CPU (not the meta device): its non-persistent buffers (rotary frequencies, Gemma's
     # embedding scale) are computed at construction; the random weights are then replaced
-    hf = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype)
+    # Gemma2's attention-logit softcapping runs in eager attention only (transformers before 5.18 chose
+    # sdpa by default and left it out); other families keep transformers' default
+    extra = {"attn_implementation": "eager"} if model.config.attn_logit_softcapping is not None else {}
+    hf = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=dtype, **extra)
     state = {k: v.to(device="cpu", dtype=dtype) for k, v in state.items()}
     missing, unexpected = hf.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]

@@ -42,6 +42,7 @@ from mxtrain.modules.linear import init_linear_
 from mxtrain.modules.normalization import (
     check_normalization, norm_backward, norm_forward, norm_forward_stats,
 )
+from mxtrain.recipes.float8 import Float8RoleSpec
 
 
 def _activation_operands(h, act, specs_axes, recipe, gen, at_once=False) -> list:
@@ -121,6 +122,11 @@ class _LayerNormMLPFn(torch.autograd.Function):
                  if fuse else None)
         if fused is not None:
             (a_row, a_col), _ = fused
+        elif fuse and ctx.needs_input_grad[5] and isinstance(role2("fprop_input"), Float8RoleSpec):
+            # FP8 recipes (gated activations): both planes from one act(h) and one amax, as the fused cast
+            # does, rather than recomputing act(h) in backward
+            a_row, a_col = _activation_operands(h, act, [(role2("fprop_input"), 1), (role2("wgrad_input"), 0)],
+                                                recipe, gen, at_once=True)
         else:
             a_row = _activation_operands(h, act, [(role2("fprop_input"), 1)], recipe, gen)[0]
             a_col = None

@@ -22,6 +22,7 @@ import mxtrain  # noqa: E402
 from mxtrain.formats import MX_FORMAT_NAMES  # noqa: E402
 from mxtrain.kernels import cast, dequantize as dq  # noqa: E402
 from mxtrain.kernels import dispatch  # noqa: E402
+from mxtrain.modules import _common  # noqa: E402
 from mxtrain.quantization import quantize_mx  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
