@@ -34,8 +34,9 @@ def test_kernels_match_torch_cuda(name, dtype):
         torch.testing.assert_close(got, ref, rtol=ulp, atol=5e-5, equal_nan=True)
         same = ((got == ref) | (got.isnan() & ref.isnan())).float().mean().item()
         if dtype != torch.float32:  # 16-bit results: the fp32 differences almost always round away
-            # (erf-gelu's differ in about 2% of 16-bit results on an H100, each by one ulp, 2026-11-25)
-            least = 0.97 if name == "geglu" else 0.995
+            # (erf-gelu is the exception: torch's CUDA gelu and the kernel differ in about 9% of fp32 results
+            # and 1-4% of 16-bit ones on an H100, each within the ulp checked above, 2026-11-25)
+            least = 0.95 if name == "geglu" else 0.995
             assert same > least, f"{name} {dtype}: {1 - same:.2%} of elements differ"
 
 
