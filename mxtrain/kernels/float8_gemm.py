@@ -8,9 +8,9 @@ FP8 GEMM is TN-only; the cast wrote the transposes).
 
 * Per-tensor (current / delayed scaling): ``torch._scaled_mm(A, Bᵀ, scale_a,
   scale_b)`` with the operands' ``scale_inv``; bias in the epilogue when it has
-  the output dtype. ``K`` and ``N`` must be multiples of 16, and e5m2 x e5m2 has
-  no kernel: those cases, and mixed FP8 / high-precision operands, run the
-  fallback (fp32 GEMM of the dequantized operands). Fast accumulation (no
+  the output dtype. ``K`` and ``N`` that are not multiples of 16 (token counts)
+  are zero-padded (:func:`pad_plane`); e5m2 x e5m2 has no kernel: it and mixed
+  FP8 / high-precision operands run the fallback (fp32 GEMM of the dequantized operands). Fast accumulation (no
   periodic promotion inside the tensor cores) is used for fprop only, as
   Transformer Engine does; ``MXTRAIN_FP8_FAST_ACCUM=all|none|fprop`` overrides.
 * Blocks (Float8BlockScaling): :func:`block_fp8_gemm`, a Triton kernel that takes
@@ -29,6 +29,7 @@ of the same operands: < 1e-6), well under the FP8 quantization error itself
 
 from __future__ import annotations
 
+import dataclasses
 
 import torch
 import triton
@@ -36,9 +37,9 @@ import triton.language as tl
 
 from mxtrain import config
 from mxtrain.kernels.dispatch import reference_gemm, register_float8_gemm
-from mxtrain.quantization.float8 import Float8Tensor
+from mxtrain.quantization.float8 import Float8Plane, Float8Tensor
 
-__all__ = ["float8_gemm", "scaled_mm_gemm", "block_fp8_gemm", "cublas_block_gemm", "fallback_gemm"]
+__all__ = ["float8_gemm", "scaled_mm_gemm", "block_fp8_gemm", "cublas_block_gemm", "fallback_gemm", "pad_plane"]
 
 
 # FP8 / high-precision mixes and shapes the tensor cores do not take: the fp32 GEMM of the dequantized operands
@@ -57,8 +58,11 @@ def _fast_accum(a_axis: int, b_axis: int) -> bool:
 def scaled_mm_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: int, out_dtype: torch.dtype,
                    bias: torch.Tensor | None = None, use_fast_accum: bool | None = None) -> torch.Tensor:
     """Per-tensor-scaled ``A @ Bᵀ`` through ``torch._scaled_mm`` (requires K, N % 16 == 0, not e5m2 x e5m2)."""
-    pa, pb = a.plane(a_axis), b.plane(b_axis)
     fast = _fast_accum(a_axis, b_axis) if use_fast_accum is None else use_fast_accum
+    return _scaled_mm_planes(a.plane(a_axis), b.plane(b_axis), fast=fast, out_dtype=out_dtype, bias=bias)
+
+
+def _scaled_mm_planes(pa, pb, *, fast: bool, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     epilogue_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
     out = torch._scaled_mm(pa.data, pb.data.t(), pa.scale_inv, pb.scale_inv,
                            bias=bias if epilogue_bias else None,
@@ -113,7 +117,11 @@ BLOCK_GEMM_CONFIG = dict(BM=128, BN=128, num_warps=8, num_stages=4)
 def block_fp8_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: int, out_dtype: torch.dtype,
                    bias: torch.Tensor | None = None, BM: int | None = None, BN: int | None = None) -> torch.Tensor:
     """``A @ Bᵀ`` for 128-block-scaled operands: the Triton kernel promoting every 128 K (see module doc)."""
-    pa, pb = a.plane(a_axis), b.plane(b_axis)
+    return _block_fp8_planes(a.plane(a_axis), b.plane(b_axis), out_dtype=out_dtype, bias=bias, BM=BM, BN=BN)
+
+
+def _block_fp8_planes(pa, pb, *, out_dtype: torch.dtype, bias: torch.Tensor | None, BM: int | None = None,
+                      BN: int | None = None) -> torch.Tensor:
     if pa.block is None or pb.block is None or pa.block[1] != 128 or pb.block[1] != 128 or pa.block[0] != 1:
         raise ValueError(f"block_fp8_gemm takes A with 1x128 blocks and B with 1x128 or 128x128 blocks, "
                          f"got {pa.block} and {pb.block}")
@@ -153,9 +161,12 @@ def cublas_block_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: 
     ``A``: 1x128 blocks; ``B``: 1x128 or 128x128 blocks; ``K`` a multiple of 128. Raises
     what torch raises where cuBLAS has no kernel (callers fall back to :func:`block_fp8_gemm`).
     """
+    return _cublas_block_planes(a.plane(a_axis), b.plane(b_axis), out_dtype=out_dtype, bias=bias)
+
+
+def _cublas_block_planes(pa, pb, *, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     from torch.nn.functional import ScalingType, scaled_mm
 
-    pa, pb = a.plane(a_axis), b.plane(b_axis)
     if pa.block != (1, 128) or pb.block not in ((1, 128), (128, 128)) or pa.data.shape[1] % 128:
         raise ValueError(f"cublas_block_gemm takes A with 1x128 blocks, B with 1x128 or 128x128 blocks and K % 128 == 0, "
                          f"got {pa.block}, {pb.block}, K = {pa.data.shape[1]}")
@@ -177,6 +188,40 @@ def cublas_block_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: 
     return out
 
 
+def pad_plane(p: Float8Plane, rows: int, cols: int) -> Float8Plane:
+    """``p`` with its data zero-padded to ``rows`` x ``cols`` (zero codes add nothing to a product) and, for
+    block scales, the blocks the padding adds given scale 1. The GEMM of padded planes, cut back to the
+    unpadded output, is the GEMM of the planes."""
+    r, c = p.data.shape
+    if (r, c) == (rows, cols):
+        return p
+    if rows < r or cols < c:
+        raise ValueError(f"pad_plane pads {r} x {c} data to at least its size, got {rows} x {cols}")
+    data = torch.nn.functional.pad(p.data.view(torch.uint8), (0, cols - c, 0, rows - r)).view(p.data.dtype)
+    s = p.scale_inv
+    if p.block is not None:
+        br, bc = p.block
+        s = torch.nn.functional.pad(s, (0, -(-cols // bc) - s.shape[1], 0, -(-rows // br) - s.shape[0]), value=1.0)
+    return dataclasses.replace(p, data=data, scale_inv=s)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _padded(gemm, pa, pb, m_mult: int, n_mult: int, k_mult: int, out_dtype, bias, **kw) -> torch.Tensor:
+    """``gemm`` of the planes zero-padded to multiples of the sizes its kernels take (M, N and the reduction K),
+    the output cut back to ``[M, N]`` (tokens per expert or per microbatch are rarely multiples of 16)."""
+    (M, K), N = pa.data.shape, pb.data.shape[0]
+    Mp, Np, Kp = _round_up(M, m_mult), _round_up(N, n_mult), _round_up(K, k_mult)
+    if (Mp, Np, Kp) == (M, N, K):
+        return gemm(pa, pb, out_dtype=out_dtype, bias=bias, **kw)
+    if bias is not None and Np != N:
+        bias = torch.nn.functional.pad(bias, (0, Np - N))
+    out = gemm(pad_plane(pa, Mp, Kp), pad_plane(pb, Np, Kp), out_dtype=out_dtype, bias=bias, **kw)
+    return out[:M, :N].contiguous() if (Mp, Np) != (M, N) else out
+
+
 def _block_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
     dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
     pa, pb = a.plane(a_axis), b.plane(b_axis)
@@ -184,15 +229,14 @@ def _block_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias=
     if want not in ("auto", "triton", "cublas"):
         raise ValueError(f"MXTRAIN_FP8_BLOCK_GEMM must be auto, triton or cublas, got {want!r}")
     if (want != "triton" and dev not in _CUBLAS_BLOCK_BROKEN and hasattr(torch.nn.functional, "scaled_mm")
-            and torch.cuda.get_device_capability(dev) == (9, 0) and pa.block == (1, 128)
-            and pa.data.shape[1] % 128 == 0 and pb.data.shape[0] % 16 == 0 and pa.data.shape[0] % 16 == 0):
-        try:
-            return cublas_block_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+            and torch.cuda.get_device_capability(dev) == (9, 0) and pa.block == (1, 128)):
+        try:  # cuBLAS takes K % 128 == 0 and M, N % 16 == 0: other sizes are zero-padded
+            return _padded(_cublas_block_planes, pa, pb, 16, 16, 128, out_dtype, bias)
         except (RuntimeError, NotImplementedError, ValueError) as e:  # no cuBLAS kernel here: remember, use Triton
             if want == "cublas":
                 raise
             _CUBLAS_BLOCK_BROKEN[dev] = f"{type(e).__name__}: {e}"
-    return block_fp8_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+    return _block_fp8_planes(pa, pb, out_dtype=out_dtype, bias=bias)
 
 
 def float8_gemm(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dtype = torch.float32,
@@ -201,9 +245,9 @@ def float8_gemm(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dtyp
     if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
         pa, pb = a.plane(a_axis), b.plane(b_axis)
         if pa.block is None and pb.block is None:
-            K, N = pa.data.shape[1], pb.data.shape[0]
-            if K % 16 == 0 and N % 16 == 0 and not (a.fmt == b.fmt == "fp8_e5m2") and K == pb.data.shape[1]:
-                return scaled_mm_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+            if not (a.fmt == b.fmt == "fp8_e5m2") and pa.data.shape[1] == pb.data.shape[1]:
+                # torch._scaled_mm takes K, N % 16 == 0: other sizes are zero-padded
+                return _padded(_scaled_mm_planes, pa, pb, 1, 16, 16, out_dtype, bias, fast=_fast_accum(a_axis, b_axis))
         elif pa.block is not None and pb.block is not None and pa.block[0] == 1:
             return _block_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
     return fallback_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
