@@ -20,51 +20,40 @@ from torch import nn
 
 from mxtrain.autocast import get_recipe
 from mxtrain.emulation import activations as _act
+from mxtrain.emulation.precision import ElementwisePrecision
 from mxtrain.emulation.softmax import SoftmaxFunction
-from mxtrain.emulation.specs import DEFAULTS, MxSpecs
-from mxtrain.formats import parse_elemwise_format
 
-__all__ = ["elementwise_specs", "ReLU", "ReLU6", "LeakyReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "Softmax",
+__all__ = ["elementwise_precision", "ReLU", "ReLU6", "LeakyReLU", "GELU", "SiLU", "Sigmoid", "Tanh", "Softmax",
            "ELEMENTWISE_MODULES"]
 
-_MX_ROUND = {"even": "even", "nearest": "nearest", "floor": "floor", "stochastic": "dither"}
-
-
 @functools.lru_cache(maxsize=64)
-def elementwise_specs(recipe) -> MxSpecs | None:
-    """microxcaling-style specs that round every elementwise op per ``recipe`` (None: no rounding)."""
+def elementwise_precision(recipe) -> ElementwisePrecision | None:
+    """The precision that rounds every elementwise op per ``recipe`` (None: no recipe or no ``elemwise_format``)."""
     if recipe is None or recipe.elemwise_format is None:
         return None
-    fmt = parse_elemwise_format(recipe.elemwise_format)
-    specs = MxSpecs()
-    specs["bfloat" if fmt.ebits == 8 else "fp"] = fmt.bits
-    for key in DEFAULTS:
-        if key == "round" or key.startswith("round_"):
-            specs[key] = _MX_ROUND[recipe.elemwise_rounding]
-    specs["bfloat_subnorms"] = recipe.elemwise_subnormals
-    specs["quantize_backprop"] = recipe.quantize_backward
-    return specs
+    return ElementwisePrecision(recipe.elemwise_format, rounding=recipe.elemwise_rounding,
+                                subnormals=recipe.elemwise_subnormals, quantize_backward=recipe.quantize_backward)
 
 
-def _specs(module):
-    return elementwise_specs(module.__dict__.get("_mx_recipe") or get_recipe())
+def _precision(module):
+    return elementwise_precision(module.__dict__.get("_mx_recipe") or get_recipe())
 
 
 class ReLU(nn.ReLU):
     def forward(self, x):
-        s = _specs(self)
+        s = _precision(self)
         return super().forward(x) if s is None else _act.ReLUFunction.apply(x, self.inplace, s, None)
 
 
 class ReLU6(nn.ReLU6):
     def forward(self, x):
-        s = _specs(self)
+        s = _precision(self)
         return super().forward(x) if s is None else _act.ReLU6Function.apply(x, self.inplace, s, None)
 
 
 class LeakyReLU(nn.LeakyReLU):
     def forward(self, x):
-        s = _specs(self)
+        s = _precision(self)
         if s is None:
             return super().forward(x)
         return _act.LeakyReLUFunction.apply(x, self.negative_slope, self.inplace, s, None)
@@ -74,31 +63,31 @@ class GELU(nn.GELU):
     """With elementwise precision on: microxcaling's sigmoid form of the tanh approximation (either ``approximate``)."""
 
     def forward(self, x):
-        s = _specs(self)
+        s = _precision(self)
         return super().forward(x) if s is None else _act.GELUFunction.apply(x, s, False, None)
 
 
 class SiLU(nn.SiLU):
     def forward(self, x):
-        s = _specs(self)
+        s = _precision(self)
         return super().forward(x) if s is None else _act.SiLUFunction.apply(x, self.inplace, s, None)
 
 
 class Sigmoid(nn.Sigmoid):
     def forward(self, x):
-        s = _specs(self)
+        s = _precision(self)
         return super().forward(x) if s is None else _act.SigmoidFunction.apply(x, s, None)
 
 
 class Tanh(nn.Tanh):
     def forward(self, x):
-        s = _specs(self)
+        s = _precision(self)
         return super().forward(x) if s is None else _act.TanhFunction.apply(x, s, None)
 
 
 class Softmax(nn.Softmax):
     def forward(self, x):
-        s = _specs(self)
+        s = _precision(self)
         if s is None:
             return super().forward(x)
         dim = self.dim

@@ -24,50 +24,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mxtrain.modules.groupnorm import affine_params, norm_specs
+from mxtrain.modules.groupnorm import affine_params, norm_precision
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d"]
 
 
 class _BatchNormEvalFunction(torch.autograd.Function):
-    """Batch norm with fixed (running) statistics, every step rounded per ``specs``."""
+    """Batch norm with fixed (running) statistics, every step rounded to ``prec``."""
 
     @staticmethod
-    def forward(ctx, x, running_mean, running_var, weight, bias, eps, specs):
+    def forward(ctx, x, running_mean, running_var, weight, bias, eps, prec):
         from mxtrain.emulation.norm_utils import _norm_forward
-        from mxtrain.emulation.specs import get_backwards_mx_specs
         from mxtrain.emulation.vector_ops import vec_quantize
-        x = vec_quantize(x, mx_specs=specs)
-        bf_weight = vec_quantize(weight, mx_specs=specs)
-        bf_bias = vec_quantize(bias, mx_specs=specs)
+        x = vec_quantize(x, prec=prec)
+        bf_weight = vec_quantize(weight, prec=prec)
+        bf_bias = vec_quantize(bias, prec=prec)
         sum_axes = [0] + list(range(2, x.ndim))
         output, _, x_norm, x_std_inv, _, _ = _norm_forward(
-            x, sum_axes, bf_weight, bf_bias, eps, specs, weight_axis=1, use_running_stats=True,
+            x, sum_axes, bf_weight, bf_bias, eps, prec, weight_axis=1, use_running_stats=True,
             running_mean=running_mean.float(), running_var=running_var.float())
-        ctx.save_for_backward(x_norm, x_std_inv, bf_weight if specs["quantize_backprop"] else weight)
-        ctx.specs = get_backwards_mx_specs(specs)
+        ctx.save_for_backward(x_norm, x_std_inv, bf_weight if prec.quantize_backward else weight)
+        ctx.prec = prec.backward()
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
         from mxtrain.emulation.vector_ops import vec_mul, vec_quantize, vec_reduce_sum
-        specs = ctx.specs
+        prec = ctx.prec
         x_norm, x_std_inv, weight = ctx.saved_tensors
         sum_axes = [0] + list(range(2, grad_output.ndim))
-        grad_output = vec_quantize(grad_output, mx_specs=specs)
-        grad_bias = vec_reduce_sum(grad_output, sum_axes, mx_specs=specs)
-        grad_weight = vec_reduce_sum(vec_mul(grad_output, x_norm, mx_specs=specs), sum_axes, mx_specs=specs)
+        grad_output = vec_quantize(grad_output, prec=prec)
+        grad_bias = vec_reduce_sum(grad_output, sum_axes, prec=prec)
+        grad_weight = vec_reduce_sum(vec_mul(grad_output, x_norm, prec=prec), sum_axes, prec=prec)
         w_shape = [1] * grad_output.ndim
         w_shape[1] = grad_output.shape[1]
-        dx_norm = vec_mul(grad_output, weight.view(w_shape), mx_specs=specs)
-        grad_input = vec_mul(dx_norm, x_std_inv, mx_specs=specs)
+        dx_norm = vec_mul(grad_output, weight.view(w_shape), prec=prec)
+        grad_input = vec_mul(dx_norm, x_std_inv, prec=prec)
         return grad_input, None, None, grad_weight, grad_bias, None, None
 
 
 class _BatchNormMixin:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        specs = norm_specs()
-        if specs is None:
+        prec = norm_precision()
+        if prec is None:
             return super().forward(x)
         from mxtrain.emulation.batchnorm import BatchNormFunction
         self._check_input_dim(x)
@@ -88,9 +87,9 @@ class _BatchNormMixin:
             if running_mean is not None or running_var is not None:
                 with torch.no_grad():  # torch's own update of the running statistics
                     F.batch_norm(x.detach(), running_mean, running_var, None, None, True, factor, self.eps)
-            y = BatchNormFunction.apply(x.float(), None, None, weight, bias, True, factor, self.eps, specs)
+            y = BatchNormFunction.apply(x.float(), None, None, weight, bias, True, factor, self.eps, prec)
         else:
-            y = _BatchNormEvalFunction.apply(x.float(), running_mean, running_var, weight, bias, self.eps, specs)
+            y = _BatchNormEvalFunction.apply(x.float(), running_mean, running_var, weight, bias, self.eps, prec)
         return y.to(x.dtype)
 
 

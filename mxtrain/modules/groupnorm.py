@@ -18,13 +18,13 @@ from torch import nn
 
 from mxtrain.autocast import get_recipe
 
-__all__ = ["GroupNorm", "affine_params", "norm_specs"]
+__all__ = ["GroupNorm", "affine_params", "norm_precision"]
 
 
-def norm_specs():
-    """microxcaling-style specs rounding every elementwise op per the active recipe (None: plain torch)."""
-    from mxtrain.elementwise.modules import elementwise_specs
-    return elementwise_specs(get_recipe())
+def norm_precision():
+    """The elementwise precision of the active recipe (None: plain torch)."""
+    from mxtrain.elementwise.modules import elementwise_precision
+    return elementwise_precision(get_recipe())
 
 
 def affine_params(module, channels: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,12 +39,12 @@ class GroupNorm(nn.GroupNorm):
     """``nn.GroupNorm`` with microxcaling's elementwise rounding under a recipe (see the module docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        specs = norm_specs()
-        if specs is None:
+        prec = norm_precision()
+        if prec is None:
             return super().forward(x)
         from mxtrain.emulation.groupnorm import GroupNormFunction
         if x.ndim < 2 or x.shape[1] != self.num_channels:
             raise ValueError(f"GroupNorm({self.num_groups}, {self.num_channels}) expects inputs of shape "
                              f"(N, {self.num_channels}, *), got {list(x.shape)}")
         weight, bias = affine_params(self, self.num_channels, x.device)
-        return GroupNormFunction.apply(x.float(), self.num_groups, weight, bias, self.eps, specs, None).to(x.dtype)
+        return GroupNormFunction.apply(x.float(), self.num_groups, weight, bias, self.eps, prec, None).to(x.dtype)

@@ -1,8 +1,60 @@
-"""microxcaling's ``mx.groupnorm``: mxtrain's elementwise emulation, :mod:`mxtrain.emulation.groupnorm`."""
+"""microxcaling's ``mx.groupnorm``: group norm on :mod:`mxtrain.emulation.groupnorm`.
 
-import sys
+``mx_specs`` is translated into an :class:`~mxtrain.emulation.precision.ElementwisePrecision`
+(:func:`mxtrain.compat.mx.precision.precision_of`) where it enters; the ``*Function``
+classes take ``mx_specs`` in place of the engine's precision, as microxcaling's do.
+"""
 
-from mxtrain.emulation import groupnorm as _emulation
+from __future__ import annotations
 
-# the same module object under microxcaling's name, so private names, module state and patches agree
-sys.modules[__name__] = _emulation
+import torch
+import torch.nn.functional as F
+
+from mxtrain.compat.mx.precision import precision_of
+from mxtrain.compat.mx.specs import apply_mx_specs, mx_assert_test
+from mxtrain.emulation import groupnorm as _e
+
+__all__ = ["GroupNormFunction", "GroupNorm", "group_norm"]
+
+
+def _translating(engine, specs_at):
+    """``engine`` (an autograd Function) taking ``mx_specs`` at argument ``specs_at`` of ``forward``."""
+
+    class Function(engine):
+        @staticmethod
+        def forward(ctx, *args):
+            args = list(args)
+            args[specs_at] = precision_of(args[specs_at])
+            return engine.forward(ctx, *args)
+
+    Function.__name__ = Function.__qualname__ = engine.__name__
+    return Function
+
+
+GroupNormFunction = _translating(_e.GroupNormFunction, 5)
+
+
+def group_norm(x, num_groups, weight, bias, eps=1e-5, mx_specs=None):
+    mx_assert_test(mx_specs)
+    if mx_specs is None:
+        return F.group_norm(x, num_groups, weight=weight, bias=bias, eps=eps)
+    mx_specs = apply_mx_specs(mx_specs)
+    return GroupNormFunction.apply(x, num_groups, weight, bias, eps, mx_specs)
+
+
+class GroupNorm(torch.nn.GroupNorm):
+    """``torch.nn.GroupNorm`` taking ``mx_specs`` (None: plain)."""
+
+    def __init__(self, num_groups, num_channels, mx_specs=None, name=None, **kwargs):
+        super().__init__(num_groups, num_channels, **kwargs)
+        mx_assert_test(mx_specs)
+        self.mx_none = mx_specs is None
+        self.name = name
+        self.mx_specs = apply_mx_specs(mx_specs)
+
+    def forward(self, input):
+        if self.mx_none:
+            return super().forward(input)
+        if not self.affine:
+            raise NotImplementedError("MX GroupNorm needs affine=True")
+        return group_norm(input, self.num_groups, self.weight, self.bias, self.eps, self.mx_specs)

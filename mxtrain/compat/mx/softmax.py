@@ -1,8 +1,67 @@
-"""microxcaling's ``mx.softmax``: mxtrain's elementwise emulation, :mod:`mxtrain.emulation.softmax`."""
+"""microxcaling's ``mx.softmax``: softmax on :mod:`mxtrain.emulation.softmax`.
 
-import sys
+``mx_specs`` is translated into an :class:`~mxtrain.emulation.precision.ElementwisePrecision`
+(:func:`mxtrain.compat.mx.precision.precision_of`) where it enters; the ``*Function``
+classes take ``mx_specs`` in place of the engine's precision, as microxcaling's do.
+"""
 
-from mxtrain.emulation import softmax as _emulation
+from __future__ import annotations
 
-# the same module object under microxcaling's name, so private names, module state and patches agree
-sys.modules[__name__] = _emulation
+import torch
+import torch.nn.functional as F
+
+from mxtrain.compat.mx.precision import precision_of
+from mxtrain.compat.mx.specs import apply_mx_specs, mx_assert_test
+from mxtrain.emulation import softmax as _e
+
+__all__ = ["SoftmaxFunction", "softmax", "Softmax", "LN_2_BF16"]
+
+
+def _translating(engine, specs_at):
+    """``engine`` (an autograd Function) taking ``mx_specs`` at argument ``specs_at`` of ``forward``."""
+
+    class Function(engine):
+        @staticmethod
+        def forward(ctx, *args):
+            args = list(args)
+            args[specs_at] = precision_of(args[specs_at])
+            return engine.forward(ctx, *args)
+
+    Function.__name__ = Function.__qualname__ = engine.__name__
+    return Function
+
+
+SoftmaxFunction = _translating(_e.SoftmaxFunction, 2)
+LN_2_BF16 = _e.LN_2_BF16
+
+
+def softmax(input, dim=-1, mx_specs=None, name=None):
+    """``F.softmax(input, dim)`` rounded per ``mx_specs`` (plain when None)."""
+    mx_assert_test(mx_specs)
+    if mx_specs is None:
+        return F.softmax(input, dim=dim)
+    mx_specs = apply_mx_specs(mx_specs)
+    return SoftmaxFunction.apply(input, dim, mx_specs, name)
+
+
+class Softmax(torch.nn.Softmax):
+    """``torch.nn.Softmax`` taking ``mx_specs`` (None: plain)."""
+
+    def __init__(self, dim=None, mx_specs=None, name=None):
+        mx_assert_test(mx_specs)
+        self.mx_none = mx_specs is None
+        self.name = name
+        self.mx_specs = apply_mx_specs(mx_specs)
+        super().__init__(dim)
+
+    def apply_mx_specs(self, mx_specs):
+        self.mx_none = mx_specs is None
+        self.mx_specs = apply_mx_specs(mx_specs)
+
+    def append_name(self, postfix):
+        self.name += postfix
+
+    def forward(self, input):
+        if self.mx_none:
+            return super().forward(input)
+        return SoftmaxFunction.apply(input, self.dim, self.mx_specs, self.name)

@@ -1,0 +1,59 @@
+"""ElementwisePrecision: the typed input of the emulation engine, and its two sources (recipe, mx_specs)."""
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+import mxtrain
+from mxtrain.compat import mx
+from mxtrain.compat.mx.precision import precision_of
+from mxtrain.elementwise.modules import elementwise_precision
+from mxtrain.emulation import ElementwisePrecision, round_to
+from mxtrain.formats import bfloat, fp
+from mxtrain.quantization import quantize_elemwise
+
+
+def test_fields_are_checked_and_fp32_rounds_nothing():
+    assert ElementwisePrecision("bfloat16").fmt == bfloat(16)
+    assert ElementwisePrecision("bfloat32").fmt is None
+    with pytest.raises(ValueError, match="bfloatN"):
+        ElementwisePrecision("fp8_e4m3")
+    with pytest.raises(ValueError, match="rounding"):
+        ElementwisePrecision("fp8", rounding="dither")
+    with pytest.raises(TypeError, match="subnormals"):
+        ElementwisePrecision("fp8", subnormals=1)
+
+
+def test_backward_is_unrounded_without_quantize_backward():
+    p = ElementwisePrecision(fp(10), rounding="floor", quantize_backward=False, div_as_recip=True)
+    assert p.backward().fmt is None and p.backward().div_as_recip
+    q = ElementwisePrecision(fp(10))
+    assert q.backward() is q
+
+
+def test_recipe_and_mx_specs_give_the_same_precision():
+    recipe = mxtrain.MXRecipe(elemwise_format="fp12", elemwise_subnormals=False, quantize_backward=False)
+    specs = mx.MxSpecs()
+    specs["fp"], specs["round"], specs["bfloat_subnorms"], specs["quantize_backprop"] = 12, "even", False, False
+    assert elementwise_precision(recipe) == precision_of(mx.finalize_mx_specs(specs))
+    assert elementwise_precision(mxtrain.MXRecipe()) is None
+    assert precision_of(specs, round="dither").rounding == "stochastic"
+
+
+def test_round_to_is_the_reference_rounding():
+    x = torch.randn(1000) * 100
+    p = ElementwisePrecision("bfloat12", rounding="nearest")
+    assert torch.equal(round_to(x, p), quantize_elemwise(x, "bfloat12", rounding="nearest"))
+    assert round_to(x, None) is x
+
+
+def test_the_engine_takes_no_mx_specs():
+    """Nothing under mxtrain/emulation names microxcaling's dict: compat/mx translates it before the engine."""
+    root = pathlib.Path(mxtrain.__file__).parent / "emulation"
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
+        names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        assert not {n for n in names if "mx_specs" in n}, path.name
