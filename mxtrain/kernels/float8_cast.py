@@ -108,6 +108,21 @@ def _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE: tl.const
 
 
 @triton.jit
+def _program_source_tile(x_ptr, g_ptr, out_ptr, M, N, stride_xm, stride_gm, PRE: tl.constexpr, ACT: tl.constexpr,
+                         X_BF16: tl.constexpr, G_BF16: tl.constexpr, OUT_KIND: tl.constexpr, GPU: tl.constexpr,
+                         STORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's BM x BN tile of a 2-D grid: ``(rm, rn, mask, v)`` with ``v`` the cast source
+    (``_source_tile``); STORE also writes ``v`` to ``out`` ([M, N] contiguous, its dtype)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    v = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
+    if STORE:
+        _store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], v, mask, OUT_KIND)
+    return rm, rn, mask, v
+
+
+@triton.jit
 def _tensor_amax_kernel(x_ptr, g_ptr, part_ptr, out_ptr, M, N, stride_xm, stride_gm,
                         PRE: tl.constexpr, ACT: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
                         OUT_KIND: tl.constexpr, GPU: tl.constexpr, STORE: tl.constexpr, BM: tl.constexpr,
@@ -119,12 +134,8 @@ def _tensor_amax_kernel(x_ptr, g_ptr, part_ptr, out_ptr, M, N, stride_xm, stride
     passes compute-bound)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    v = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
-    if STORE:
-        _store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], v, mask, OUT_KIND)
+    rm, rn, mask, v = _program_source_tile(x_ptr, g_ptr, out_ptr, M, N, stride_xm, stride_gm, PRE, ACT, X_BF16,
+                                           G_BF16, OUT_KIND, GPU, STORE, BM, BN)
     a = tl.where(v == v, tl.abs(v), float("inf"))
     lanes = tl.arange(0, BN)
     tile_max = tl.zeros([BN], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
@@ -201,12 +212,8 @@ def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_p
     ``out`` ([M, N] contiguous, its dtype; bf16 as int16 bits) for a second pass to read."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    x = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
-    if STORE:
-        _store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], x, mask, OUT_KIND)
+    rm, rn, mask, x = _program_source_tile(x_ptr, g_ptr, out_ptr, M, N, stride_xm, stride_gm, PRE, ACT, X_BF16,
+                                           G_BF16, OUT_KIND, GPU, STORE, BM, BN)
     if DBIAS:
         tl.store(dbias_ptr + pid_m.to(tl.int64) * N + rn, tl.sum(x, axis=0), mask=rn < N)
     a = tl.where(x == x, tl.abs(x), float("inf"))
