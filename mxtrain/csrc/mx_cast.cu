@@ -67,7 +67,7 @@ struct CastArgs {
   // 6 LayerNorm fma(fma(x, rstd, -(mean * rstd)), gamma, beta or 0), 7 RMSNorm (x * rstd) * gamma; rounded to x's
   // dtype, and written to y when y is not null. The source is a compile-time choice: a run-time switch
   // over five inlined activations in the unrolled loops made the kernel big enough to thrash the
-  // instruction cache (gelu + cast ran at 0.36x of the unfused ops)
+  // instruction cache (speed: benchmarks/NOTES_casts.md)
   int act;
   float* mean;
   float* rstd;
@@ -515,9 +515,8 @@ __device__ __forceinline__ float2 warp_combine(const RowStats& st, long long K) 
 
 // One statistics item: rows band * kTileM + sub * kStatRows + [0, 8), a warp per row (one pass,
 // kStatBatch 16-byte loads in flight per lane, L2-only: the row's tiles read x again from L2, and L1
-// is left to the tiles). rstd = 1 / sqrt(m2 / K + eps); LayerNorm also writes the mean. (Measured and
-// not kept: a second kStatBatch loads per lane in flight through cp.async into the free tile buffer,
-// 0.186 against 0.182 ms for the 8192^2 LayerNorm cast.)
+// is left to the tiles). rstd = 1 / sqrt(m2 / K + eps); LayerNorm also writes the mean. (Variants measured
+// and not kept: benchmarks/NOTES_casts.md.)
 constexpr int kStatBatch = 8;
 
 template <typename T, bool RMS>
@@ -618,10 +617,7 @@ __device__ __forceinline__ void load8_gb(const void* p, bool bf16, long long col
 // tile's loads overlap this one's arithmetic. Per tile: the source of each of the thread's chunks from
 // shared memory (unrolled), rounded to T, written back there (for the columnwise plane) and to y, and
 // its rowwise plane; then the columnwise plane. Norms compute their row statistics as items of the
-// same walk (decode_item). History: holding the tile in registers while an inlined erff ran over 64
-// values needed 128 registers and spilled (slower than the torch op and the plain cast); a rolled
-// loop over the chunks left each warp on one dependency chain at a time; a separate statistics
-// kernel read x from DRAM twice.
+// same walk (decode_item). Shapes tried before this one: benchmarks/NOTES_casts.md.
 template <typename T, int FMT, int PRE>
 __global__ void __launch_bounds__(kThreads, 2) mx_source_cast_kernel(const CastArgs a) {
   static_assert(Elem<T>::kWords == 1, "sources are built for 16-bit inputs");

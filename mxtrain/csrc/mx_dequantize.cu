@@ -11,14 +11,12 @@
 // A plane is read as [rows, length] (block axis last, row stride data_ld, scale bytes [rows, *] with
 // row stride scale_ld) and element (r, l) is written at out + r * out_stride_r + l * out_stride_l:
 //   * rowwise (out_stride_l == 1): each thread converts 8 consecutive codes of a row (one 8-byte load,
-//     one 16-byte store): 0.073 ms for 8192 x 8192 on an H100, 94% of a bf16 copy's bandwidth (a block of
-//     32 codes a thread ran at 0.145 ms, four loads a thread a grid apart at 0.078);
+//     one 16-byte store; speed: benchmarks/NOTES_casts.md);
 //   * transposed (out_stride_r == 1, the columnwise plane of a row-major weight): a CTA converts a
 //     128 x 64 tile (plane rows x block-axis elements) into shared memory, each thread one block of 32
 //     codes of one plane row (a warp: 32 consecutive plane rows, so its shared-memory stores hit distinct
 //     words), and writes it out transposed, 8 outputs (16 bytes) a thread, 256 contiguous bytes per output row.
-//     0.087 ms for 8192 x 8192 on an H100. (The first version, a 32 x 64 tile converted 8 codes a thread,
-//     took 0.114 ms; by the arithmetic, its warps' 16-bit stores to shared memory fell on one bank 8 ways.)
+//     Speed, and the tile before it: benchmarks/NOTES_casts.md.
 // count > 1 repeats the launch for shards whose codes, scales and outputs lie data_step / scale_step /
 // out_step elements further each (gridDim.y): the rank chunks of an all-gather buffer.
 

@@ -1,33 +1,10 @@
 """Activation + MX cast in one pass: read the fc1 output once, write the MX planes of act(h).
 
-``activation_cast(h, "swiglu", "fp8_e4m3", axis=(-1, 0))`` computes the activation in
-fp32 with torch's formulas, rounds it to ``h``'s dtype (gated ones as torch does in
-that dtype: ``round(round(act(gate)) * up)``), optionally writes that tensor, and
-quantizes it with the cast kernel's exact algorithm (:mod:`mxtrain.kernels.cast`).
-
-Exactness: the codes and scales are bit-identical to ``quantize_mx`` of the kernel's
-own activation output (``return_output=True`` gives it). That output equals torch's
-for relu, squared_relu and reglu bit for bit; for gelu / gelu_tanh / silu / swiglu /
-geglu / geglu_tanh the transcendental functions (erf, exp, tanh via sigmoid) come from Triton's
-libdevice / fast paths and can differ from torch's by a few fp32 ulps, so after
-rounding to bf16 an element may differ by one bf16 ulp where the fp32 value lies
-next to a rounding boundary (tests: ``|diff| <= 1 ulp of the dtype``, fp32 within 1e-6 relative).
-
-The kernel is the cast kernel with an activation prologue (``ACT`` constexpr): the
-same tile grid, one read of ``h`` (two column tiles of it for gated activations). On CUDA tensors
-with an MXFP8 round-half-even cast of block 32, the non-gated activations run by default on the CUDA
-C++ kernel (``mxtrain/csrc/mx_cast.cu``, ``MXTRAIN_CUDA_FUSED_SOURCES=0`` keeps this one): the same
-contract; for bf16 input, gelu / gelu_tanh / silu values come from a table of the kernel's own
-function over the bf16 inputs with 2^-16 <= |x| < 2^8 (exact by construction: the table is that
-function's output), the other inputs from the function itself.
-
-``activation_backward_cast(h, grad, "gelu", ...)`` is the backward counterpart: the MX planes of
-``dh = grad * act'(h)`` (every activation, gated ones included; torch's formulas in fp32, rounded to
-the dtype where torch rounds), and optionally the bias gradient (the fp32 sum of ``dh`` over tokens),
-from one pass. On CUDA tensors (bf16 / fp16, MXFP8 round-half-even, block 32) the non-gated activations'
-gradients run on the CUDA C++ kernel when no bias gradient is asked for (its ``act_bwd``: the same formulas
-with the CUDA math library, within one ulp of torch's and of the Triton kernel's ``dh``; the codes are the
-reference cast of the kernel's own ``dh``); the bias sum and the gated activations stay with Triton.
+``activation_cast(h, "swiglu", "fp8_e4m3", axis=(-1, 0))`` computes the activation in fp32 with torch's
+formulas, rounds it to ``h``'s dtype as torch does, optionally writes it, and quantizes it: codes and
+scales are bit-identical to ``quantize_mx`` of the kernel's own output, which is torch's within one ulp of
+the dtype (exact for relu, squared_relu, reglu). ``activation_backward_cast`` does the same for
+``dh = grad * act'(h)``, optionally with the bias gradient. CUDA C++ and Triton paths: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Triton MX cast: one read of a [M, K] tensor writes its rowwise and columnwise MX planes.
 
-Bit-for-bit the reference :func:`mxtrain.quantization.quantize_mx` (``pack=True``
-layout included): the kernel follows the reference's bit-level algorithm step
-by step, in fp32 and int32 only, with FP fusion off (see
-:func:`mxtrain.kernels._triton_utils.launch_options`):
-
-* block amax = max of the fp32 bit patterns with the sign cleared (NaN > Inf > finite);
-* shared exponent from those bits (``floor`` / ``rceil`` / ``even``), E8M0 byte, 0xFF for NaN/Inf blocks;
-* ``y = x * 2**(127 - byte)`` (one rounded fp32 multiply, as the reference);
-* ``t = |y| * 2**(mbits - e)`` with ``e`` from y's exponent bits (exact);
-* round-half-even of ``t`` as ``bits(t + 2**23) - bits(2**23)`` (exact for t < 2**22), and the
-  floor/frac of ``t`` from that for ``nearest`` / ``floor`` / ``stochastic`` (no int<->float conversion);
-* codes with the carry into the exponent field, saturation and the sign bit as the reference.
-
-For ``fp8_e4m3`` / ``fp8_e5m2`` with ``even`` rounding, the GPU path may instead
-use the hardware fp32->fp8 conversion (``cvt.rn.satfinite``, what Triton emits for
-``.to(tl.float8e4nv)`` on sm_89+): the same round-half-even with saturation to ``+-max_norm`` (checked bit-exact in
-``tests/gpu``); ``USE_HW_FP8_CVT`` switches it off.
-
-Stochastic rounding draws ``u ~ U[0, 1)`` from Triton's Philox (``tl.rand``)
-keyed by a seed and the element's index in its plane; it rounds up when
-``u < frac``, like the reference, but the random bits differ from the
-reference's ``torch.rand``, so stochastic results are not bit-identical to the
-reference: they are unbiased, always one of the two neighbouring grid points,
-and reproducible for a given seed (tested statistically).
-
-Unsupported cases go to the reference in one place, :func:`_fallback_reason`.
+Bit-for-bit the reference :func:`mxtrain.quantization.quantize_mx` (``pack=True`` layout included) for
+``nearest`` / ``floor`` / ``even`` rounding; ``stochastic`` rounding draws its own random bits (Triton's
+Philox), so it is unbiased and reproducible for a seed but not the reference's bits. Unsupported cases go
+to the reference in one place, :func:`_fallback_reason`. How the bits are kept: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -56,8 +34,8 @@ MAX_FUSED_BLOCK_SIZE = 128
 # tests set this to fill outputs with a pattern first, so unwritten bytes show up
 POISON_OUTPUTS = False
 # tile configs at block size 32: (rows, cols) -> (BLOCK_M, BLOCK_K, num_warps). Wide tiles keep
-# a thread's 8-element vectors on many rows, so the columnwise amax is mostly in-thread (few shuffles);
-# chosen by instruction count (see benchmarks/NOTES_kernels.md); the benchmark overrides them
+# a thread's 8-element vectors on many rows, so the columnwise amax is mostly in-thread (few shuffles).
+# choice: benchmarks/NOTES_casts.md; the benchmark overrides them
 TILE_CONFIGS = {
     (True, True): (32, 256, 4),
     (True, False): (32, 256, 4),
@@ -601,11 +579,11 @@ def _philox_seed(seed, device: torch.device) -> torch.Tensor:
 
 
 # the strip kernel for casts with a columnwise plane (see _mx_cast_strip_kernel) runs only when
-# config.current().cast_strip names its (REP, J, BLOCK_K, num_warps): off by default, slower than the
-# tile kernel where measured (benchmarks/NOTES_kernels.md); kept bit-exact and tested
+# config.current().cast_strip names its (REP, J, BLOCK_K, num_warps): off by default, kept bit-exact and
+# tested (speed: benchmarks/NOTES_casts.md)
 # the activation-gradient cast's tile (two or three inputs per tile): (BLOCK_M, BLOCK_K, num_warps), None:
 # TILE_CONFIGS; one for launches that write a plane's dequantized values (what LayerNormMLP asks for), one for
-# codes only; the fastest of H100 sweeps (benchmarks/NOTES_kernels.md, "Activation-gradient cast tiles")
+# codes only (speed: benchmarks/NOTES_casts.md)
 GRAD_TILE_CONFIG: tuple[int, int, int] | None = (32, 64, 4)
 GRAD_TILE_CONFIG_CODES: tuple[int, int, int] | None = (32, 128, 4)
 
@@ -665,8 +643,8 @@ def _alloc_values(shape, dtype, device) -> torch.Tensor:
 
 
 # Dynamo stays out of the launch: traced as a user-defined Triton kernel under torch.compile on CUDA, the
-# launch's computed keyword arguments reached Triton's launcher incomplete (bench_e2e, MXFP8 + compile,
-# H100, 2026-11-25); a compiled model calls the cast as an opaque function, as it calls the reference.
+# launch's computed keyword arguments reached Triton's launcher incomplete (docs/kernels.md); a compiled
+# model calls the cast as an opaque function, as it calls the reference.
 @torch.compiler.disable(recursive=True)
 def _launch(x2: torch.Tensor, fmt: ElemFormat, bs: int, rows: bool, cols: bool, scale_mode: str, rounding: str,
             seed_t: torch.Tensor | None, pack: bool = True, act: int = 0, y: torch.Tensor | None = None,

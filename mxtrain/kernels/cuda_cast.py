@@ -1,19 +1,9 @@
 """The CUDA C++ MX cast (``mxtrain/csrc/mx_cast.cu``): built on first use, registered as backend ``"cuda"``.
 
-The kernel covers the cast that training runs most: ``fp8_e4m3`` / ``fp8_e5m2``, block size 32,
-round-half-even, any scale mode (``floor``, ``rceil``, ``even``), bf16 / fp16 / fp32 input, rowwise
-and columnwise planes from one read, each with its codes and scale bytes and/or its dequantized
-bf16 values. Every other cast (other formats, roundings or block sizes, odd shapes or strides) is
-handed to the Triton cast, in one place (:func:`unsupported_reason`), so the ``"cuda"`` backend
-takes any call and returns the same bits as the reference.
-
-Building: :func:`torch.utils.cpp_extension.load` compiles the one ``.cu`` file with ninja into
-torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) the first
-time a CUDA tensor is cast, for the current GPU's architecture; later processes reuse the cached
-library. The file includes no PyTorch header (a plain C entry point called through ctypes), so the
-build takes seconds. Without a CUDA compiler or ninja, or when the build fails, a warning says why
-once and the Triton kernels serve every call. ``MXTRAIN_CUDA_KERNELS=0`` keeps the extension out;
-``MXTRAIN_CUDA_VERBOSE=1`` shows the build.
+It covers ``fp8_e4m3`` / ``fp8_e5m2``, block 32, round-half-even, any scale mode, bf16 / fp16 / fp32 input;
+every other cast goes to the Triton cast in one place (:func:`unsupported_reason`), so the backend takes any
+call and returns the reference's bits. Built with ninja into torch's extension cache on first use; without a
+compiler, a warning says why once and Triton serves every call. Switches and build: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -185,7 +175,7 @@ def _views(x: torch.Tensor, axes) -> list[torch.Tensor | None]:
 
 def _raw_stream(device: torch.device) -> int:
     """The current CUDA stream's handle on ``device`` (what ``torch.cuda.current_stream(device).cuda_stream``
-    returns, without building the Stream object: 0.1 against 5 us a launch on the H100's host)."""
+    returns, without building the Stream object; speed: benchmarks/NOTES_casts.md)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch._C._cuda_getCurrentRawStream(index)
 

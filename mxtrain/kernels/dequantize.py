@@ -1,24 +1,9 @@
 """Triton MX dequantize, fused with the unpacking of fp6/fp4/int4/int2 codes.
 
-One pass: read packed code bytes and scale bytes, write ``code * 2**X`` in the
-output dtype, bit-identical to :meth:`mxtrain.quantization.MXTensor.dequantize`:
-
-* a float code decodes from its fields: ``bits(max(E, 1) - bias + 127, mant)`` minus
-  ``2**emin`` for a subnormal (exact), sign OR'ed in after, so ``-0`` stays ``-0``;
-  the format's NaN/Inf codes decode to NaN/Inf as the reference code table;
-* an int code sign-extends and scales by ``2**-mbits`` (exact);
-* the product with the fp32 scale ``2**(byte - 127)`` (0xFF = NaN) is one rounded fp32
-  multiply, as the reference; the cast to bf16/fp16 rounds to nearest even, as torch.
-
-The plane is read in its stored layout (block axis last); the output is written
-straight into the logical layout (a columnwise plane of [M, K] is read [K, Mp]
-and written [M, K]), so no transpose pass follows.
-
-On CUDA, MXFP8 planes of block 32 dequantized into bf16 (what the FSDP2 MX all-gather
-and the modules' GEMM operands ask for) take the CUDA C++ kernel of
-``mxtrain/csrc/mx_dequantize.cu`` where its layout conditions hold (same bits; a plain C
-call costs the host about a third of a Triton launch); ``MXTRAIN_CUDA_DEQUANTIZE=0`` or
-``MXTRAIN_BACKEND=triton`` keep this kernel for every call.
+One pass reads packed code and scale bytes and writes ``code * 2**X`` in the output dtype straight into the
+logical layout, bit-identical to :meth:`mxtrain.quantization.MXTensor.dequantize`. On CUDA, MXFP8 planes of
+block 32 into bf16 take the CUDA C++ kernel (``mxtrain/csrc/mx_dequantize.cu``, same bits) where its layout
+conditions hold. How: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -34,8 +19,7 @@ from mxtrain.quantization import MXTensor
 
 __all__ = ["triton_dequantize", "triton_dequantize_shards", "TILE_CONFIG"]
 
-# (BLOCK_R, BLOCK_L, num_warps): measured best of 6 on an H100 (benchmarks/NOTES_kernels.md);
-# the benchmark overrides it
+# (BLOCK_R, BLOCK_L, num_warps); speed: benchmarks/NOTES_casts.md; the benchmark overrides it
 TILE_CONFIG = (4, 1024, 4)
 # tests set this to fill outputs with a pattern first, so unwritten elements show up
 POISON_OUTPUTS = False

@@ -1,29 +1,10 @@
 """Triton FP8 casts: per-tensor (rowwise + transpose, amax pass) and 128-block casts, with fused sources.
 
-Bit-identical to the reference :func:`mxtrain.quantization.float8.quantize_float8`
-(tests/float8/test_float8_kernels_interpret.py, tests/gpu/test_float8_gpu.py):
-
-* Per-tensor (:func:`tensor_cast_float8`): one read of the source writes the
-  rowwise FP8 data and, when the GEMMs need it, its transpose (Hopper's FP8 GEMM
-  is TN-only), and the scale-inverse. Delayed scaling casts with the given scale
-  and gets the tensor's amax from the same pass (per-tile maxima, then one tiny
-  reduction; an atomic max from every tile on one address serializes). Current
-  scaling runs an amax pass first (per-tile maxima), and the cast kernel turns
-  the amax into the scale (IEEE division, as the reference) and scale-inverse.
-* Blocks (:func:`block_cast_float8`): 128x128 blocks from one read of each
-  128x128 tile (the plane and its transpose); 1x128 blocks (each plane blocked
-  along its own reduction axis) from a pass per plane with narrow tiles, or one
-  128x128-tile pass. Block scales use an IEEE division (``div_rn``).
-* Fused sources: the cast source may be ``act(x)`` or ``grad * act'(x)``
-  computed in the kernel, and the column sums of the source (a bias gradient)
-  come from the same pass; see :func:`tensor_cast_float8` and docs/float8.md.
-
-The FP8 bytes: on the GPU the hardware conversion (``cvt.rn.satfinite``; round to
-nearest even after saturating to the format's max); under ``TRITON_INTERPRET=1``,
-whose own float8 conversion rounds differently and turns NaN into a finite
-value, integer operations on the fp32 bits (:func:`_fp8_code`). Both give the
-reference's bytes (FP8 subnormals and -0.0 kept); the sign of a NaN is not
-preserved on the GPU.
+Bit-identical to the reference :func:`mxtrain.quantization.float8.quantize_float8` (but for the sign of a
+NaN on the GPU): :func:`tensor_cast_float8` writes the rowwise FP8 data, its transpose when the GEMMs need
+it, and the scale-inverse from one read (delayed scaling also returns the amax; current scaling runs an amax
+pass first); :func:`block_cast_float8` writes 128x128 or 1x128 blocks. The source may be ``act(x)`` or
+``grad * act'(x)`` with its column sums. How: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -127,6 +108,21 @@ def _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE: tl.const
 
 
 @triton.jit
+def _program_source_tile(x_ptr, g_ptr, out_ptr, M, N, stride_xm, stride_gm, PRE: tl.constexpr, ACT: tl.constexpr,
+                         X_BF16: tl.constexpr, G_BF16: tl.constexpr, OUT_KIND: tl.constexpr, GPU: tl.constexpr,
+                         STORE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's BM x BN tile of a 2-D grid: ``(rm, rn, mask, v)`` with ``v`` the cast source
+    (``_source_tile``); STORE also writes ``v`` to ``out`` ([M, N] contiguous, its dtype)."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    v = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
+    if STORE:
+        _store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], v, mask, OUT_KIND)
+    return rm, rn, mask, v
+
+
+@triton.jit
 def _tensor_amax_kernel(x_ptr, g_ptr, part_ptr, out_ptr, M, N, stride_xm, stride_gm,
                         PRE: tl.constexpr, ACT: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
                         OUT_KIND: tl.constexpr, GPU: tl.constexpr, STORE: tl.constexpr, BM: tl.constexpr,
@@ -138,12 +134,8 @@ def _tensor_amax_kernel(x_ptr, g_ptr, part_ptr, out_ptr, M, N, stride_xm, stride
     passes compute-bound)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    v = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
-    if STORE:
-        _store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], v, mask, OUT_KIND)
+    rm, rn, mask, v = _program_source_tile(x_ptr, g_ptr, out_ptr, M, N, stride_xm, stride_gm, PRE, ACT, X_BF16,
+                                           G_BF16, OUT_KIND, GPU, STORE, BM, BN)
     a = tl.where(v == v, tl.abs(v), float("inf"))
     lanes = tl.arange(0, BN)
     tile_max = tl.zeros([BN], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
@@ -220,12 +212,8 @@ def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_p
     ``out`` ([M, N] contiguous, its dtype; bf16 as int16 bits) for a second pass to read."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    x = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND, GPU)
-    if STORE:
-        _store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], x, mask, OUT_KIND)
+    rm, rn, mask, x = _program_source_tile(x_ptr, g_ptr, out_ptr, M, N, stride_xm, stride_gm, PRE, ACT, X_BF16,
+                                           G_BF16, OUT_KIND, GPU, STORE, BM, BN)
     if DBIAS:
         tl.store(dbias_ptr + pid_m.to(tl.int64) * N + rn, tl.sum(x, axis=0), mask=rn < N)
     a = tl.where(x == x, tl.abs(x), float("inf"))
@@ -264,8 +252,7 @@ def _bytes(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
 
 
 # Tile shapes (BM, BN, num_warps) of the per-tensor cast by (rowwise, columnwise) planes written,
-# and of the amax pass: the fastest of a sweep on an H100 (benchmarks/bench_float8.py --sweep-casts,
-# RESULTS.md), within 5% of each other but for the largest tiles.
+# and of the amax pass; speed: benchmarks/NOTES_float8.md
 TENSOR_CAST_TILES = {(True, False): (32, 128, 4), (False, True): (64, 64, 4), (True, True): (32, 128, 4)}
 AMAX_TILE = (32, 128, 4)
 BLOCK_CAST_WARPS = 8  # warps of a 128x128-tile block cast
@@ -371,9 +358,8 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
         db = torch.empty((nb_m, N), **f32) if dbias else None
         launch(xb, gb, src, row, col, db, B, B, BLOCK_CAST_WARPS)
     else:
-        # a pass per plane with narrow tiles (a 128x128 fp32 tile computing both planes' scales ran
-        # at 0.7-1.2 TB/s on an H100); with both planes, the rowwise pass computes a prologue once and
-        # writes the source, which the columnwise pass reads
+        # a pass per plane with narrow tiles (speed: benchmarks/NOTES_float8.md); with both planes, the
+        # rowwise pass computes a prologue once and writes the source, which the columnwise pass reads
         both = src["PRE"] and rowwise and columnwise
         keep = torch.empty((M, N), dtype=x.dtype, device=x.device) if both else None
         if rowwise:

@@ -1,30 +1,10 @@
 """FP8 GEMMs on Hopper: per-tensor scales through ``torch._scaled_mm`` (cuBLASLt), 128-block scales in Triton.
 
-``mx_gemm`` sends :class:`~mxtrain.quantization.float8.Float8Tensor` operands here
-(on CUDA). Each operand's plane for its reduction axis is already in the layout
-the tensor cores want, the reduction axis contiguous: ``A`` is ``[M, K]``
-row-major and ``B`` is ``[N, K]`` row-major, i.e. ``Bᵀ`` column-major (cuBLASLt's
-FP8 GEMM is TN-only; the cast wrote the transposes).
-
-* Per-tensor (current / delayed scaling): ``torch._scaled_mm(A, Bᵀ, scale_a,
-  scale_b)`` with the operands' ``scale_inv``; bias in the epilogue when it has
-  the output dtype. ``K`` and ``N`` that are not multiples of 16 (token counts)
-  are zero-padded (:func:`pad_plane`); e5m2 x e5m2 has no kernel: it and mixed
-  FP8 / high-precision operands run the fallback (fp32 GEMM of the dequantized operands). Fast accumulation (no
-  periodic promotion inside the tensor cores) is used for fprop only, as
-  Transformer Engine does; ``MXTRAIN_FP8_FAST_ACCUM=all|none|fprop`` overrides.
-* Blocks (Float8BlockScaling): :func:`block_fp8_gemm`, a Triton kernel that takes
-  the tensor-core partial product of each 128-long K slice in fp32 and adds it,
-  times the two operands' block scale-inverses, into an fp32 accumulator
-  (DeepSeek-V3's "promotion" every 128 K). ``A`` has 1x128 blocks; ``B`` 1x128 or
-  128x128 blocks.
-
-Accuracy: the result is the product of the dequantized operands, but Hopper's FP8
-tensor cores do not accumulate a chain of MMAs in full fp32. Against float64 on an
-H200 (K = 4096 .. 8192) both cuBLAS with its split accumulator and the Triton
-kernel with 128x128 tiles measured 1.0e-4 .. 1.3e-4 relative error (an fp32 GEMM
-of the same operands: < 1e-6), well under the FP8 quantization error itself
-(~5%, 25.6 dB SQNR of a LayerNormMLP output). Speed: benchmarks/RESULTS.md.
+``mx_gemm`` sends :class:`~mxtrain.quantization.float8.Float8Tensor` operands here (on CUDA): ``A`` is
+``[M, K]`` and ``B`` ``[N, K]``, both row-major (the cast wrote the transposes; cuBLASLt's FP8 GEMM is
+TN-only). The result is the product of the dequantized operands, up to the tensor cores' accumulation;
+sizes the kernels refuse are zero-padded (:func:`pad_plane`), and cases without a kernel
+(e5m2 x e5m2, mixed operands) run the fp32 fallback. Design: docs/kernels.md; accuracy: benchmarks/NOTES_float8.md.
 """
 
 from __future__ import annotations

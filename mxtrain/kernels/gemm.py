@@ -1,20 +1,9 @@
 """MX GEMM on GPUs without block-scaled tensor cores (Hopper): exact bf16 operands into cuBLAS.
 
-Every MX value ``code * 2**X`` is exact in bf16 (at most 8 significant bits; the
-only exception is a scale so small that the value falls below bf16's smallest
-subnormal, 2**-133), so the fused unpack + dequantize kernel writes the operand
-in bf16 and cuBLAS multiplies it with fp32 accumulation: the result is the
-fp32-accumulated product of the dequantized operands, as the reference computes
-it, up to the order of accumulation. An operand whose cast already wrote its
-dequantized bf16 values (``MXTensor.values``) skips the dequantize pass. A columnwise plane is dequantized in the
-logical layout and handed over as a transposed view (cuBLAS takes either).
-
-Measured figures for this path and for the alternatives are in
-benchmarks/RESULTS.md and benchmarks/NOTES_gemm.md.
-
-On sm_100+ (block-scaled tensor cores) MXFP8 operands given as codes go to ``torch._scaled_mm``
-with 1x32 E8M0 scales instead (:func:`scaled_mm_mx_gemm`; untested on such hardware here: the
-tests emulate cuBLAS's documented semantics), and the modules then keep codes for every plane.
+Every MX value is exact in bf16 (but below bf16's smallest subnormal), so the operands are dequantized to
+bf16 (or taken from ``MXTensor.values``) and cuBLAS multiplies them with fp32 accumulation: the reference's
+product up to the order of accumulation. On sm_100+ MXFP8 codes go to ``torch._scaled_mm`` with E8M0 scales
+(:func:`scaled_mm_mx_gemm`). Design: docs/kernels.md; speed: benchmarks/NOTES_gemm.md.
 """
 
 from __future__ import annotations

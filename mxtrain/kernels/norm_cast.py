@@ -1,33 +1,10 @@
 """LayerNorm / RMSNorm forward + MX cast of the output in one kernel (rowwise and columnwise planes).
 
 ``norm_cast(x, weight, bias, kind="LayerNorm", fmt="fp8_e4m3", axis=(-1, 0))`` returns a
-:class:`NormCastResult`: the MX planes of ``y = norm(x) * gamma + beta`` (``y`` rounded
-to ``x``'s dtype first, as the torch op returns it), the per-row ``mean`` (LayerNorm)
-and ``rstd`` in fp32, and optionally ``y`` itself.
-
-On CUDA tensors with an MXFP8 round-half-even cast of block 32 (bf16 / fp16 input), the CUDA C++
-kernel of ``mxtrain/csrc/mx_cast.cu`` serves it by default (``MXTRAIN_CUDA_FUSED_SOURCES=0`` or
-``MXTRAIN_BACKEND=triton`` keep this Triton kernel): one persistent kernel whose work items are the
-row statistics (a warp per row, one pass: per lane, sums of ``x - k`` and of its square around a
-shift ``k``, the mean of the lane's first 8 values, in four independent fp32 chains; lanes combined by
-Chan et al.) and the 128x128 cast tiles, each band's statistics a few bands ahead of its tiles, so
-``x`` is read from DRAM once (the tiles' second read hits L2); the same contract. The shift bounds the
-cancellation of the shifted sums: at most ``log2(1 + n/8)`` bits for a lane's ``n`` values (5 bits at
-K = 8192), typically well under one; tests check mean and rstd against float64 on rows built against
-it (a mean 1000 standard deviations out, outliers where the shifts are taken).
-
-The Triton kernel: one program owns a band of ``BLOCK_M`` rows (32 = one columnwise block when the
-columnwise plane is written): pass 1 streams the band once for the row statistics
-(chunked Welford/Chan combination in fp32: no E[x^2] - E[x]^2 cancellation); pass 2
-streams it again, last chunk first (what pass 1 read last is the likeliest to still be in
-L2; a band of 32 rows x 8192 bf16 is 512 KiB, so at K = 8192 much of it comes from DRAM again), normalizes, rounds to the dtype and quantizes each
-[BLOCK_M, BLOCK_K] tile with the cast kernel's exact algorithm. The norm's fp32
-arithmetic is not torch's (different reduction order, rstd = 1/sqrt_rn(var + eps)),
-so ``y`` may differ from ``F.layer_norm`` / ``F.rms_norm`` by fp32 rounding (and then
-by one ulp of bf16/fp16 where a value sits next to a rounding boundary); the MX codes
-and scales are bit-identical to ``quantize_mx`` of the kernel's own ``y``. Tests check
-both: ``y`` against torch within 1e-5 (fp32) / one ulp (half types), mean/rstd
-against torch within 1e-5 relative, codes bit-exact against the reference cast of ``y``.
+:class:`NormCastResult`: the MX planes of ``y = norm(x) * gamma + beta`` (``y`` rounded to ``x``'s dtype),
+the per-row ``mean`` (LayerNorm) and ``rstd`` in fp32, and optionally ``y``. The codes are bit-identical to
+``quantize_mx`` of the kernel's own ``y``; ``y`` equals torch's up to fp32 rounding (one ulp of a half type).
+The CUDA C++ and Triton algorithms: docs/kernels.md.
 """
 
 from __future__ import annotations

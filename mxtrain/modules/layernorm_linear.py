@@ -21,7 +21,7 @@ from mxtrain.modules._common import (
 from mxtrain.modules._recipe_state import RecipeStateMixin
 from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
 from mxtrain.modules.normalization import (
-    check_normalization, norm_backward, norm_forward, norm_forward_stats,
+    check_normalization, check_sizes_and_eps, norm_backward, norm_forward, norm_forward_stats,
 )
 
 
@@ -105,11 +105,7 @@ class LayerNormLinear(RecipeStateMixin, nn.Module):
                  eps: float = 1e-5, zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
                  device=None, dtype=None):
         super().__init__()
-        for name, v in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps!r}")
+        check_sizes_and_eps(eps, in_features=in_features, out_features=out_features)
         self.in_features, self.out_features = in_features, out_features
         self.normalization = check_normalization(normalization)
         self.eps = float(eps)

@@ -40,7 +40,7 @@ from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
 from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
 from mxtrain.modules.linear import init_linear_
 from mxtrain.modules.normalization import (
-    check_normalization, norm_backward, norm_forward, norm_forward_stats,
+    check_normalization, check_sizes_and_eps, norm_backward, norm_forward, norm_forward_stats,
 )
 from mxtrain.recipes.float8 import Float8RoleSpec
 
@@ -236,11 +236,7 @@ class LayerNormMLP(RecipeStateMixin, nn.Module):
                  activation: str = "gelu", eps: float = 1e-5, zero_centered_gamma: bool = False,
                  return_bias: bool = False, device=None, dtype=None):
         super().__init__()
-        for name, v in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps!r}")
+        check_sizes_and_eps(eps, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.normalization = check_normalization(normalization)
         self.activation = check_activation(activation)

@@ -27,6 +27,15 @@ def check_normalization(name: str) -> str:
     raise ValueError(f"unknown normalization {name!r}; allowed: {', '.join(NORMALIZATIONS)}")
 
 
+def check_sizes_and_eps(eps, **sizes) -> None:
+    """Raise ValueError unless every size is a positive int (not a bool) and ``eps`` is > 0."""
+    for name, v in sizes.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+
+
 def _gamma(weight, zero_centered_gamma: bool):
     """The norm's scale: ``1 + weight`` with a zero-centered gamma (in the weight's dtype), else the weight."""
     return weight + 1 if zero_centered_gamma and weight is not None else weight

@@ -2,8 +2,8 @@
 
 A fresh tensor of tens of MiB is a fresh mapping: every 4 KiB page faults on
 its first write. On virtual machines a fault costs microseconds, so filling a
-64 MiB output can take longer than computing it (35 ms against 5 ms measured on
-a 2-core EPYC VM; see benchmarks/RESULTS.md). ``madvise(MADV_HUGEPAGE)`` on the
+large output can take longer than computing it (benchmarks/NOTES_casts.md).
+``madvise(MADV_HUGEPAGE)`` on the
 untouched mapping makes the kernel fault it in 2 MiB pages instead. It is
 advice only: the values never depend on it, and any failure leaves an ordinary
 tensor. Only allocations of at least :data:`MIN_BYTES` are advised: glibc

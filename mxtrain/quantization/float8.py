@@ -252,12 +252,9 @@ class Float8Tensor(PlaneLookup):
 
     def plane(self, axis: int | None = None) -> Float8Plane:
         """The plane reducing over ``axis`` (the first plane when None)."""
-        if axis is None:
-            return self.planes[0]
-        ax = axis % self.ndim if self.ndim else axis
-        for p in self.planes:
-            if p.axis == ax:
-                return p
+        p = self._plane_at(axis)
+        if p is not None:
+            return p
         raise ValueError(f"this Float8Tensor has no plane for axis {axis}; it has planes for "
                          f"{[p.axis for p in self.planes]}")
 

@@ -48,6 +48,12 @@ class PlaneLookup:
     def _find(self, axis: int):
         return next((p for p in self.planes if p.axis == axis), None)
 
+    def _plane_at(self, axis: int | None):
+        """The plane for ``axis`` (negative counts from the end; the first plane when None), or None."""
+        if axis is None:
+            return self.planes[0]
+        return self._find(axis % self.ndim if self.ndim else axis)
+
     @property
     def rowwise(self):
         """The plane blocked along the last axis, or None."""
@@ -204,12 +210,9 @@ class MXTensor(PlaneLookup):
 
     def plane(self, axis: int | None = None) -> MXPlane:
         """The plane blocked along ``axis`` (the first plane when None)."""
-        if axis is None:
-            return self.planes[0]
-        ax = axis % self.ndim if self.ndim else axis
-        for p in self.planes:
-            if p.axis == ax:
-                return p
+        p = self._plane_at(axis)
+        if p is not None:
+            return p
         raise ValueError(f"this MXTensor has no plane (codes) blocked along axis {axis}; "
                          f"it has planes along {[p.axis for p in self.planes]}"
                          + (f" and dequantized values along {[a for a, _ in self.values]}" if self.values else ""))

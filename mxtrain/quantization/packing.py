@@ -42,11 +42,17 @@ def packed_length(length: int, fmt: "str | ElemFormat") -> int:
     return length // group * _GROUP_BYTES[fmt.bits]
 
 
+def _uint8_format(t: torch.Tensor, fmt: "str | ElemFormat", what: str) -> ElemFormat:
+    """``fmt`` parsed, after checking that ``t`` (``what``) is uint8."""
+    fmt = parse_format(fmt)
+    if t.dtype != torch.uint8:
+        raise TypeError(f"{what} must be uint8, got {t.dtype}")
+    return fmt
+
+
 def pack_codes(codes: torch.Tensor, fmt: "str | ElemFormat") -> torch.Tensor:
     """Pack uint8 codes (one per element, ``fmt.bits`` wide) along the last axis."""
-    fmt = parse_format(fmt)
-    if codes.dtype != torch.uint8:
-        raise TypeError(f"codes must be uint8 (one code per element), got {codes.dtype}")
+    fmt = _uint8_format(codes, fmt, "codes (one code per element)")
     if fmt.bits == 8:
         return codes
     if codes.ndim == 0:
@@ -69,9 +75,7 @@ def pack_codes(codes: torch.Tensor, fmt: "str | ElemFormat") -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, fmt: "str | ElemFormat") -> torch.Tensor:
     """Inverse of :func:`pack_codes`: one uint8 code per element along the last axis."""
-    fmt = parse_format(fmt)
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
+    fmt = _uint8_format(packed, fmt, "packed codes")
     if fmt.bits == 8:
         return packed
     if fmt.bits == 4:
