@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxtrain.compat.mx.precision import precision_of
+from mxtrain.compat.mx.precision import translating_function
 from mxtrain.compat.mx.specs import apply_mx_specs, mx_assert_test
 from mxtrain.emulation import activations as _e
 
@@ -19,27 +19,13 @@ __all__ = ["sigmoid", "tanh", "relu", "relu6", "leaky_relu", "silu", "gelu", "Si
            "LeakyReLUFunction", "SiLUFunction", "GELUFunction"]
 
 
-def _translating(engine, specs_at):
-    """``engine`` (an autograd Function) taking ``mx_specs`` at argument ``specs_at`` of ``forward``."""
-
-    class Function(engine):
-        @staticmethod
-        def forward(ctx, *args):
-            args = list(args)
-            args[specs_at] = precision_of(args[specs_at])
-            return engine.forward(ctx, *args)
-
-    Function.__name__ = Function.__qualname__ = engine.__name__
-    return Function
-
-
-SigmoidFunction = _translating(_e.SigmoidFunction, 1)
-TanhFunction = _translating(_e.TanhFunction, 1)
-ReLUFunction = _translating(_e.ReLUFunction, 2)
-ReLU6Function = _translating(_e.ReLU6Function, 2)
-LeakyReLUFunction = _translating(_e.LeakyReLUFunction, 3)
-SiLUFunction = _translating(_e.SiLUFunction, 2)
-GELUFunction = _translating(_e.GELUFunction, 1)
+SigmoidFunction = translating_function(_e.SigmoidFunction)
+TanhFunction = translating_function(_e.TanhFunction)
+ReLUFunction = translating_function(_e.ReLUFunction)
+ReLU6Function = translating_function(_e.ReLU6Function)
+LeakyReLUFunction = translating_function(_e.LeakyReLUFunction)
+SiLUFunction = translating_function(_e.SiLUFunction)
+GELUFunction = translating_function(_e.GELUFunction)
 
 
 def sigmoid(input, mx_specs=None, name=None):

@@ -10,28 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxtrain.compat.mx.precision import precision_of
+from mxtrain.compat.mx.precision import translating_function
 from mxtrain.compat.mx.specs import apply_mx_specs, mx_assert_test
 from mxtrain.emulation import groupnorm as _e
 
 __all__ = ["GroupNormFunction", "GroupNorm", "group_norm"]
 
 
-def _translating(engine, specs_at):
-    """``engine`` (an autograd Function) taking ``mx_specs`` at argument ``specs_at`` of ``forward``."""
-
-    class Function(engine):
-        @staticmethod
-        def forward(ctx, *args):
-            args = list(args)
-            args[specs_at] = precision_of(args[specs_at])
-            return engine.forward(ctx, *args)
-
-    Function.__name__ = Function.__qualname__ = engine.__name__
-    return Function
-
-
-GroupNormFunction = _translating(_e.GroupNormFunction, 5)
+GroupNormFunction = translating_function(_e.GroupNormFunction)
 
 
 def group_norm(x, num_groups, weight, bias, eps=1e-5, mx_specs=None):

@@ -8,6 +8,8 @@ become one typed precision. Keys the engine does not use are ignored.
 
 from __future__ import annotations
 
+import inspect
+
 import functools
 
 from mxtrain.compat.mx.formats import rounding_of
@@ -15,7 +17,7 @@ from mxtrain.compat.mx.specs import DEFAULTS
 from mxtrain.emulation.precision import ElementwisePrecision
 from mxtrain.formats import ElemFormat, bfloat, fp
 
-__all__ = ["precision_of", "elemwise_format_of"]
+__all__ = ["precision_of", "elemwise_format_of", "translating_function"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,3 +67,23 @@ def precision_of(mx_specs, round=None) -> ElementwisePrecision | None:
     return _precision(elemwise_format_of(mx_specs), get("round") if round is None else round,
                       bool(get("bfloat_subnorms")), bool(get("quantize_backprop")), bool(get("vec_use_exp2")),
                       bool(get("vec_use_recip")), bool(get("softmax_exp2")))
+
+
+def translating_function(engine):
+    """``engine`` (an emulation autograd Function whose ``forward`` takes ``prec``) as microxcaling's: taking
+    ``mx_specs`` in that argument's place, translated by :func:`precision_of`."""
+    params = list(inspect.signature(engine.forward).parameters)[1:]  # after ctx
+    if "prec" not in params:
+        raise TypeError(f"{engine.__name__}.forward takes no 'prec' argument: {params}")
+    specs_at = params.index("prec")
+
+    class Function(engine):
+        @staticmethod
+        def forward(ctx, *args):
+            args = list(args)
+            if specs_at < len(args):
+                args[specs_at] = precision_of(args[specs_at])
+            return engine.forward(ctx, *args)
+
+    Function.__name__ = Function.__qualname__ = engine.__name__
+    return Function

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from mxtrain.compat.mx.precision import precision_of
+from mxtrain.compat.mx.precision import translating_function
 from mxtrain.compat.mx.specs import apply_mx_specs, mx_assert_test
 from mxtrain.emulation import simd_ops as _e
 
@@ -19,30 +19,16 @@ __all__ = ["simd_add", "simd_sub", "simd_mul", "simd_div", "simd_split", "simd_s
            "simd_log", "simd_reduce_sum", "simd_reduce_mean", "simd_norm"]
 
 
-def _translating(engine, specs_at):
-    """``engine`` (an autograd Function) taking ``mx_specs`` at argument ``specs_at`` of ``forward``."""
-
-    class Function(engine):
-        @staticmethod
-        def forward(ctx, *args):
-            args = list(args)
-            args[specs_at] = precision_of(args[specs_at])
-            return engine.forward(ctx, *args)
-
-    Function.__name__ = Function.__qualname__ = engine.__name__
-    return Function
-
-
-SIMDAdd = _translating(_e.SIMDAdd, 3)
-SIMDSub = _translating(_e.SIMDSub, 3)
-SIMDMul = _translating(_e.SIMDMul, 3)
-SIMDDiv = _translating(_e.SIMDDiv, 3)
-SIMDSplit = _translating(_e.SIMDSplit, 2)
-SIMDSquare = _translating(_e.SIMDSquare, 2)
-SIMDSqrt = _translating(_e.SIMDSqrt, 2)
-SIMDExp = _translating(_e.SIMDExp, 2)
-SIMDLog = _translating(_e.SIMDLog, 2)
-SIMDReduceSum = _translating(_e.SIMDReduceSum, 4)
+SIMDAdd = translating_function(_e.SIMDAdd)
+SIMDSub = translating_function(_e.SIMDSub)
+SIMDMul = translating_function(_e.SIMDMul)
+SIMDDiv = translating_function(_e.SIMDDiv)
+SIMDSplit = translating_function(_e.SIMDSplit)
+SIMDSquare = translating_function(_e.SIMDSquare)
+SIMDSqrt = translating_function(_e.SIMDSqrt)
+SIMDExp = translating_function(_e.SIMDExp)
+SIMDLog = translating_function(_e.SIMDLog)
+SIMDReduceSum = translating_function(_e.SIMDReduceSum)
 
 
 def simd_add(in1, in2, mx_specs=None):

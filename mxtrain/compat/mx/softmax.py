@@ -10,28 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxtrain.compat.mx.precision import precision_of
+from mxtrain.compat.mx.precision import translating_function
 from mxtrain.compat.mx.specs import apply_mx_specs, mx_assert_test
 from mxtrain.emulation import softmax as _e
 
 __all__ = ["SoftmaxFunction", "softmax", "Softmax", "LN_2_BF16"]
 
 
-def _translating(engine, specs_at):
-    """``engine`` (an autograd Function) taking ``mx_specs`` at argument ``specs_at`` of ``forward``."""
-
-    class Function(engine):
-        @staticmethod
-        def forward(ctx, *args):
-            args = list(args)
-            args[specs_at] = precision_of(args[specs_at])
-            return engine.forward(ctx, *args)
-
-    Function.__name__ = Function.__qualname__ = engine.__name__
-    return Function
-
-
-SoftmaxFunction = _translating(_e.SoftmaxFunction, 2)
+SoftmaxFunction = translating_function(_e.SoftmaxFunction)
 LN_2_BF16 = _e.LN_2_BF16
 
 
