@@ -438,9 +438,9 @@ class DelayedScalingState:
     their history and scale.
 
     Tensors live on the device of the first tensor cast and follow the data
-    if it moves (modules also move a loaded or fresh state to their parameters'
-    device before its first update, so a resumed run updates where the uninterrupted one did). :meth:`state_dict` / :meth:`load_state_dict` round-trip
-    everything, pending amaxes included, so a checkpoint resumes exactly.
+    if it moves (modules move a loaded state to their parameters' device before
+    its first update: :meth:`to`). :meth:`state_dict` / :meth:`load_state_dict`
+    round-trip everything, pending amaxes included, so a checkpoint resumes exactly.
     """
 
     kind = "DelayedScaling"
