@@ -181,3 +181,15 @@ def test_allowed_lists_hold_only_live_violations():
 def test_the_checker_sees_imports_inside_functions():
     assert "mxtrain.kernels.dispatch" in imports("mxtrain.kernels.cuda_cast")  # imported inside cuda_selected
     assert layer_of("mxtrain.compat.mx.specs") > layer_of("mxtrain.modules.linear") > layer_of("mxtrain.formats")
+
+
+def test_fsdp_hooks_ask_tensors_and_modules_not_reach_into_them():
+    """Issue 24: the FSDP2 all-gather hooks ask the quantized tensor, the recipe or the module (through its
+    class's public attributes) for what they need; they import nothing from mxtrain.modules and do no
+    arithmetic on buffer addresses (``data_ptr()``)."""
+    fsdp = "mxtrain.distributed.fsdp"
+    into_modules = sorted(t for t in imports(fsdp) if t == "mxtrain.modules" or t.startswith("mxtrain.modules."))
+    assert not into_modules, f"{fsdp} imports {into_modules}"
+    calls = [node.lineno for node in ast.walk(_tree(fsdp)) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr == "data_ptr"]
+    assert not calls, f"{fsdp} takes buffer addresses (data_ptr()) at lines {calls}"

@@ -67,7 +67,7 @@ from mxtrain.recipes import MXRecipeBase, RoleSpec
 from mxtrain.recipes.float8 import BLOCK_LEN, Float8Recipe, Float8RoleSpec
 from mxtrain.autocast import get_recipe
 from mxtrain.formats import parse_format
-from mxtrain.kernels.cuda_cast import cast_planes_into, dequantize_fp8_at
+from mxtrain.kernels.cuda_cast import cast_planes_into
 from mxtrain.kernels.dispatch import quantize, quantize_float8
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import (
@@ -89,14 +89,10 @@ DGRAD = ("dgrad_weight", 0)  # columnwise: blocks along N (dim 0, the dim FSDP s
 
 
 def mx_weight_names(module: nn.Module) -> tuple[str, ...]:
-    """Names of the GEMM weights of an mxtrain module (empty for any other module)."""
-    from mxtrain.modules import LayerNormLinear, LayerNormMLP, Linear
-
-    if isinstance(module, LayerNormMLP):
-        return ("fc1_weight", "fc2_weight")
-    if isinstance(module, (Linear, LayerNormLinear)):
-        return ("weight",)
-    return ()
+    """Names of the GEMM weights of an mxtrain module (empty for any other module): what its class
+    declares in ``quantized_all_gather_weights`` (read from the class, so that wrappers which forward
+    attribute reads to an inner module, such as torch.compile's, are not taken for it)."""
+    return tuple(getattr(type(module), "quantized_all_gather_weights", ()))
 
 
 # --------------------------------------------------------------------------- stats
@@ -386,9 +382,7 @@ class MXAllGatherWeight(torch.Tensor):
         (with the transposed block scales), exactly what casting the full weight gives."""
         TrainingState = _fsdp_training_state_enum()
         if getattr(recipe, "make_state", None) is not None:  # DelayedScaling: the module's scales
-            from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
-
-            if not isinstance(module, RecipeStateMixin):
+            if getattr(type(module), "gather_recipe", None) is None:  # a module that keeps no recipe state
                 return None
             keep = not getattr(group, "reshard_after_backward", True)
             if keep and (phase == TrainingState.PRE_BACKWARD or not group._reshard_after_forward):
@@ -398,12 +392,13 @@ class MXAllGatherWeight(torch.Tensor):
                                                   and self._info.activation_checkpointing):
                 # the module's forward (or its recompute) updates its scales before it casts; update them
                 # now so the codes carry the scale it will use (its own update then finds nothing new)
-                bound = module.gather_recipe(recipe)
-            elif phase == TrainingState.PRE_BACKWARD and module.recipe_state is not None:
-                bound = recipe.bind(module.recipe_state)
+                recipe = module.gather_recipe(recipe, self._info.gemm)
+            elif phase == TrainingState.PRE_BACKWARD:
+                recipe = module.gather_recipe(recipe, self._info.gemm, update=False)
             else:
+                recipe = None
+            if recipe is None:
                 return None
-            recipe = gemm_recipe(bound, self._info.gemm)
         uses = [(recipe.role(role), axis) for role, axis in roles]
         specs = {spec for spec, _ in uses}
         if len(specs) != 1:
@@ -629,25 +624,18 @@ class _GatheredState:
             _free(arena)
             arena = self.inner[0] = torch.empty(total, dtype=torch.uint8, device=per_rank.device)
         planes, src_off = {}, 0
-        base, step = per_rank.data_ptr(), per_rank.stride(0)
+        step = per_rank.stride(0)
         for i, p in enumerate(meta["planes"]):
             full = arena[i * numel * itemsize:(i + 1) * numel * itemsize].view(dtype).view(shape)
             nd, ns = math.prod(p["data_shape"]), math.prod(p["scale_shape"])
-            # rank 0's plane; rank r's lies r rows of the gather buffer further: one launch writes them all
-            done = False
-            if per_rank.is_cuda and len(shape) == 2:  # the CUDA kernel, given the addresses (no views)
-                k = shape[1]
-                rows_read, length, out_r, out_l = (rows, k, k, 1) if p["axis"] == 1 else (k, rows, 1, k)
-                done = dequantize_fp8_at(base + src_off, base + src_off + nd, p["data_shape"][1], p["scale_shape"][1],
-                                         full, parse_format(p["fmt"]), p["block_size"], rows_read, length, out_r,
-                                         out_l, world, step, step, rows * k)
-            if not done:
-                plane = MXPlane(data=per_rank[0, src_off:src_off + nd].view(p["data_shape"]),
-                                scale=per_rank[0, src_off + nd:src_off + nd + ns].view(p["scale_shape"]),
-                                axis=p["axis"], packed=p["packed"])
-                shard = MXTensor._unchecked((plane,), p["fmt"], p["block_size"], (rows, *shape[1:]), dtype,
-                                            p["scale_mode"], p["rounding"], p["whole_axis"])
-                triton_dequantize_shards(shard, world, step, step, full, p["axis"])
+            # rank 0's plane; rank r's lies one row of the gather buffer further: one launch writes them all
+            # (the CUDA dequantize where it applies, else Triton's)
+            plane = MXPlane(data=per_rank[0, src_off:src_off + nd].view(p["data_shape"]),
+                            scale=per_rank[0, src_off + nd:src_off + nd + ns].view(p["scale_shape"]),
+                            axis=p["axis"], packed=p["packed"])
+            shard = MXTensor._unchecked((plane,), p["fmt"], p["block_size"], (rows, *shape[1:]), dtype,
+                                        p["scale_mode"], p["rounding"], p["whole_axis"])
+            triton_dequantize_shards(shard, world, step, step, full, p["axis"])
             src_off += nd + ns
             planes[p["axis"]] = (p["spec"], MXTensor._unchecked((), p["fmt"], p["block_size"], shape, dtype,
                                                                 p["scale_mode"], p["rounding"], p["whole_axis"],

@@ -72,26 +72,41 @@ class RecipeStateMixin:
             return recipe.bind(FrozenState(state if state is not None else make_state(), scales))
         if state is None:
             state = self.__dict__[_ATTR] = make_state()
+        self._follow_device(state)
         state.update(recipe)  # the previous step's amaxes enter the histories; new scales
         capture = _CAPTURE.get()
         if capture is not None:
             capture.append(state.scale.clone())
         return recipe.bind(state)
 
-    def gather_recipe(self, recipe):
-        """The recipe an FSDP2 pre-all-gather casts this module's weight with, ahead of the forward: the
-        forward's update happens here (its own update then finds nothing new), without a scale snapshot for
-        :func:`mxtrain.checkpoint`; in a recompute the state is only read. FSDP2 gathers under no_grad, so an
-        evaluation forward's gather cannot be told from a training one's: it applies the pending update
-        (amaxes recorded by earlier training steps) that the next training forward would apply, and the
-        evaluation itself records nothing."""
+    def gather_recipe(self, recipe, gemm: str = "", *, update: bool = True):
+        """The recipe an FSDP2 pre-all-gather casts this module's weight of GEMM ``gemm`` with ("" for a
+        one-GEMM module, "fc1" / "fc2" for LayerNormMLP), bound to this module's state.
+
+        ``update``: ahead of the forward (or its recompute): the forward's update happens here (its own
+        update then finds nothing new), without a scale snapshot for :func:`mxtrain.checkpoint`; in a
+        recompute the state is only read. FSDP2 gathers under no_grad, so an evaluation forward's gather
+        cannot be told from a training one's: it applies the pending update (amaxes recorded by earlier
+        training steps) that the next training forward would apply, and the evaluation itself records
+        nothing. Without ``update`` (backward) the state is only read, and None is returned when the module
+        has none yet."""
         state = self.__dict__.get(_ATTR)
+        if not update:
+            return None if state is None else gemm_recipe(recipe.bind(state), gemm)
         if _REPLAY.get() is not None or in_backward():
-            return recipe.bind(FrozenState(state if state is not None else recipe.make_state()))
+            return gemm_recipe(recipe.bind(FrozenState(state if state is not None else recipe.make_state())), gemm)
         if state is None:
             state = self.__dict__[_ATTR] = recipe.make_state()
+        self._follow_device(state)
         state.update(recipe)
-        return recipe.bind(state)
+        return gemm_recipe(recipe.bind(state), gemm)
+
+    def _follow_device(self, state) -> None:
+        """Move ``state`` to the device of this module's parameters (a state loaded from a checkpoint sits on
+        the CPU), so that its update runs where the uninterrupted run's does: same kernels, same bits."""
+        p = next(self.parameters(), None)
+        if p is not None and p.device.type != "meta" and hasattr(state, "to"):
+            state.to(p.device)
 
     def reset_recipe_state(self) -> None:
         """Forget the recipe state (histories, scales); the next forward starts afresh."""
@@ -113,7 +128,8 @@ class RecipeStateMixin:
                 error_msgs.append(f"{key}: not an mxtrain recipe state (expected a dict with 'kind' in "
                                   f"{sorted(STATE_TYPES)})")
             else:
-                self.__dict__[_ATTR] = cls.from_state_dict(d)
+                state = self.__dict__[_ATTR] = cls.from_state_dict(d)
+                self._follow_device(state)
             # torch would report the key as unexpected: this class does not override set_extra_state
             # (so that modules without state need no such key when loading strictly)
             state_dict = {k: v for k, v in state_dict.items() if k != key}
@@ -229,5 +245,6 @@ def load_recipe_states(model, states: dict) -> None:
     for name, m in modules.items():
         if name in built:
             m.__dict__[_ATTR] = built[name]
+            m._follow_device(built[name])
         else:
             m.reset_recipe_state()

@@ -101,6 +101,8 @@ class LayerNormLinear(RecipeStateMixin, nn.Module):
         return_layernorm_output: also return the norm output (e.g. for a residual).
     """
 
+    quantized_all_gather_weights = ("weight",)  # as Linear's
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, normalization: str = "LayerNorm",
                  eps: float = 1e-5, zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
                  device=None, dtype=None):

@@ -232,6 +232,8 @@ class LayerNormMLP(RecipeStateMixin, nn.Module):
         return_bias: return ``(output_without_fc2_bias, fc2_bias)`` so the caller can fuse the bias add.
     """
 
+    quantized_all_gather_weights = ("fc1_weight", "fc2_weight")  # as Linear's
+
     def __init__(self, hidden_size: int, ffn_hidden_size: int, bias: bool = True, normalization: str = "LayerNorm",
                  activation: str = "gelu", eps: float = 1e-5, zero_centered_gamma: bool = False,
                  return_bias: bool = False, device=None, dtype=None):

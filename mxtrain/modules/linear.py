@@ -138,6 +138,9 @@ class Linear(RecipeStateMixin, nn.Linear):
     A recipe with per-module state (DelayedScaling) keeps it here (see ``_recipe_state``).
     """
 
+    # the GEMM weights that may arrive all-gathered by FSDP2 as quantized planes (mxtrain.distributed)
+    quantized_all_gather_weights = ("weight",)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input(x, self.in_features, "Linear")
         recipe = get_recipe()

@@ -435,8 +435,9 @@ class DelayedScalingState:
     their history and scale.
 
     Tensors live on the device of the first tensor cast and follow the data
-    if it moves. :meth:`state_dict` / :meth:`load_state_dict` round-trip
-    everything, pending amaxes included, so a checkpoint resumes exactly.
+    if it moves (modules move a loaded state to their parameters' device before
+    its first update: :meth:`to`). :meth:`state_dict` / :meth:`load_state_dict`
+    round-trip everything, pending amaxes included, so a checkpoint resumes exactly.
     """
 
     kind = "DelayedScaling"
@@ -455,15 +456,18 @@ class DelayedScalingState:
 
     # -- slots
 
-    def _move(self, device: torch.device) -> None:
+    def to(self, device: torch.device) -> "DelayedScalingState":
+        """Move the histories, scales and pending amaxes to ``device`` (values unchanged); returns self."""
+        device = torch.device(device)
         if self.scale.device != device:
             self.amax_history = self.amax_history.to(device)
             self.scale = self.scale.to(device)
             self.pending_amax = self.pending_amax.to(device)
+        return self
 
     def index(self, slot: str, fmt: str, device: torch.device) -> int:
         """The column of ``slot`` (created with scale 1 and an empty history on first use)."""
-        self._move(device)
+        self.to(device)
         i = self.slots.get(slot)
         if i is None:
             i = self.slots[slot] = len(self.slots)

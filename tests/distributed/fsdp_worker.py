@@ -485,11 +485,14 @@ def mp_bf16_run(rank, world, device, recipe):
 
 
 def state_dict_types(model):
+    """Type names of the model's state-dict values (of the local shards for DTensors), recipe state
+    (``_extra_state``: DelayedScaling's dict) left out."""
     from torch.distributed.tensor import DTensor
 
     types = set()
     for k, v in model.state_dict().items():
-        types.add(type(v._local_tensor if isinstance(v, DTensor) else v).__name__)
+        if not k.endswith("_extra_state"):
+            types.add(type(v._local_tensor if isinstance(v, DTensor) else v).__name__)
     return sorted(types)
 
 
@@ -540,7 +543,7 @@ def scenario_ckpt(rank, world, device, out, recipe=None, tag="ckpt", fp8_shapes=
     dist.barrier()
     return {"full": full, "first": first, "resumed": resumed, "extra_losses": extra.get("losses"),
             "step": extra.get("step"), "latest": latest, "path": path, "state_dict_types": types,
-            "same_weights_after_load": same_weights}
+            "same_weights_after_load": same_weights, "recipe_states": len(recipe_states)}
 
 
 def scenario_load1(out):

@@ -75,9 +75,12 @@ def test_fp8_really_quantizes(fp8):
         assert max(abs(a - b) for a, b in zip(q, hp)) > 1e-5
 
 
-@pytest.mark.parametrize("recipe", ["current", "block"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_dcp_resume_bit_identical(fp8, recipe):
     r = fp8["ckpt"][recipe]
+    # weights, optimizer and (delayed) every module's amax histories, scales and pending amaxes as saved
     assert r["same_weights_after_load"] and r["state_dict_types"] == ["Tensor"]
+    # 2 blocks x (qkv, proj, mlp, down, odd, uneven, wide) keep DelayedScaling state; the others none
+    assert r["recipe_states"] == (14 if recipe == "delayed" else 0)
     assert r["step"] == 3 and r["extra_losses"] == r["first"]
     assert r["first"] + r["resumed"] == r["full"]

@@ -164,3 +164,42 @@ def test_layernorm_mlp_matches_reference_path(name, dtype, mx_config):
     if name == "delayed":
         assert torch.equal(fast.recipe_state.scale.cpu(), ref.recipe_state.scale.cpu()) or \
             _rel(fast.recipe_state.scale, ref.recipe_state.scale) < 1e-2
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "load_recipe_states"])
+def test_delayed_state_loaded_from_cpu_follows_module_and_resumes_exactly(how):
+    """A DelayedScaling state read from a checkpoint (tensors on the CPU) moves to the module's GPU when
+    loaded, so the next update runs where the uninterrupted run's does (the fused GPU update): the
+    resumed run's outputs and state equal the uninterrupted run's, bit for bit."""
+    from mxtrain.modules._recipe_state import load_recipe_states, recipe_states
+
+    recipe = DelayedScaling()
+    torch.manual_seed(0)
+    module = mxtrain.LayerNormMLP(256, 512).cuda()
+    xs = [torch.randn(64, 256, device="cuda") * (1 + i) for i in range(4)]
+
+    def step(m, x):
+        with mxtrain.mx_autocast(recipe=recipe):
+            y = m(x)
+        y.sum().backward()
+        return y.detach()
+
+    for x in xs[:2]:
+        step(module, x)
+    resumed = copy.deepcopy(module)
+    resumed.reset_recipe_state()
+    if how == "load_state_dict":
+        sd = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in module.state_dict().items()}
+        sd["_extra_state"] = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sd["_extra_state"].items()}
+        resumed.load_state_dict(sd)
+    else:
+        states = {name: {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+                  for name, d in recipe_states(module).items()}
+        load_recipe_states(resumed, states)
+    assert resumed.recipe_state.scale.device.type == "cuda"
+    assert resumed.recipe_state.amax_history.device.type == "cuda"
+    for x in xs[2:]:
+        assert torch.equal(step(module, x), step(resumed, x))
+    for k, v in module.recipe_state.state_dict().items():
+        assert (torch.equal(v, resumed.recipe_state.state_dict()[k]) if isinstance(v, torch.Tensor)
+                else v == resumed.recipe_state.state_dict()[k]), k
