@@ -363,6 +363,23 @@ def _(x, fmt, axes, scale, block, power_of_2_scales, amax_epsilon, backend):
     return [*data, *scales]
 
 
+def bias_grad(dy2d: torch.Tensor) -> torch.Tensor:
+    """The fp32 column sums of a 2-D gradient (a bias gradient), as ``dy2d.sum(0, dtype=torch.float32)``
+    computes them: one opaque op under torch.compile, so the compiled sum is eager's bit for bit
+    (inductor's own reduction adds in another order)."""
+    return torch.ops.mxtrain.bias_grad(dy2d)
+
+
+@torch.library.custom_op("mxtrain::bias_grad", mutates_args=())
+def _bias_grad_op(dy2d: torch.Tensor) -> torch.Tensor:
+    return dy2d.sum(0, dtype=torch.float32)
+
+
+@_bias_grad_op.register_fake
+def _(dy2d):
+    return dy2d.new_empty(dy2d.shape[1:], dtype=torch.float32)
+
+
 def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:
     """fp32 values of a 2-D GEMM operand with its reduction axis ``axis`` moved last.
 
