@@ -25,6 +25,8 @@ import contextvars
 import functools
 from typing import Callable, TypeVar
 
+import torch
+
 from mxtrain.recipes import MXFP8Recipe, Recipe
 
 __all__ = ["mx_autocast", "get_recipe", "is_autocast_enabled"]
@@ -51,6 +53,10 @@ class _Frame:
 # threads at once: each entry's undo information lives in its own context.
 _ACTIVE_FRAME: contextvars.ContextVar[_Frame | None] = contextvars.ContextVar(
     "mxtrain_mx_autocast_frame", default=None)
+
+# Recipes of the mx_autocast blocks entered inside a function torch.compile is tracing: dynamo cannot trace
+# ContextVar.set, but it follows (and replays) a list's appends and pops, so get_recipe() sees them while tracing.
+_TRACED_RECIPES: list = []
 
 
 class mx_autocast:
@@ -85,11 +91,17 @@ class mx_autocast:
         self.recipe: Recipe | None = (recipe if recipe is not None else _DEFAULT_RECIPE) if enabled else None
 
     def __enter__(self) -> Recipe | None:
+        if torch.compiler.is_compiling():
+            _TRACED_RECIPES.append(self.recipe)
+            return self.recipe
         frame = _Frame(self.recipe, self)
         frame.token = _ACTIVE_FRAME.set(frame)
         return self.recipe
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        if torch.compiler.is_compiling():
+            _TRACED_RECIPES.pop()
+            return False
         frame = _ACTIVE_FRAME.get()
         if frame is None or frame.owner is not self:
             # Only reachable by calling __enter__/__exit__ by hand, out of order.
@@ -116,6 +128,8 @@ class mx_autocast:
 
 def get_recipe() -> Recipe | None:
     """The recipe of the innermost active ``mx_autocast`` in this context, or None when MX is off."""
+    if _TRACED_RECIPES and torch.compiler.is_compiling():
+        return _TRACED_RECIPES[-1]
     frame = _ACTIVE_FRAME.get()
     return None if frame is None else frame.recipe
 

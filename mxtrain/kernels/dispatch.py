@@ -18,8 +18,15 @@ from typing import Callable
 import torch
 
 from mxtrain import config
+from mxtrain.formats import parse_format
 from mxtrain.quantization import MXTensor, quantize_mx
-from mxtrain.quantization.float8 import Float8Tensor, quantize_float8 as quantize_float8_reference
+from mxtrain.quantization._validate import normalize_axes
+from mxtrain.quantization.mxtensor import MXPlane
+from mxtrain.quantization.packing import packed_length
+from mxtrain.quantization.float8 import (
+    FP8_DTYPES, Float8Plane, Float8Tensor, _check_block as check_float8_block, _normalize_axes as float8_axes,
+    fp8_format_name, quantize_float8 as quantize_float8_reference,
+)
 
 BACKENDS = ("auto", "reference", "triton", "cuda")
 
@@ -147,6 +154,40 @@ def quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: st
     scales are kept (default: all); a plane needed only as a GEMM operand right
     away can skip its codes (``keep_codes`` without that axis).
     """
+    if rounding == "stochastic" and not (seed is None or type(seed) is int):
+        # a Generator cannot enter a registered op: eager only (a bad seed: the cast says what is wrong)
+        if torch.compiler.is_compiling() and isinstance(seed, torch.Generator):
+            raise NotImplementedError("quantize: stochastic rounding with a torch.Generator (an MX recipe's seed) "
+                                      "cannot be compiled yet; use a recipe without a seed, or run it eagerly")
+        return _quantize_impl(x, fmt, block_size, axis, scale_mode, rounding, seed, pack, backend, dequantized,
+                              dequantized_dtype, keep_codes)
+    if not isinstance(x, torch.Tensor):  # the reference says what is wrong
+        return _quantize_impl(x, fmt, block_size, axis, scale_mode, rounding, seed, pack, backend, dequantized,
+                              dequantized_dtype, keep_codes)
+    fmt_ = parse_format(fmt)
+    axes = normalize_axes(axis, x.ndim)
+    if dequantized == () and keep_codes is None:
+        deq, keep = (), axes
+    else:
+        deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
+    parts = torch.ops.mxtrain.quantize_mx(x, fmt_.name, block_size, list(axes), scale_mode, rounding,
+                                          seed if rounding == "stochastic" else None, pack, list(deq),
+                                          dequantized_dtype, list(keep), backend)
+    planes, values, i = [], [], 0
+    for ax in axes:
+        if ax in keep:
+            planes.append(MXPlane(parts[i], parts[i + 1], ax, pack))
+            i += 2
+        if ax in deq:
+            values.append((ax, parts[i]))
+            i += 1
+    length = x.shape[axes[0]] if x.ndim else 1
+    return MXTensor._unchecked(tuple(planes), fmt_.name, block_size or max(length, 1), tuple(x.shape), x.dtype,
+                               scale_mode, rounding, block_size == 0, tuple(values))
+
+
+def _quantize_impl(x, fmt, block_size, axis, scale_mode, rounding, seed, pack, backend, dequantized,
+                   dequantized_dtype, keep_codes) -> MXTensor:
     name = _resolve(backend, x.device, _QUANTIZE_IMPLS)
     fn = _QUANTIZE_IMPLS[name]
     kw = dict(block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding, seed=seed, pack=pack)
@@ -159,23 +200,184 @@ def quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: st
                          backend="reference" if name == "reference" else None)
 
 
+# Registered ops: each quantization entry point is one opaque op of plain tensors under torch.compile (no
+# graph break, and inductor never traces the reference's bitcast chains, which it has miscompiled). Inside,
+# the backend is chosen at run time as in eager, so compiled and eager results are the same bits.
+
+
+def _plane_geometry(shape, axis: int, block_size: int, fmt: str, pack: bool):
+    """(lead shape, code bytes, blocks) of the plane of a tensor of ``shape`` blocked along ``axis``."""
+    length = shape[axis] if len(shape) else 1
+    lead = [n for i, n in enumerate(shape) if i != axis]
+    bs = block_size if block_size > 0 else max(length, 1)
+    nblocks = -(-length // bs)
+    return lead, (packed_length(nblocks * bs, fmt) if pack else nblocks * bs), nblocks
+
+
+def _values_layout(v: torch.Tensor, axis: int) -> torch.Tensor:
+    """``v`` (logical shape) laid out as a dequantized plane is: its block axis innermost (no copy if it is)."""
+    return v.movedim(axis, -1).contiguous().movedim(-1, axis)
+
+
+@torch.library.custom_op("mxtrain::quantize_mx", mutates_args=())
+def _quantize_mx_op(x: torch.Tensor, fmt: str, block_size: int, axes: list[int], scale_mode: str, rounding: str,
+                    seed: int | None, pack: bool, dequantized: list[int], dequantized_dtype: torch.dtype,
+                    keep_codes: list[int], backend: str | None) -> list[torch.Tensor]:
+    """``[codes, scales]`` of each kept axis then ``values`` of each dequantized one, axis by axis (see quantize)."""
+    extra = {} if not dequantized and keep_codes == axes else dict(dequantized=tuple(dequantized),
+                                                                  keep_codes=tuple(keep_codes))
+    mxt = _quantize_impl(x, fmt, block_size, tuple(axes), scale_mode, rounding, seed, pack, backend,
+                         extra.get("dequantized", ()), dequantized_dtype, extra.get("keep_codes"))
+    out = []
+    for ax in axes:
+        if ax in keep_codes:
+            p = mxt.plane(ax)
+            if p.packed != pack:
+                raise RuntimeError(f"the {backend or 'selected'} cast returned a plane with packed={p.packed}, "
+                                   f"asked for {pack}")
+            out += [p.data.contiguous(), p.scale.contiguous()]
+        if ax in dequantized:
+            out.append(_values_layout(mxt.dequantized_values(ax), ax))
+    return _distinct(out, x)
+
+
+@_quantize_mx_op.register_fake
+def _(x, fmt, block_size, axes, scale_mode, rounding, seed, pack, dequantized, dequantized_dtype, keep_codes,
+      backend):
+    out = []
+    for ax in axes:
+        lead, nbytes, nblocks = _plane_geometry(x.shape, ax, block_size, fmt, pack)
+        if ax in keep_codes:
+            out += [x.new_empty((*lead, nbytes), dtype=torch.uint8), x.new_empty((*lead, nblocks), dtype=torch.uint8)]
+        if ax in dequantized:
+            moved = [*lead, x.shape[ax]]
+            out.append(x.new_empty(moved, dtype=dequantized_dtype).movedim(-1, ax))
+    return out
+
+
 def dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None = None,
                backend: str | None = None) -> torch.Tensor:
     """``mxt.dequantize(dtype, axis)`` through the selected backend (bit-identical across backends)."""
-    name = _resolve(backend, mxt.device, _DEQUANTIZE_IMPLS)
-    if name == "reference" or mxt.values_only(axis) is not None:  # values without codes: cast them
+    if mxt.values_only(axis) is not None:  # values without codes: cast them
         return mxt.dequantize(dtype, axis)
-    return _DEQUANTIZE_IMPLS[name](mxt, dtype, axis)
+    p = mxt.plane(axis)
+    return torch.ops.mxtrain.dequantize_mx(p.data, p.scale, mxt.fmt, mxt.block_size, list(mxt.shape), mxt.dtype,
+                                           mxt.scale_mode, mxt.rounding, mxt.whole_axis, p.axis, p.packed,
+                                           dtype or mxt.dtype, backend)
+
+
+@torch.library.custom_op("mxtrain::dequantize_mx", mutates_args=())
+def _dequantize_mx_op(data: torch.Tensor, scale: torch.Tensor, fmt: str, block_size: int, shape: list[int],
+                      src_dtype: torch.dtype, scale_mode: str, rounding: str, whole_axis: bool, axis: int,
+                      packed: bool, dtype: torch.dtype, backend: str | None) -> torch.Tensor:
+    """The logical-shape values of one MX plane (``data``, ``scale``), through the selected backend."""
+    mxt = MXTensor._unchecked((MXPlane(data, scale, axis, packed),), fmt, block_size, tuple(shape), src_dtype,
+                              scale_mode, rounding, whole_axis)
+    name = _resolve(backend, data.device, _DEQUANTIZE_IMPLS)
+    out = mxt.dequantize(dtype, axis) if name == "reference" else _DEQUANTIZE_IMPLS[name](mxt, dtype, axis)
+    return _distinct([_values_layout(out, axis)], data, scale)[0]
+
+
+@_dequantize_mx_op.register_fake
+def _(data, scale, fmt, block_size, shape, src_dtype, scale_mode, rounding, whole_axis, axis, packed, dtype,
+      backend):
+    moved = [n for i, n in enumerate(shape) if i != axis] + [shape[axis]]
+    return data.new_empty(moved, dtype=dtype).movedim(-1, axis)
 
 
 def quantize_float8(x: torch.Tensor, fmt, *, axes=-1, scale: torch.Tensor | None = None, block=None,
                     power_of_2_scales: bool = False, amax_epsilon: float = 0.0, amax_reduction_group=None,
                     backend: str | None = None) -> Float8Tensor:
     """``mxtrain.quantization.float8.quantize_float8`` through the selected backend (bit-identical)."""
+    if amax_reduction_group is not None or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        # a process group cannot enter a registered op: eager only (bad input: the cast says what is wrong)
+        if torch.compiler.is_compiling() and amax_reduction_group is not None:
+            raise NotImplementedError("quantize_float8: an amax_reduction_group (current scaling with the amax "
+                                      "all-reduced over a group) cannot be compiled yet; run it eagerly")
+        return _quantize_float8_impl(x, fmt, axes, scale, block, power_of_2_scales, amax_epsilon,
+                                     amax_reduction_group, backend)
+    fmt = fp8_format_name(fmt)
+    axes = float8_axes(axes, x.ndim)
+    block = check_float8_block(block, x.ndim)
+    parts = torch.ops.mxtrain.quantize_float8(x, fmt, list(axes), None if block is not None else scale,
+                                              None if block is None else list(block), power_of_2_scales,
+                                              float(amax_epsilon), backend)
+    n = len(axes)
+    if block is None:
+        planes = tuple(Float8Plane(parts[i], parts[n], a) for i, a in enumerate(axes))
+        return Float8Tensor(planes, fmt, tuple(x.shape), x.dtype, parts[n + 1])
+    planes = tuple(Float8Plane(parts[i], parts[n + i], a, block) for i, a in enumerate(axes))
+    return Float8Tensor(planes, fmt, tuple(x.shape), x.dtype, None)
+
+
+def _quantize_float8_impl(x, fmt, axes, scale, block, power_of_2_scales, amax_epsilon, amax_reduction_group,
+                          backend) -> Float8Tensor:
     name = _resolve(backend, x.device, _FLOAT8_QUANTIZE_IMPLS)
     return _FLOAT8_QUANTIZE_IMPLS[name](x, fmt, axes=axes, scale=scale, block=block,
                                         power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon,
                                         amax_reduction_group=amax_reduction_group)
+
+
+@torch.library.custom_op("mxtrain::quantize_float8", mutates_args=())
+def _quantize_float8_op(x: torch.Tensor, fmt: str, axes: list[int], scale: torch.Tensor | None,
+                        block: list[int] | None, power_of_2_scales: bool, amax_epsilon: float,
+                        backend: str | None) -> list[torch.Tensor]:
+    """Per-tensor scaling: ``[data of each axis..., scale_inv, amax]``; block scaling: ``[data of each axis...,
+    scale_inv of each axis...]`` (see quantize_float8)."""
+    q = _quantize_float8_impl(x, fmt, tuple(axes), scale, None if block is None else tuple(block),
+                              power_of_2_scales, amax_epsilon, None, backend)
+    planes = [q.plane(a) for a in axes]
+    data = [p.data.contiguous() for p in planes]
+    if block is None:
+        return _distinct([*data, q.scale_inv, q.amax], x)
+    return _distinct([*data, *(p.scale_inv.contiguous() for p in planes)], x)
+
+
+def _distinct(outs: list[torch.Tensor], *inputs: torch.Tensor) -> list[torch.Tensor]:
+    """``outs`` with any tensor sharing memory with an input or an earlier output copied (a registered op's
+    outputs may not alias: e.g. a 1x1 block of scales and its transpose)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
+    res = []
+    for t in outs:
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in seen:
+            t = t.clone()
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        res.append(t)
+    return res
+
+
+@_quantize_float8_op.register_fake
+def _(x, fmt, axes, scale, block, power_of_2_scales, amax_epsilon, backend):
+    fp8 = FP8_DTYPES[fmt]
+    last = max(x.ndim - 1, 0)
+    data = [x.new_empty(x.shape if a == last else (x.shape[1], x.shape[0]), dtype=fp8) for a in axes]
+    if block is None:
+        return [*data, x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)]
+    br, bc = block
+    scales = []
+    for a in axes:
+        rows, cols = (x.shape[0], x.shape[1]) if a == 1 else (x.shape[1], x.shape[0])
+        scales.append(x.new_empty((-(-rows // br), -(-cols // bc)), dtype=torch.float32))
+    return [*data, *scales]
+
+
+def bias_grad(dy2d: torch.Tensor) -> torch.Tensor:
+    """The fp32 column sums of a 2-D gradient (a bias gradient), as ``dy2d.sum(0, dtype=torch.float32)``
+    computes them: one opaque op under torch.compile, so the compiled sum is eager's bit for bit
+    (inductor's own reduction adds in another order)."""
+    return torch.ops.mxtrain.bias_grad(dy2d)
+
+
+@torch.library.custom_op("mxtrain::bias_grad", mutates_args=())
+def _bias_grad_op(dy2d: torch.Tensor) -> torch.Tensor:
+    return dy2d.sum(0, dtype=torch.float32)
+
+
+@_bias_grad_op.register_fake
+def _(dy2d):
+    return dy2d.new_empty(dy2d.shape[1:], dtype=torch.float32)
 
 
 def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:
@@ -206,6 +408,79 @@ def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axi
     the cuBLAS path of :mod:`mxtrain.kernels.gemm` (``Float8Tensor`` operands: the FP8
     GEMMs of :mod:`mxtrain.kernels.float8_gemm`); others the reference.
     """
+    if not all(isinstance(t, (MXTensor, Float8Tensor, torch.Tensor)) for t in (a, b)):
+        raise TypeError(f"mx_gemm operands must be MXTensor, Float8Tensor or torch.Tensor, got "
+                        f"{type(a).__name__} and {type(b).__name__}")
+    (ta, ma), (tb, mb) = _operand_parts(a, a_axis), _operand_parts(b, b_axis)
+    return torch.ops.mxtrain.mx_gemm(ta, ma, tb, mb, a_axis, b_axis, out_dtype, bias, backend)
+
+
+# A GEMM operand enters the op as its tensors and a description of the rest (a literal Python tuple):
+# ("hp",) for a plain tensor; ("mx", fields...) for the one MX plane (or values) the GEMM reads;
+# ("fp8", fields...) for the one FP8 plane it reads.
+
+
+def _operand_parts(t, axis: int) -> tuple[list[torch.Tensor], str]:
+    if isinstance(t, MXTensor):
+        carried = t.values_only(axis)
+        if carried is not None:
+            return [carried[1]], repr(("mx", t.fmt, t.block_size, tuple(t.shape), _dtype_name(t.dtype), t.scale_mode,
+                                       t.rounding, t.whole_axis, carried[0], None))
+        p = t.plane(axis) if t.ndim == 2 else t.plane(None)  # 1-D and 3-D+: the GEMM says what is wrong
+        return [p.data, p.scale], repr(("mx", t.fmt, t.block_size, tuple(t.shape), _dtype_name(t.dtype),
+                                        t.scale_mode, t.rounding, t.whole_axis, p.axis, p.packed))
+    if isinstance(t, Float8Tensor):
+        p = t.plane(axis) if t.ndim == 2 else t.plane(None)
+        return [p.data, p.scale_inv], repr(("fp8", t.fmt, tuple(t.shape), _dtype_name(t.dtype), p.axis, p.block))
+    return [t], "('hp',)"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _operand(tensors: list[torch.Tensor], meta: str):
+    import ast
+
+    desc = ast.literal_eval(meta)
+    if desc[0] == "hp":
+        return tensors[0]
+    if desc[0] == "mx":
+        _, fmt, bs, shape, dtype, scale_mode, rounding, whole_axis, axis, packed = desc
+        planes, values = ((MXPlane(tensors[0], tensors[1], axis, packed),), ()) if packed is not None else \
+            ((), ((axis, tensors[0]),))
+        return MXTensor._unchecked(planes, fmt, bs, shape, getattr(torch, dtype), scale_mode, rounding, whole_axis,
+                                   values)
+    _, fmt, shape, dtype, axis, block = desc
+    return Float8Tensor((Float8Plane(tensors[0], tensors[1], axis, block),), fmt, shape, getattr(torch, dtype))
+
+
+def _operand_rows(tensors: list[torch.Tensor], meta: str, axis: int):
+    """The rows a GEMM operand contributes (its size along the axis it does not reduce over)."""
+    if meta == "('hp',)":
+        return tensors[0].shape[1 - axis % 2]
+    import ast
+
+    shape = ast.literal_eval(meta)[3 if meta.startswith("('mx'") else 2]
+    return shape[1 - axis % 2]
+
+
+@torch.library.custom_op("mxtrain::mx_gemm", mutates_args=())
+def _mx_gemm_op(a: list[torch.Tensor], a_meta: str, b: list[torch.Tensor], b_meta: str, a_axis: int, b_axis: int,
+                out_dtype: torch.dtype, bias: torch.Tensor | None, backend: str | None) -> torch.Tensor:
+    """:func:`mx_gemm` of operands given as their parts (see ``_operand_parts``)."""
+    out = _mx_gemm_impl(_operand(a, a_meta), _operand(b, b_meta), a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype,
+                        bias=bias, backend=backend)
+    return _distinct([out], *a, *b, bias)[0]
+
+
+@_mx_gemm_op.register_fake
+def _(a, a_meta, b, b_meta, a_axis, b_axis, out_dtype, bias, backend):
+    return a[0].new_empty((_operand_rows(a, a_meta, a_axis), _operand_rows(b, b_meta, b_axis)), dtype=out_dtype)
+
+
+def _mx_gemm_impl(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
+                  backend: str | None) -> torch.Tensor:
     device = a.device if isinstance(a, (MXTensor, Float8Tensor, torch.Tensor)) else torch.device("cpu")
     # FP8 operands (Float8Tensor) have GEMMs of their own (mxtrain/kernels/float8_gemm.py)
     impls = _FLOAT8_GEMM_IMPLS if isinstance(a, Float8Tensor) or isinstance(b, Float8Tensor) else _GEMM_IMPLS

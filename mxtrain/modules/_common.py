@@ -26,6 +26,9 @@ def recipe_generator(recipe, device: torch.device) -> torch.Generator | None:
     None (torch's global RNG) for an MX recipe without a seed and for FP8 recipes (no stochastic rounding)."""
     if not isinstance(recipe, MXRecipeBase) or recipe.seed is None:
         return None
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("an MX recipe with a seed (stochastic rounding with a torch.Generator) cannot "
+                                  "be compiled yet; use seed=None (torch's global RNG) or run it eagerly")
     key = (recipe.seed, device)
     gen = _GENERATORS.get(key)
     if gen is None:

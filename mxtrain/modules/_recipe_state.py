@@ -64,6 +64,11 @@ class RecipeStateMixin:
         make_state = getattr(recipe, "make_state", None)
         if make_state is None:
             return recipe
+        if torch.compiler.is_compiling():
+            # its amax histories update on the host, in Python, and the casts record into them: not traceable
+            raise NotImplementedError(f"{type(recipe).__name__} (per-module scaling state) cannot run under "
+                                      "torch.compile yet; use Float8CurrentScaling, Float8BlockScaling or an MX "
+                                      "recipe, or run this module eagerly")
         state = self.__dict__.get(_ATTR)
         replay = _REPLAY.get()
         if replay is not None or not torch.is_grad_enabled() or in_backward():

@@ -28,7 +28,7 @@ from torch import nn
 
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.activation_cast import activation_backward_cast, activation_cast
-from mxtrain.kernels.dispatch import mx_gemm
+from mxtrain.kernels.dispatch import bias_grad, mx_gemm
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
     autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward, free_operand,
@@ -74,7 +74,7 @@ def _activation_grad_operands(h, da, act, specs_axes, recipe, gen, need_bias: bo
     if fused is not None:
         return fused, sums[0]
     dh = round_elemwise(activation_backward(h, da, act), recipe)
-    return quantize_operand(dh, specs_axes, gen, at_once=True), (dh.sum(0, dtype=torch.float32) if need_bias else None)
+    return quantize_operand(dh, specs_axes, gen, at_once=True), (bias_grad(dh) if need_bias else None)
 
 
 class _LayerNormMLPFn(torch.autograd.Function):
@@ -165,7 +165,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             db2 = db2.to(d2b) if need_b2 else None
         else:
             dy_row, dy_col = quantize_operand(dy2d, dy_specs, gen, at_once=True)
-            db2 = dy2d.sum(0, dtype=torch.float32).to(d2b) if need_b2 else None
+            db2 = bias_grad(dy2d).to(d2b) if need_b2 else None
 
         dw2 = da = None
         if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it (unless fused)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxtrain.autocast import get_recipe
-from mxtrain.kernels.dispatch import mx_gemm
+from mxtrain.kernels.dispatch import bias_grad, mx_gemm
 from mxtrain.modules._common import (
     autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
     once_differentiable, quantize_operand, recipe_generator, release_mx_operands, save_for_backward, saved_tensors,
@@ -68,12 +68,12 @@ def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool
     fused = fused_float8_operands(dy2d, specs, dbias=bias_dtype is not None) if dy_operands is None else None
     if dy_operands is not None:
         dy_row, dy_col = dy_operands
-        db = dy2d.sum(0, dtype=torch.float32) if bias_dtype is not None else None
+        db = bias_grad(dy2d) if bias_dtype is not None else None
     elif fused is not None:
         (dy_row, dy_col), db = fused
     else:
         dy_row, dy_col = quantize_operand(dy2d, specs, generator, at_once=True)
-        db = dy2d.sum(0, dtype=torch.float32) if bias_dtype is not None else None
+        db = bias_grad(dy2d) if bias_dtype is not None else None
     dx = dw = None
     if needs_dgrad:
         if w_col is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mxtrain.formats import ElemFormat
+from mxtrain.formats import ElemFormat, parse_format
 from mxtrain.quantization import _memory, lut
 from mxtrain.quantization.packing import unpack_codes
 from mxtrain.quantization.rounding import decode_codes_fast
@@ -12,7 +12,8 @@ from mxtrain.quantization.scale import scale_values
 
 # Dynamo stays out of the quantizers: they are chunked Python loops, and inductor
 # has miscompiled their dtype-bitcast views inside fused chains (NaN where eager is
-# exact). Compiled models call them as opaque, exact functions (one graph break each).
+# exact). Compiled models call them as opaque, exact functions: registered ops
+# (``mxtrain::dequantize_plane``) where a module's path reaches them, else one graph break each.
 _no_dynamo = torch.compiler.disable(recursive=True)
 
 CHUNK_ELEMENTS = 1 << 18  # ~1 MiB of fp32 per chunk: every pass stays in cache
@@ -38,16 +39,33 @@ def _unpacked_length(nbytes: int, fmt: ElemFormat, packed: bool) -> int:
     return nbytes if not packed or fmt.bits == 8 else nbytes * 8 // fmt.bits
 
 
-@_no_dynamo
 def dequantize_plane(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, packed: bool,
                      length: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Values ``code * 2**X`` of a plane's codes ``[..., bytes]`` (packed or not) with scales ``[..., nblocks]``.
 
     Cropped to ``length`` along the last axis (default: the padded length), cast to ``dtype``.
+    One opaque op under ``torch.compile`` (``mxtrain::dequantize_plane``).
     """
+    padded = _unpacked_length(data.shape[-1], fmt, packed)
+    return torch.ops.mxtrain.dequantize_plane(data, scale, fmt.name, packed, padded if length is None else length,
+                                              dtype)
+
+
+@torch.library.custom_op("mxtrain::dequantize_plane", mutates_args=())
+def _dequantize_plane_op(data: torch.Tensor, scale: torch.Tensor, fmt: str, packed: bool, length: int,
+                         dtype: torch.dtype) -> torch.Tensor:
+    return _dequantize_plane(data, scale, parse_format(fmt), packed, length, dtype)
+
+
+@_dequantize_plane_op.register_fake
+def _(data, scale, fmt, packed, length, dtype):
+    return data.new_empty((*data.shape[:-1], length), dtype=dtype)
+
+
+def _dequantize_plane(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, packed: bool, length: int,
+                      dtype: torch.dtype) -> torch.Tensor:
     nblocks = scale.shape[-1]
     padded = _unpacked_length(data.shape[-1], fmt, packed)
-    length = padded if length is None else length
     lead = data.shape[:-1]
     data2, scale2 = data.reshape(-1, data.shape[-1]), scale.reshape(-1, nblocks)
     out = _memory.empty((data2.shape[0], length), dtype, data.device)

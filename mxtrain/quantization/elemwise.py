@@ -8,14 +8,6 @@ from mxtrain.formats import ElemFormat, parse_elemwise_format
 from mxtrain.quantization._validate import ROUNDINGS, check_choice, check_float_tensor, make_generator
 from mxtrain.quantization.rounding import FP32_ABS_MASK, grid_value, round_to_grid
 
-# Dynamo stays out of the quantizers: they are chunked Python loops, and inductor
-# has miscompiled their dtype-bitcast views inside fused chains (NaN where eager is
-# exact). Compiled models call them as opaque, exact functions (one graph break each).
-_no_dynamo = torch.compiler.disable(recursive=True)
-
-
-
-@_no_dynamo
 def quantize_elemwise(x: torch.Tensor, fmt: "str | ElemFormat", rounding: str = "even",
                       subnormals: bool = True, saturate: bool | None = None,
                       seed: "int | torch.Generator | None" = None) -> torch.Tensor:
@@ -45,6 +37,30 @@ def quantize_elemwise(x: torch.Tensor, fmt: "str | ElemFormat", rounding: str = 
     rounding = check_choice(rounding, ROUNDINGS, "rounding")
     if saturate is None:
         saturate = not fmt.has_inf
+    if rounding == "stochastic" and not (seed is None or type(seed) is int):  # a Generator (or a bad seed)
+        if torch.compiler.is_compiling() and isinstance(seed, torch.Generator):
+            raise NotImplementedError("quantize_elemwise: stochastic rounding with a torch.Generator (a recipe "
+                                      "seed) cannot be compiled; use an int seed or None, or run it eagerly")
+        return _round_elemwise(x, fmt, rounding, subnormals, saturate, seed)
+    return torch.ops.mxtrain.quantize_elemwise(x, fmt.name, rounding, subnormals, saturate,
+                                               seed if rounding == "stochastic" else None)
+
+
+# Dynamo stays out of the quantizers: inductor has miscompiled their dtype-bitcast views
+# inside fused chains (NaN where eager is exact), so a compiled graph holds them as one opaque op.
+@torch.library.custom_op("mxtrain::quantize_elemwise", mutates_args=())
+def _quantize_elemwise_op(x: torch.Tensor, fmt: str, rounding: str, subnormals: bool, saturate: bool,
+                          seed: int | None) -> torch.Tensor:
+    return _round_elemwise(x, parse_elemwise_format(fmt), rounding, subnormals, saturate, seed)
+
+
+@_quantize_elemwise_op.register_fake
+def _(x, fmt, rounding, subnormals, saturate, seed):
+    return torch.empty_like(x)
+
+
+def _round_elemwise(x: torch.Tensor, fmt: ElemFormat, rounding: str, subnormals: bool, saturate: bool,
+                    seed) -> torch.Tensor:
     generator = make_generator(seed, x.device) if rounding == "stochastic" else None
     xf = x.float()
     if not subnormals and fmt.is_float:
