@@ -154,6 +154,9 @@ def quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: st
     scales are kept (default: all); a plane needed only as a GEMM operand right
     away can skip its codes (``keep_codes`` without that axis).
     """
+    if not torch.compiler.is_compiling():  # eager: the implementation itself, without the op's host overhead
+        return _quantize_impl(x, fmt, block_size, axis, scale_mode, rounding, seed, pack, backend, dequantized,
+                              dequantized_dtype, keep_codes)
     if rounding == "stochastic" and not (seed is None or type(seed) is int):
         # a Generator cannot enter a registered op: eager only (a bad seed: the cast says what is wrong)
         if torch.compiler.is_compiling() and isinstance(seed, torch.Generator):
@@ -258,6 +261,11 @@ def _(x, fmt, block_size, axes, scale_mode, rounding, seed, pack, dequantized, d
 def dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None = None,
                backend: str | None = None) -> torch.Tensor:
     """``mxt.dequantize(dtype, axis)`` through the selected backend (bit-identical across backends)."""
+    if not torch.compiler.is_compiling():  # eager: the implementation itself
+        name = _resolve(backend, mxt.device, _DEQUANTIZE_IMPLS)
+        if name == "reference" or mxt.values_only(axis) is not None:  # values without codes: cast them
+            return mxt.dequantize(dtype, axis)
+        return _DEQUANTIZE_IMPLS[name](mxt, dtype, axis)
     if mxt.values_only(axis) is not None:  # values without codes: cast them
         return mxt.dequantize(dtype, axis)
     p = mxt.plane(axis)
@@ -289,6 +297,9 @@ def quantize_float8(x: torch.Tensor, fmt, *, axes=-1, scale: torch.Tensor | None
                     power_of_2_scales: bool = False, amax_epsilon: float = 0.0, amax_reduction_group=None,
                     backend: str | None = None) -> Float8Tensor:
     """``mxtrain.quantization.float8.quantize_float8`` through the selected backend (bit-identical)."""
+    if not torch.compiler.is_compiling():  # eager: the implementation itself
+        return _quantize_float8_impl(x, fmt, axes, scale, block, power_of_2_scales, amax_epsilon,
+                                     amax_reduction_group, backend)
     if amax_reduction_group is not None or not isinstance(x, torch.Tensor) or not x.is_floating_point():
         # a process group cannot enter a registered op: eager only (bad input: the cast says what is wrong)
         if torch.compiler.is_compiling() and amax_reduction_group is not None:
@@ -367,6 +378,8 @@ def bias_grad(dy2d: torch.Tensor) -> torch.Tensor:
     """The fp32 column sums of a 2-D gradient (a bias gradient), as ``dy2d.sum(0, dtype=torch.float32)``
     computes them: one opaque op under torch.compile, so the compiled sum is eager's bit for bit
     (inductor's own reduction adds in another order)."""
+    if not torch.compiler.is_compiling():
+        return dy2d.sum(0, dtype=torch.float32)
     return torch.ops.mxtrain.bias_grad(dy2d)
 
 
@@ -411,6 +424,8 @@ def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axi
     if not all(isinstance(t, (MXTensor, Float8Tensor, torch.Tensor)) for t in (a, b)):
         raise TypeError(f"mx_gemm operands must be MXTensor, Float8Tensor or torch.Tensor, got "
                         f"{type(a).__name__} and {type(b).__name__}")
+    if not torch.compiler.is_compiling():  # eager: the implementation itself
+        return _mx_gemm_impl(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias, backend=backend)
     (ta, ma), (tb, mb) = _operand_parts(a, a_axis), _operand_parts(b, b_axis)
     return torch.ops.mxtrain.mx_gemm(ta, ma, tb, mb, a_axis, b_axis, out_dtype, bias, backend)
 

@@ -47,6 +47,8 @@ def dequantize_plane(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, p
     One opaque op under ``torch.compile`` (``mxtrain::dequantize_plane``).
     """
     padded = _unpacked_length(data.shape[-1], fmt, packed)
+    if not torch.compiler.is_compiling():  # eager: the implementation itself
+        return _dequantize_plane(data, scale, fmt, packed, padded if length is None else length, dtype)
     return torch.ops.mxtrain.dequantize_plane(data, scale, fmt.name, packed, padded if length is None else length,
                                               dtype)
 

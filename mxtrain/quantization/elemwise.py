@@ -37,6 +37,8 @@ def quantize_elemwise(x: torch.Tensor, fmt: "str | ElemFormat", rounding: str = 
     rounding = check_choice(rounding, ROUNDINGS, "rounding")
     if saturate is None:
         saturate = not fmt.has_inf
+    if not torch.compiler.is_compiling():  # eager: the implementation itself
+        return _round_elemwise(x, fmt, rounding, subnormals, saturate, seed)
     if rounding == "stochastic" and not (seed is None or type(seed) is int):  # a Generator (or a bad seed)
         if torch.compiler.is_compiling() and isinstance(seed, torch.Generator):
             raise NotImplementedError("quantize_elemwise: stochastic rounding with a torch.Generator (a recipe "
