@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxtrain.emulation.norm_utils import _affine_grads, _norm_backward, _norm_forward, _rounded_affine_inputs
+from mxtrain.emulation.norm_utils import _channel_norm_grads, _norm_forward, _rounded_affine_inputs
 from mxtrain.emulation.saved import keep_for_backward
 from mxtrain.emulation.vector_ops import vec_add, vec_mul
 
@@ -43,8 +43,6 @@ class BatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        sum_axes = [0] + list(range(2, grad_output.ndim))
-        (x_shift, x_norm, x_std_inv, weight), specs = ctx.saved_tensors, ctx.prec
-        grad_output, grad_weight, grad_bias = _affine_grads(grad_output, x_norm, sum_axes, specs)
-        grad_input = _norm_backward(grad_output, sum_axes, weight, x_shift, x_std_inv, specs, weight_axis=1)
+        grad_input, grad_weight, grad_bias = _channel_norm_grads(ctx, grad_output,
+                                                                 [0] + list(range(2, grad_output.ndim)))
         return grad_input, None, None, grad_weight, grad_bias, None, None, None, None

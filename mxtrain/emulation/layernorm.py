@@ -17,8 +17,13 @@ from mxtrain.emulation.vector_ops import vec_add, vec_mul, vec_quantize, vec_rec
 __all__ = ["LayerNormFunction", "RMSNormFunction"]
 
 
-def _leading_axes(t):
-    return list(range(t.ndim - 1))
+def _saved_and_affine_grads(ctx, grad_output):
+    """``(saved tensors, backward precision, g, dweight, dbias)`` of a norm over the last dim that kept
+    ``x_norm`` first: g rounded, the weight and bias gradients summed over the leading dims."""
+    saved, specs = ctx.saved_tensors, ctx.prec
+    grad_output, grad_weight, grad_bias = _affine_grads(grad_output, saved[0], list(range(grad_output.ndim - 1)),
+                                                        specs)
+    return saved, specs, grad_output, grad_weight, grad_bias
 
 
 class LayerNormFunction(torch.autograd.Function):
@@ -32,8 +37,7 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        (x_norm, x_vare, weight), specs = ctx.saved_tensors, ctx.prec
-        grad_output, grad_weight, grad_bias = _affine_grads(grad_output, x_norm, _leading_axes(grad_output), specs)
+        (x_norm, x_vare, weight), specs, grad_output, grad_weight, grad_bias = _saved_and_affine_grads(ctx, grad_output)
         grad_input = _norm_backward_LN(grad_output, -1, weight, x_norm, x_vare, specs)
         return grad_input, grad_weight, grad_bias, None, None, None
 
@@ -56,8 +60,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        (x_norm, x_rms_inv, weight), specs = ctx.saved_tensors, ctx.prec
-        grad_output, grad_weight, grad_bias = _affine_grads(grad_output, x_norm, _leading_axes(grad_output), specs)
+        (x_norm, x_rms_inv, weight), specs, grad_output, grad_weight, grad_bias = _saved_and_affine_grads(ctx, grad_output)
         dx1 = vec_mul(vec_mul(grad_output, weight, prec=specs), x_rms_inv, prec=specs)
         dx_norm2 = vec_reduce_mean(vec_mul(dx1, x_norm, prec=specs), -1, keepdim=True, prec=specs)
         dx_norm3 = vec_mul(x_norm, dx_norm2, prec=specs)

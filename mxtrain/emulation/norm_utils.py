@@ -140,3 +140,14 @@ def _affine_grads(grad_output, x_norm, sum_axes, prec):
     grad_bias = vec_reduce_sum(grad_output, sum_axes, prec=prec)
     grad_weight = vec_reduce_sum(vec_mul(grad_output, x_norm, prec=prec), sum_axes, prec=prec)
     return grad_output, grad_weight, grad_bias
+
+
+def _channel_norm_grads(ctx, grad_output, norm_axes, groups=None):
+    """``(dx, dweight, dbias)`` of BatchNorm / GroupNorm (channels on axis 1) from what their forward kept:
+    ``x_shift, x_norm, x_std_inv, weight`` and the backward precision."""
+    sum_axes = [0] + list(range(2, grad_output.ndim))
+    (x_shift, x_norm, x_std_inv, weight), specs = ctx.saved_tensors, ctx.prec
+    grad_output, grad_weight, grad_bias = _affine_grads(grad_output, x_norm, sum_axes, specs)
+    grad_input = _norm_backward(grad_output, norm_axes, weight, x_shift, x_std_inv, specs, groups=groups,
+                                weight_axis=1)
+    return grad_input, grad_weight, grad_bias

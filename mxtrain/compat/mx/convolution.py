@@ -54,20 +54,32 @@ def _round_bias_and_save(ctx, input, weight, bias, bf_in, bf_weight, mx_specs):
     return bf_bias
 
 
-def _backward_operands(ctx, grad_output):
-    """``(specs, input, weight, grad_output, qex_input, qex_grad_output)`` of a conv's backward: dY rounded,
-    and input and dY MX-quantized along the batch axis (the weight gradient's operands)."""
+def _rounded_output(ctx, output, mx_specs):
+    """The conv's output rounded at ``round_output``; keeps the backward specs on ``ctx``."""
+    output = quantize_elemwise_op(output, mx_specs=mx_specs, round=mx_specs["round_output"])
+    ctx.mx_specs = get_backwards_mx_specs(mx_specs)
+    return output
+
+
+def _conv_grads(ctx, grad_output, weight_grad, weight_axis, input_grad):
+    """``(dX, dW, db)`` of a conv or transposed conv, each rounded as microxcaling does.
+
+    dY is rounded first; ``dW = weight_grad(input, weight_shape, dY)`` on input and dY MX-quantized along the
+    batch axis; ``dX = input_grad(input_shape, W, dY)`` on W blocked along ``weight_axis`` and dY along its
+    channels; db (None without a bias) is dY summed over all but the channel axis. The callables get the conv's
+    stride, padding, dilation and groups as keywords.
+    """
     specs = ctx.mx_specs
+    kw = dict(stride=ctx.stride, padding=ctx.padding, dilation=ctx.dilation, groups=ctx.groups)
     input, weight = ctx.saved_tensors
     grad_output = quantize_elemwise_op(grad_output, mx_specs=specs, round=specs["round_grad_input"])
     qex_input = quantize_mx_op(input, specs, elem_format=specs["a_elem_format"], axes=[0])
     qex_grad_output = quantize_mx_op(grad_output, specs, elem_format=specs["a_elem_format"], axes=[0])
-    return specs, input, weight, grad_output, qex_input, qex_grad_output
-
-
-def _input_and_bias_grads(ctx, specs, grad_input, grad_weight, grad_output):
-    """``(dX, dW, db)``: dX rounded at ``round_grad_input``, db (None without a bias) the sum of dY over all
-    but the channel axis, rounded at ``round_grad_weight``."""
+    grad_weight = weight_grad(qex_input, weight.shape, qex_grad_output, **kw)
+    grad_weight = quantize_elemwise_op(grad_weight, mx_specs=specs, round=specs["round_grad_weight"])
+    qod_weight = quantize_mx_op(weight, specs, elem_format=specs["w_elem_format"], axes=[weight_axis])
+    qod_grad_output = quantize_mx_op(grad_output, specs, elem_format=specs["a_elem_format"], axes=[1])
+    grad_input = input_grad(input.shape, qod_weight, qod_grad_output, **kw)
     grad_input = quantize_elemwise_op(grad_input, mx_specs=specs, round=specs["round_grad_input"])
     grad_bias = None
     if ctx.has_bias:
@@ -96,21 +108,11 @@ class ConvFunction(torch.autograd.Function):
         qid_weight = cached(weight, ("conv_mx_fwd",) + key,
                             lambda: quantize_mx_op(bf_weight, mx_specs, elem_format=mx_specs["w_elem_format"], axes=[1]))
         output = _FWD[dims](qid_input, qid_weight, bf_bias, stride, padding, dilation, groups)
-        output = quantize_elemwise_op(output, mx_specs=mx_specs, round=mx_specs["round_output"])
-        ctx.mx_specs = get_backwards_mx_specs(mx_specs)
-        return output
+        return _rounded_output(ctx, output, mx_specs)
 
     @staticmethod
     def backward(ctx, grad_output):
-        specs, input, weight, grad_output, qex_input, qex_grad_output = _backward_operands(ctx, grad_output)
-        grad_weight = conv_weight(qex_input, weight.shape, qex_grad_output, stride=ctx.stride, padding=ctx.padding,
-                                  dilation=ctx.dilation, groups=ctx.groups)
-        grad_weight = quantize_elemwise_op(grad_weight, mx_specs=specs, round=specs["round_grad_weight"])
-        qod_weight = quantize_mx_op(weight, specs, elem_format=specs["w_elem_format"], axes=[0])
-        qod_grad_output = quantize_mx_op(grad_output, specs, elem_format=specs["a_elem_format"], axes=[1])
-        grad_input = ctx.conv_input(input.shape, qod_weight, qod_grad_output, stride=ctx.stride,
-                                    padding=ctx.padding, dilation=ctx.dilation, groups=ctx.groups)
-        return _input_and_bias_grads(ctx, specs, grad_input, grad_weight, grad_output) + (None,) * 6
+        return _conv_grads(ctx, grad_output, conv_weight, 0, ctx.conv_input) + (None,) * 6
 
 
 def _conv(dims):

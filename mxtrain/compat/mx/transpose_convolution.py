@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxtrain.compat.mx.convolution import (_backward_operands, _input_and_bias_grads, _round_bias_and_save,
-                                           conv_weight)
+from mxtrain.compat.mx.convolution import _conv_grads, _round_bias_and_save, _rounded_output, conv_weight
 from mxtrain.compat.mx.elemwise_ops import quantize_elemwise_op
 from mxtrain.compat.mx.mx_ops import quantize_mx_op
 from mxtrain.compat.mx.specs import MxSpecsModule, apply_mx_specs, get_backwards_mx_specs, mx_assert_test
@@ -30,21 +29,13 @@ class ConvTranspose2dFunction(torch.autograd.Function):
         qid_weight = quantize_mx_op(bf_weight, mx_specs, elem_format=mx_specs["w_elem_format"], axes=[0])
         output = F.conv_transpose2d(qid_input, qid_weight, bf_bias, stride, padding, output_padding, groups,
                                     dilation)
-        output = quantize_elemwise_op(output, mx_specs=mx_specs, round=mx_specs["round_output"])
-        ctx.mx_specs = get_backwards_mx_specs(mx_specs)
-        return output
+        return _rounded_output(ctx, output, mx_specs)
 
     @staticmethod
     def backward(ctx, grad_output):
-        specs, input, weight, grad_output, qex_input, qex_grad_output = _backward_operands(ctx, grad_output)
-        grad_weight = conv_weight(qex_grad_output, weight.shape, qex_input, stride=ctx.stride, padding=ctx.padding,
-                                  dilation=ctx.dilation, groups=ctx.groups)
-        grad_weight = quantize_elemwise_op(grad_weight, mx_specs=specs, round=specs["round_grad_weight"])
-        qod_weight = quantize_mx_op(weight, specs, elem_format=specs["w_elem_format"], axes=[1])
-        qod_grad_output = quantize_mx_op(grad_output, specs, elem_format=specs["a_elem_format"], axes=[1])
-        grad_input = torch.conv2d(qod_grad_output, qod_weight, bias=None, stride=ctx.stride, padding=ctx.padding,
-                                  dilation=ctx.dilation, groups=ctx.groups)
-        return _input_and_bias_grads(ctx, specs, grad_input, grad_weight, grad_output) + (None,) * 7
+        # the transposed conv's weight gradient swaps the roles of input and dY; its dX is a plain conv of dY
+        return _conv_grads(ctx, grad_output, lambda x, w_shape, dy, **kw: conv_weight(dy, w_shape, x, **kw), 1,
+                           lambda x_shape, w, dy, **kw: torch.conv2d(dy, w, bias=None, **kw)) + (None,) * 7
 
 
 class ConvTranspose2d(MxSpecsModule, torch.nn.ConvTranspose2d):
