@@ -78,11 +78,14 @@ def _relu_grad(grad_output, out_sign):
     return g
 
 
-def _rounded_clamp(ctx, input, inplace, prec, clamp):
-    """``clamp(input)`` (relu or relu6) rounded to ``prec``, written into ``input`` when ``inplace``."""
+def _rounded_clamp(ctx, input, inplace, prec, clamp, clamp_):
+    """``clamp(input)`` (relu or relu6) rounded to ``prec``, written into ``input`` by ``clamp_`` when ``inplace``.
+
+    ReLU passes ``torch.relu``, not ``F.relu``, which ``compat.mx.inject_pyt_ops`` replaces.
+    """
     if inplace:
         ctx.mark_dirty(input)
-        input = clamp(input, inplace=True)
+        input = clamp_(input)
         input.copy_(vec_quantize(input, prec=prec))
         return input
     return vec_quantize(clamp(input), prec=prec)
@@ -92,7 +95,7 @@ class ReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, inplace=False, prec=None, name=None):
         ctx.name = name
-        output = _rounded_clamp(ctx, input, inplace, prec, F.relu)
+        output = _rounded_clamp(ctx, input, inplace, prec, torch.relu, torch.relu_)
         keep_for_backward(ctx, prec, torch.sign(output))  # 1 where output > 0, else 0 (NaN where NaN)
         return output
 
@@ -106,7 +109,8 @@ class ReLU6Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, inplace=False, prec=None, name=None):
         ctx.name = name
-        output = _rounded_clamp(ctx, input, inplace, prec, F.relu6)
+        output = _rounded_clamp(ctx, input, inplace, prec, F.relu6,
+                                lambda x: F.relu6(x, inplace=True))
         keep_for_backward(ctx, prec, torch.logical_and(output > 0, output < 6))
         return output
 
