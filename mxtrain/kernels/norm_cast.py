@@ -41,7 +41,7 @@ class NormCastResult:
 
 
 if HAVE_TRITON:
-    from mxtrain.kernels.cast import _quantize_cols, _quantize_rows, _round_to_dtype, _store_out, _widen
+    from mxtrain.kernels.cast import _quantize_plane, _round_to_dtype, _store_out, _widen
 
     @triton.jit
     def _norm_cast_kernel(
@@ -112,13 +112,13 @@ if HAVE_TRITON:
             if WRITE_Y:
                 _store_out(y_ptr + rm[:, None] * stride_ym + rk[None, :], y, mask, OUT_KIND)
             if ROW:
-                _quantize_rows(y, rm, rk, m_in, k0, seed, row_data_ptr, row_data_stride, row_scale_ptr,
-                               row_scale_stride, KP, NBK, BLOCK_M, BLOCK_K, BS, True, SCALE_MODE, ROUNDING, HW_FP8,
-                               IS_INT, BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS, PACK_BITS)
+                _quantize_plane(y, rm, rk, m_in, k0, seed, row_data_ptr, row_data_stride, row_scale_ptr,
+                                row_scale_stride, KP, NBK, 2, True, BLOCK_M, BLOCK_K, BS, SCALE_MODE, ROUNDING, HW_FP8,
+                                IS_INT, BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS, PACK_BITS)
             if COL:
-                _quantize_cols(y, rm, rk, k_in, pm * BLOCK_M, seed, col_data_ptr, col_data_stride, col_scale_ptr,
-                               col_scale_stride, MP, NBM, BLOCK_M, BLOCK_K, BS, True, SCALE_MODE, ROUNDING, HW_FP8,
-                               IS_INT, BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS, PACK_BITS)
+                _quantize_plane(y, rm, rk, k_in, pm * BLOCK_M, seed, col_data_ptr, col_data_stride, col_scale_ptr,
+                                col_scale_stride, MP, NBM, 1, True, BLOCK_M, BLOCK_K, BS, SCALE_MODE, ROUNDING, HW_FP8,
+                                IS_INT, BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS, PACK_BITS)
 
 
 def torch_norm(x, weight, bias=None, kind="LayerNorm", eps=1e-5, zero_centered_gamma=False):
