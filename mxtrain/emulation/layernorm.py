@@ -60,7 +60,8 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        (x_norm, x_rms_inv, weight), specs, grad_output, grad_weight, grad_bias = _saved_and_affine_grads(ctx, grad_output)
+        saved, specs, grad_output, grad_weight, grad_bias = _saved_and_affine_grads(ctx, grad_output)
+        x_norm, x_rms_inv, weight = saved
         dx1 = vec_mul(vec_mul(grad_output, weight, prec=specs), x_rms_inv, prec=specs)
         dx_norm2 = vec_reduce_mean(vec_mul(dx1, x_norm, prec=specs), -1, keepdim=True, prec=specs)
         dx_norm3 = vec_mul(x_norm, dx_norm2, prec=specs)
