@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from mxtrain.compat.mx.convolution import _conv_grads, _round_bias_and_save, _rounded_output, conv_weight
 from mxtrain.compat.mx.elemwise_ops import quantize_elemwise_op
 from mxtrain.compat.mx.mx_ops import quantize_mx_op
-from mxtrain.compat.mx.specs import MxSpecsModule, apply_mx_specs, get_backwards_mx_specs, mx_assert_test
+from mxtrain.compat.mx.specs import MxSpecsModule
 
 __all__ = ["ConvTranspose2dFunction", "ConvTranspose2d"]
 
