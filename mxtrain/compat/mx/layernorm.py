@@ -3,7 +3,9 @@
 As in microxcaling: ``LayerNorm(hidden_size, eps=1e-12, mx_specs=None)`` (eps
 inside the square root; plain ``torch.nn.LayerNorm`` when ``mx_specs`` is None);
 ``RMSNorm`` has a weight and a bias (``out = w * x / sqrt(mean(x*x) + eps) + b``)
-and always runs its own function (unrounded without specs).
+and always runs its own function (unrounded without specs). The arithmetic is
+:mod:`mxtrain.emulation.layernorm`'s; the ``*Function`` classes take ``mx_specs`` in
+place of its precision (:func:`mxtrain.compat.mx.precision.translating_function`).
 """
 
 from __future__ import annotations
