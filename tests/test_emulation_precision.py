@@ -57,3 +57,26 @@ def test_the_engine_takes_no_mx_specs():
         names = {n.arg for n in ast.walk(tree) if isinstance(n, ast.arg)}
         names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         assert not {n for n in names if "mx_specs" in n}, path.name
+
+
+def test_the_norm_engine_unrounded_is_the_plain_formula_and_compat_translates_into_it():
+    """emulation.layernorm at fmt=None computes layer/RMS norm as torch does; compat/mx's Functions are it."""
+    from mxtrain.compat.mx import layernorm as compat_ln
+    from mxtrain.emulation import layernorm as engine
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(16, dtype=torch.float64, requires_grad=True)
+    plain = ElementwisePrecision(None)
+    rms = lambda x, w, b: w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) + b  # noqa: E731
+    for fn, ref in ((engine.LayerNormFunction, lambda x, w, b: torch.nn.functional.layer_norm(x, (16,), w, b, 1e-6)),
+                    (engine.RMSNormFunction, rms)):
+        g = torch.randn(3, 5, 16, dtype=torch.float64)
+        ours = torch.autograd.grad(fn.apply(x, w, b, 1e-6, plain), (x, w, b), g)
+        theirs = torch.autograd.grad(ref(x, w, b), (x, w, b), g)
+        for a, t in zip(ours, theirs):
+            torch.testing.assert_close(a, t)
+        out = fn.apply(x.float(), w.float(), b.float(), 1e-6, ElementwisePrecision("bfloat16"))
+        assert torch.equal(out, out.bfloat16().float())  # every step rounded, the output too
+    assert issubclass(compat_ln.LayerNormFunction, engine.LayerNormFunction)
+    assert issubclass(compat_ln.RMSNormFunction, engine.RMSNormFunction)

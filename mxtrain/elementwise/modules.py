@@ -39,50 +39,27 @@ def _precision(module):
     return elementwise_precision(module.__dict__.get("_mx_recipe") or get_recipe())
 
 
-class ReLU(nn.ReLU):
+def _module(base, emulate, doc=None):
+    """``base`` (a torch activation module) whose forward is ``emulate(module, x, prec)`` while an elementwise
+    precision is set, else ``base``'s own."""
     def forward(self, x):
         s = _precision(self)
-        return super().forward(x) if s is None else _act.ReLUFunction.apply(x, self.inplace, s, None)
+        return base.forward(self, x) if s is None else emulate(self, x, s)
+
+    return type(base.__name__, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__,
+                                         "__qualname__": base.__name__})
 
 
-class ReLU6(nn.ReLU6):
-    def forward(self, x):
-        s = _precision(self)
-        return super().forward(x) if s is None else _act.ReLU6Function.apply(x, self.inplace, s, None)
-
-
-class LeakyReLU(nn.LeakyReLU):
-    def forward(self, x):
-        s = _precision(self)
-        if s is None:
-            return super().forward(x)
-        return _act.LeakyReLUFunction.apply(x, self.negative_slope, self.inplace, s, None)
-
-
-class GELU(nn.GELU):
-    """With elementwise precision on: microxcaling's sigmoid form of the tanh approximation (either ``approximate``)."""
-
-    def forward(self, x):
-        s = _precision(self)
-        return super().forward(x) if s is None else _act.GELUFunction.apply(x, s, False, None)
-
-
-class SiLU(nn.SiLU):
-    def forward(self, x):
-        s = _precision(self)
-        return super().forward(x) if s is None else _act.SiLUFunction.apply(x, self.inplace, s, None)
-
-
-class Sigmoid(nn.Sigmoid):
-    def forward(self, x):
-        s = _precision(self)
-        return super().forward(x) if s is None else _act.SigmoidFunction.apply(x, s, None)
-
-
-class Tanh(nn.Tanh):
-    def forward(self, x):
-        s = _precision(self)
-        return super().forward(x) if s is None else _act.TanhFunction.apply(x, s, None)
+ReLU = _module(nn.ReLU, lambda m, x, s: _act.ReLUFunction.apply(x, m.inplace, s, None))
+ReLU6 = _module(nn.ReLU6, lambda m, x, s: _act.ReLU6Function.apply(x, m.inplace, s, None))
+LeakyReLU = _module(nn.LeakyReLU,
+                    lambda m, x, s: _act.LeakyReLUFunction.apply(x, m.negative_slope, m.inplace, s, None))
+GELU = _module(nn.GELU, lambda m, x, s: _act.GELUFunction.apply(x, s, False, None),
+               "With elementwise precision on: microxcaling's sigmoid form of the tanh approximation (either "
+               "``approximate``).")
+SiLU = _module(nn.SiLU, lambda m, x, s: _act.SiLUFunction.apply(x, m.inplace, s, None))
+Sigmoid = _module(nn.Sigmoid, lambda m, x, s: _act.SigmoidFunction.apply(x, s, None))
+Tanh = _module(nn.Tanh, lambda m, x, s: _act.TanhFunction.apply(x, s, None))
 
 
 class Softmax(nn.Softmax):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mxtrain.emulation.saved import keep_for_backward, saved_and_grad
 from mxtrain.emulation.vector_ops import vec_add, vec_exp, vec_mul, vec_quantize, vec_recip, vec_sub, vec_tanh
 
 __all__ = ["SigmoidFunction", "TanhFunction", "ReLUFunction", "ReLU6Function",
@@ -30,15 +31,12 @@ class SigmoidFunction(torch.autograd.Function):
         input = vec_quantize(input, prec=prec)
         exp_nx = vec_exp(-input, prec=prec)
         output = vec_recip(vec_add(exp_nx, 1.0, prec=prec), prec=prec)
-        ctx.save_for_backward(output)
-        ctx.prec = prec.backward()
+        keep_for_backward(ctx, prec, output)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        (output,) = ctx.saved_tensors
-        specs = ctx.prec
-        grad_output = vec_quantize(grad_output, prec=specs)
+        (output,), specs, grad_output = saved_and_grad(ctx, grad_output)
         grad_sigmoid = vec_mul(output, vec_sub(1, output, prec=specs), prec=specs)
         return vec_mul(grad_sigmoid, grad_output, prec=specs), None, None
 
@@ -48,15 +46,12 @@ class TanhFunction(torch.autograd.Function):
     def forward(ctx, input, prec=None, name=None):
         ctx.name = name
         output = vec_tanh(vec_quantize(input, prec=prec), prec=prec)
-        ctx.save_for_backward(output)
-        ctx.prec = prec.backward()
+        keep_for_backward(ctx, prec, output)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        (output,) = ctx.saved_tensors
-        specs = ctx.prec
-        grad_output = vec_quantize(grad_output, prec=specs)
+        (output,), specs, grad_output = saved_and_grad(ctx, grad_output)
         grad_tanh = vec_sub(1, vec_mul(output, output, prec=specs), prec=specs)
         return vec_mul(grad_tanh, grad_output, prec=specs), None, None
 
@@ -83,19 +78,25 @@ def _relu_grad(grad_output, out_sign):
     return g
 
 
+def _rounded_clamp(ctx, input, inplace, prec, clamp, clamp_):
+    """``clamp(input)`` (relu or relu6) rounded to ``prec``, written into ``input`` by ``clamp_`` when ``inplace``.
+
+    ReLU passes ``torch.relu``, not ``F.relu``, which ``compat.mx.inject_pyt_ops`` replaces.
+    """
+    if inplace:
+        ctx.mark_dirty(input)
+        input = clamp_(input)
+        input.copy_(vec_quantize(input, prec=prec))
+        return input
+    return vec_quantize(clamp(input), prec=prec)
+
+
 class ReLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, inplace=False, prec=None, name=None):
         ctx.name = name
-        if inplace:
-            ctx.mark_dirty(input)
-            input = torch.relu_(input)
-            input.copy_(vec_quantize(input, prec=prec))
-            output = input
-        else:
-            output = vec_quantize(torch.relu(input), prec=prec)
-        ctx.save_for_backward(torch.sign(output))  # 1 where output > 0, else 0 (NaN where NaN)
-        ctx.prec = prec.backward()
+        output = _rounded_clamp(ctx, input, inplace, prec, torch.relu, torch.relu_)
+        keep_for_backward(ctx, prec, torch.sign(output))  # 1 where output > 0, else 0 (NaN where NaN)
         return output
 
     @staticmethod
@@ -108,15 +109,9 @@ class ReLU6Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, inplace=False, prec=None, name=None):
         ctx.name = name
-        if inplace:
-            ctx.mark_dirty(input)
-            input = F.relu6(input, inplace=True)
-            input.copy_(vec_quantize(input, prec=prec))
-            output = input
-        else:
-            output = vec_quantize(F.relu6(input), prec=prec)
-        ctx.save_for_backward(torch.logical_and(output > 0, output < 6))
-        ctx.prec = prec.backward()
+        output = _rounded_clamp(ctx, input, inplace, prec, F.relu6,
+                                lambda x: F.relu6(x, inplace=True))
+        keep_for_backward(ctx, prec, torch.logical_and(output > 0, output < 6))
         return output
 
     backward = staticmethod(_masked_backward)
@@ -132,14 +127,12 @@ class LeakyReLUFunction(torch.autograd.Function):
             ctx.mark_dirty(input)
             input.copy_(output)
             output = input
-        ctx.save_for_backward(output > 0)
-        ctx.prec = prec.backward()
+        keep_for_backward(ctx, prec, output > 0)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        (mask,) = ctx.saved_tensors
-        grad_output = vec_quantize(grad_output, prec=ctx.prec)
+        (mask,), _, grad_output = saved_and_grad(ctx, grad_output)
         grad_neg = vec_mul(grad_output, ctx.negative_slope, prec=ctx.prec)
         return torch.where(mask, grad_output, grad_neg), None, None, None, None
 
@@ -156,15 +149,12 @@ class SiLUFunction(torch.autograd.Function):
             ctx.mark_dirty(input)
             input.copy_(output)
             output = input
-        ctx.save_for_backward(output, sig_x)
-        ctx.prec = prec.backward()
+        keep_for_backward(ctx, prec, output, sig_x)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        y, sig_x = ctx.saved_tensors
-        specs = ctx.prec
-        grad_output = vec_quantize(grad_output, prec=specs)
+        (y, sig_x), specs, grad_output = saved_and_grad(ctx, grad_output)
         temp = vec_mul(y, vec_sub(1.0, sig_x, prec=specs), prec=specs)
         grad_silu = vec_add(sig_x, temp, prec=specs)
         return vec_mul(grad_silu, grad_output, prec=specs), None, None, None
@@ -183,15 +173,12 @@ class GELUFunction(torch.autograd.Function):
             sigmoid_input = vec_mul(1.59375, inner, prec=prec)
         phi = vec_exp(-sigmoid_input, prec=prec)
         phi = vec_recip(vec_add(phi, 1.0, prec=prec), prec=prec)
-        ctx.save_for_backward(q_in if prec.quantize_backward else input, phi)
-        ctx.prec = prec.backward()
+        keep_for_backward(ctx, prec, q_in if prec.quantize_backward else input, phi)
         return vec_mul(q_in, phi, prec=prec)
 
     @staticmethod
     def backward(ctx, grad_output):
-        input, phi = ctx.saved_tensors
-        specs = ctx.prec
-        grad_output = vec_quantize(grad_output, prec=specs)
+        (input, phi), specs, grad_output = saved_and_grad(ctx, grad_output)
         dphi = vec_mul(phi, vec_sub(1, phi, prec=specs), prec=specs)
         if ctx.first_order_gelu:
             dphi = vec_mul(1.703125, dphi, prec=specs)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mxtrain.emulation.norm_utils import _norm_backward, _norm_forward
-from mxtrain.emulation.vector_ops import vec_add, vec_mul, vec_quantize, vec_reduce_sum
+from mxtrain.emulation.norm_utils import _channel_norm_grads, _norm_forward, _rounded_affine_inputs
+from mxtrain.emulation.saved import keep_for_backward
+from mxtrain.emulation.vector_ops import vec_add, vec_mul
 
 __all__ = ["BatchNormFunction"]
 
@@ -23,9 +24,7 @@ class BatchNormFunction(torch.autograd.Function):
         if not is_training and (running_mean is None or running_var is None):
             raise ValueError("batch_norm in evaluation needs running_mean and running_var")
         ctx.is_training, ctx.momentum, ctx.eps = is_training, momentum, eps
-        x = vec_quantize(x, prec=prec)
-        bf_weight = vec_quantize(weight, prec=prec)
-        bf_bias = vec_quantize(bias, prec=prec)
+        x, bf_weight, bf_bias = _rounded_affine_inputs(x, weight, bias, prec)
         h = x.shape[1]
         sum_axes = [0] + list(range(2, x.ndim))
         output, x_shift, x_norm, x_std_inv, x_mean, x_var = _norm_forward(
@@ -39,17 +38,11 @@ class BatchNormFunction(torch.autograd.Function):
             t = vec_add(vec_mul((1 - momentum), running_var, prec=prec),
                         vec_mul(momentum, x_var.view(h), prec=prec), prec=prec)
             running_var.copy_(t)
-        ctx.save_for_backward(x_shift, x_norm, x_std_inv, bf_weight if prec.quantize_backward else weight)
-        ctx.prec = prec.backward()
+        keep_for_backward(ctx, prec, x_shift, x_norm, x_std_inv, bf_weight if prec.quantize_backward else weight)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        specs = ctx.prec
-        sum_axes = [0] + list(range(2, grad_output.ndim))
-        x_shift, x_norm, x_std_inv, weight = ctx.saved_tensors
-        grad_output = vec_quantize(grad_output, prec=specs)
-        grad_bias = vec_reduce_sum(grad_output, sum_axes, prec=specs)
-        grad_weight = vec_reduce_sum(vec_mul(grad_output, x_norm, prec=specs), sum_axes, prec=specs)
-        grad_input = _norm_backward(grad_output, sum_axes, weight, x_shift, x_std_inv, specs, weight_axis=1)
+        grad_input, grad_weight, grad_bias = _channel_norm_grads(ctx, grad_output,
+                                                                 [0] + list(range(2, grad_output.ndim)))
         return grad_input, None, None, grad_weight, grad_bias, None, None, None, None

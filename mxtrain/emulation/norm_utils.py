@@ -9,7 +9,7 @@ three-term formula as microxcaling (and, for LayerNorm, DeepSpeed's variant).
 from __future__ import annotations
 
 from mxtrain.emulation.vector_ops import (vec_add, vec_div, vec_mul, vec_quantize, vec_recip, vec_reduce_mean,
-                                          vec_sqrt, vec_sub)
+                                          vec_reduce_sum, vec_sqrt, vec_sub)
 
 __all__ = ["_norm_forward", "_norm_backward", "_norm_backward_LN"]
 
@@ -77,10 +77,12 @@ def _norm_forward(x, axes, weight, bias, eps, prec, groups=None, weight_axis=Non
     return output, x_shift, x_norm, x_std_inv, x_mean, x_vare
 
 
-def _norm_backward(grad_output, axes, weight, x_shift, x_std_inv, prec, groups=None, weight_axis=None):
-    """Gradient with respect to the input of BatchNorm / GroupNorm."""
+def _weighted_grad(grad_output, axes, weight, prec, groups, weight_axis):
+    """``(axes, dx_norm, orig_shape)``: ``grad_output * weight`` rounded and viewed in groups, the axes to
+    reduce over, and the shape to view the input gradient back to (None without groups)."""
     axes = _axes_list(axes)
     w_shape = _w_shape(grad_output, weight_axis)
+    orig_shape = None
     if groups:
         orig_shape, grouped_shape = _group_shape(grad_output, axes[0], groups)
         axes = [a + 1 for a in axes]
@@ -89,6 +91,12 @@ def _norm_backward(grad_output, axes, weight, x_shift, x_std_inv, prec, groups=N
     dx_norm = vec_mul(grad_output, weight, prec=prec)
     if groups:
         dx_norm = dx_norm.view(grouped_shape)
+    return axes, dx_norm, orig_shape
+
+
+def _norm_backward(grad_output, axes, weight, x_shift, x_std_inv, prec, groups=None, weight_axis=None):
+    """Gradient with respect to the input of BatchNorm / GroupNorm."""
+    axes, dx_norm, orig_shape = _weighted_grad(grad_output, axes, weight, prec, groups, weight_axis)
     dx_shift = vec_mul(dx_norm, x_std_inv, prec=prec)
     dx_mean = vec_reduce_mean(-dx_shift, axes, keepdim=True, prec=prec)
     dx_std = vec_mul(dx_norm, x_shift, prec=prec)
@@ -99,23 +107,12 @@ def _norm_backward(grad_output, axes, weight, x_shift, x_std_inv, prec, groups=N
     dx_shift2 = vec_mul(-dx_std, x_shift, prec=prec)
     dx = vec_add(dx_shift, dx_shift2, prec=prec)
     dx = vec_add(dx, dx_mean, prec=prec)
-    if groups:
-        dx = dx.view(orig_shape)
-    return dx
+    return dx if orig_shape is None else dx.view(orig_shape)
 
 
 def _norm_backward_LN(grad_output, axes, weight, x_norm, x_var, prec, groups=None, weight_axis=None):
     """Gradient with respect to the input of LayerNorm (from the normalized x and var + eps)."""
-    axes = _axes_list(axes)
-    w_shape = _w_shape(grad_output, weight_axis)
-    if groups:
-        orig_shape, grouped_shape = _group_shape(grad_output, axes[0], groups)
-        axes = [a + 1 for a in axes]
-    if w_shape is not None:
-        weight = weight.view(w_shape)
-    dx_norm = vec_mul(grad_output, weight, prec=prec)
-    if groups:
-        dx_norm = dx_norm.view(grouped_shape)
+    axes, dx_norm, orig_shape = _weighted_grad(grad_output, axes, weight, prec, groups, weight_axis)
     x_std = vec_sqrt(x_var, prec=prec)
     x_std_inv = vec_div(1.0, x_std, prec=prec)
     dx_shift = vec_mul(dx_norm, x_std_inv, prec=prec)
@@ -128,6 +125,29 @@ def _norm_backward_LN(grad_output, axes, weight, x_norm, x_var, prec, groups=Non
     dx = vec_add(dx_shift, dx_shift2, prec=prec)
     dx_mean = vec_reduce_mean(dx, axes, keepdim=True, prec=prec)
     dx = vec_add(dx, -dx_mean, prec=prec)
-    if groups:
-        dx = dx.view(orig_shape)
-    return dx
+    return dx if orig_shape is None else dx.view(orig_shape)
+
+
+def _rounded_affine_inputs(x, weight, bias, prec):
+    """``x``, ``weight`` and ``bias`` rounded to ``prec`` (in that order)."""
+    return vec_quantize(x, prec=prec), vec_quantize(weight, prec=prec), vec_quantize(bias, prec=prec)
+
+
+def _affine_grads(grad_output, x_norm, sum_axes, prec):
+    """``(g, grad_weight, grad_bias)``: ``g`` the gradient rounded to ``prec``, ``grad_bias = sum(g)`` and
+    ``grad_weight = sum(g * x_norm)`` over ``sum_axes``, each step rounded."""
+    grad_output = vec_quantize(grad_output, prec=prec)
+    grad_bias = vec_reduce_sum(grad_output, sum_axes, prec=prec)
+    grad_weight = vec_reduce_sum(vec_mul(grad_output, x_norm, prec=prec), sum_axes, prec=prec)
+    return grad_output, grad_weight, grad_bias
+
+
+def _channel_norm_grads(ctx, grad_output, norm_axes, groups=None):
+    """``(dx, dweight, dbias)`` of BatchNorm / GroupNorm (channels on axis 1) from what their forward kept:
+    ``x_shift, x_norm, x_std_inv, weight`` and the backward precision."""
+    sum_axes = [0] + list(range(2, grad_output.ndim))
+    (x_shift, x_norm, x_std_inv, weight), specs = ctx.saved_tensors, ctx.prec
+    grad_output, grad_weight, grad_bias = _affine_grads(grad_output, x_norm, sum_axes, specs)
+    grad_input = _norm_backward(grad_output, norm_axes, weight, x_shift, x_std_inv, specs, groups=groups,
+                                weight_axis=1)
+    return grad_input, grad_weight, grad_bias

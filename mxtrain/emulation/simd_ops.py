@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from mxtrain.emulation.saved import keep_for_backward, saved_and_grad
 from mxtrain.emulation.vector_ops import (vec_add, vec_div, vec_exp, vec_mul, vec_quantize, vec_reduce_sum, vec_sqrt,
                                           vec_sub)
 
@@ -41,8 +42,6 @@ def _broadcast_gradient(grad_out, in_shape, prec):
 
 
 class _Binary(torch.autograd.Function):
-    op = None
-
     @classmethod
     def _prepare(cls, ctx, in1, in2, prec):
         ctx.prec = prec.backward()
@@ -55,84 +54,81 @@ class _Binary(torch.autograd.Function):
         ctx.in1_shape, ctx.in2_shape = list(in1.shape), list(in2.shape)
         return qin1, vec_quantize(in2, prec=prec)
 
-
-class SIMDAdd(_Binary):
     @staticmethod
-    def forward(ctx, in1, in2, prec=None):
-        qin1, qin2 = SIMDAdd._prepare(ctx, in1, in2, prec)
-        return vec_add(qin1, qin2, prec=prec)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = vec_quantize(g, prec=ctx.prec)
+    def _backward(ctx, g, op, grads):
+        """Rounds ``g``, then returns ``op(g, in2)`` for a constant in2, else ``grads(g, *saved, prec)``."""
+        saved, specs, g = saved_and_grad(ctx, g)
         if ctx.in2_const:
-            return g, None, None
-        return (_broadcast_gradient(g, ctx.in1_shape, ctx.prec),
-                _broadcast_gradient(g, ctx.in2_shape, ctx.prec), None)
-
-
-class SIMDSub(_Binary):
-    @staticmethod
-    def forward(ctx, in1, in2, prec=None):
-        qin1, qin2 = SIMDSub._prepare(ctx, in1, in2, prec)
-        return vec_sub(qin1, qin2, prec=prec)
+            return op(g, ctx.in2, prec=specs), None, None
+        return (*grads(g, *saved, specs), None)
 
     @staticmethod
-    def backward(ctx, g):
+    def _save(ctx, prec, in1, qin1, in2, qin2, first=None):
+        """Saves what backward needs: in1 when in2 is a constant (kept on ctx), else ``first``
+        (default in1) and in2; inputs rounded when ``prec.quantize_backward``."""
+        keep = prec.quantize_backward
+        kin1 = qin1 if keep else in1
         if ctx.in2_const:
-            return g, None, None
-        n_g = vec_quantize(-g, prec=ctx.prec)
-        return (_broadcast_gradient(g, ctx.in1_shape, ctx.prec),
-                _broadcast_gradient(n_g, ctx.in2_shape, ctx.prec), None)
+            ctx.in2 = in2
+            ctx.save_for_backward(kin1)
+        else:
+            ctx.save_for_backward(kin1 if first is None else first, qin2 if keep else in2)
+
+
+def _add_or_sub(name, subtract):
+    class Function(_Binary):
+        @staticmethod
+        def forward(ctx, in1, in2, prec=None):
+            qin1, qin2 = Function._prepare(ctx, in1, in2, prec)
+            return (vec_sub if subtract else vec_add)(qin1, qin2, prec=prec)
+
+        @staticmethod
+        def backward(ctx, g):
+            # as microxcaling: a sum rounds its gradient, a difference passes g on to in1 unrounded
+            g1 = g if subtract else vec_quantize(g, prec=ctx.prec)
+            if ctx.in2_const:
+                return g1, None, None
+            g2 = vec_quantize(-g, prec=ctx.prec) if subtract else g1
+            return (_broadcast_gradient(g1, ctx.in1_shape, ctx.prec),
+                    _broadcast_gradient(g2, ctx.in2_shape, ctx.prec), None)
+
+    Function.__name__ = Function.__qualname__ = name
+    return Function
+
+
+SIMDAdd = _add_or_sub("SIMDAdd", subtract=False)
+SIMDSub = _add_or_sub("SIMDSub", subtract=True)
 
 
 class SIMDMul(_Binary):
     @staticmethod
     def forward(ctx, in1, in2, prec=None):
         qin1, qin2 = SIMDMul._prepare(ctx, in1, in2, prec)
-        keep = prec.quantize_backward
-        if ctx.in2_const:
-            ctx.in2 = in2
-            ctx.save_for_backward(qin1 if keep else in1)
-        else:
-            ctx.save_for_backward(qin1 if keep else in1, qin2 if keep else in2)
+        SIMDMul._save(ctx, prec, in1, qin1, in2, qin2)
         return vec_mul(qin1, qin2, prec=prec)
 
     @staticmethod
     def backward(ctx, g):
-        specs = ctx.prec
-        g = vec_quantize(g, prec=specs)
-        if ctx.in2_const:
-            return vec_mul(g, ctx.in2, prec=specs), None, None
-        in1, in2 = ctx.saved_tensors
-        g1 = _broadcast_gradient(vec_mul(g, in2, prec=specs), ctx.in1_shape, specs)
-        g2 = _broadcast_gradient(vec_mul(g, in1, prec=specs), ctx.in2_shape, specs)
-        return g1, g2, None
+        return SIMDMul._backward(ctx, g, vec_mul, lambda g, in1, in2, specs: (
+            _broadcast_gradient(vec_mul(g, in2, prec=specs), ctx.in1_shape, specs),
+            _broadcast_gradient(vec_mul(g, in1, prec=specs), ctx.in2_shape, specs)))
 
 
 class SIMDDiv(_Binary):
     @staticmethod
     def forward(ctx, in1, in2, prec=None):
         qin1, qin2 = SIMDDiv._prepare(ctx, in1, in2, prec)
-        keep = prec.quantize_backward
         out = vec_div(qin1, qin2, prec=prec)
-        if ctx.in2_const:
-            ctx.in2 = in2
-            ctx.save_for_backward(qin1 if keep else in1)
-        else:
-            ctx.save_for_backward(out, qin2 if keep else in2)
+        SIMDDiv._save(ctx, prec, in1, qin1, in2, qin2, first=out)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        specs = ctx.prec
-        g = vec_quantize(g, prec=specs)
-        if ctx.in2_const:
-            return vec_div(g, ctx.in2, prec=specs), None, None
-        out, in2 = ctx.saved_tensors
-        g1 = vec_div(g, in2, prec=specs)
-        g2 = vec_mul(g, vec_div(-out, in2, prec=specs), prec=specs)
-        return (_broadcast_gradient(g1, ctx.in1_shape, specs), _broadcast_gradient(g2, ctx.in2_shape, specs), None)
+        def grads(g, out, in2, specs):
+            g1 = vec_div(g, in2, prec=specs)  # before g2: stochastic rounding draws in this order
+            g2 = vec_mul(g, vec_div(-out, in2, prec=specs), prec=specs)
+            return _broadcast_gradient(g1, ctx.in1_shape, specs), _broadcast_gradient(g2, ctx.in2_shape, specs)
+        return SIMDDiv._backward(ctx, g, vec_div, grads)
 
 
 class SIMDSplit(torch.autograd.Function):
@@ -152,67 +148,38 @@ class SIMDSplit(torch.autograd.Function):
         return vec_add(vec_quantize(g1, prec=specs), vec_quantize(g2, prec=specs), prec=specs), None
 
 
-class SIMDSquare(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, in1, prec=None):
-        ctx.prec = prec.backward()
-        qin1 = vec_quantize(in1, prec=prec)
-        ctx.save_for_backward(qin1 if prec.quantize_backward else in1)
-        return vec_quantize(qin1**2, prec=prec)
+def _unary(name, op, keep, grad):
+    """An autograd Function ``y = op(round(x))`` whose backward is ``grad(round(g), saved, prec)``.
 
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        specs = ctx.prec
-        g = vec_quantize(g, prec=specs)
-        return vec_mul(g, vec_mul(x, 2, prec=specs), prec=specs), None
+    ``keep`` says what backward needs: ``"output"`` (y) or ``"input"`` (x, rounded when
+    ``prec.quantize_backward``).
+    """
 
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, in1, prec=None):
+            qin1 = vec_quantize(in1, prec=prec)
+            out = op(qin1, prec)
+            keep_for_backward(ctx, prec, out if keep == "output" else (qin1 if prec.quantize_backward else in1))
+            return out
 
-class SIMDSqrt(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, in1, prec=None):
-        ctx.prec = prec.backward()
-        out = vec_sqrt(vec_quantize(in1, prec=prec), prec=prec)
-        ctx.save_for_backward(out)
-        return out
+        @staticmethod
+        def backward(ctx, g):
+            (saved,), specs, g = saved_and_grad(ctx, g)
+            return grad(g, saved, specs), None
 
-    @staticmethod
-    def backward(ctx, g):
-        (sqrt_x,) = ctx.saved_tensors
-        specs = ctx.prec
-        g = vec_mul(vec_quantize(g, prec=specs), 0.5, prec=specs)
-        return vec_div(g, sqrt_x, prec=specs), None
+    Function.__name__ = Function.__qualname__ = name
+    return Function
 
 
-class SIMDExp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, in1, prec=None):
-        ctx.prec = prec.backward()
-        out = vec_exp(vec_quantize(in1, prec=prec), prec=prec)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        (exp_x,) = ctx.saved_tensors
-        specs = ctx.prec
-        return vec_mul(vec_quantize(g, prec=specs), exp_x, prec=specs), None
-
-
-class SIMDLog(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, in1, prec=None):
-        ctx.prec = prec.backward()
-        qin1 = vec_quantize(in1, prec=prec)
-        out = vec_quantize(torch.log(qin1), prec=prec)
-        ctx.save_for_backward(qin1 if prec.quantize_backward else in1)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        specs = ctx.prec
-        return vec_div(vec_quantize(g, prec=specs), x, prec=specs), None
+SIMDSquare = _unary("SIMDSquare", lambda x, prec: vec_quantize(x**2, prec=prec), "input",
+                    lambda g, x, prec: vec_mul(g, vec_mul(x, 2, prec=prec), prec=prec))
+SIMDSqrt = _unary("SIMDSqrt", lambda x, prec: vec_sqrt(x, prec=prec), "output",
+                  lambda g, sqrt_x, prec: vec_div(vec_mul(g, 0.5, prec=prec), sqrt_x, prec=prec))
+SIMDExp = _unary("SIMDExp", lambda x, prec: vec_exp(x, prec=prec), "output",
+                 lambda g, exp_x, prec: vec_mul(g, exp_x, prec=prec))
+SIMDLog = _unary("SIMDLog", lambda x, prec: vec_quantize(torch.log(x), prec=prec), "input",
+                 lambda g, x, prec: vec_div(g, x, prec=prec))
 
 
 class SIMDReduceSum(torch.autograd.Function):

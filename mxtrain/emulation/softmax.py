@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mxtrain.emulation.saved import keep_for_backward, saved_and_grad
 from mxtrain.emulation.vector_ops import vec_div, vec_exp, vec_exp2, vec_mul, vec_quantize, vec_reduce_sum, vec_sub
 
 __all__ = ["SoftmaxFunction", "LN_2_BF16"]
@@ -31,15 +32,12 @@ class SoftmaxFunction(torch.autograd.Function):
         output = exp(input, prec=prec)
         output_sum = vec_reduce_sum(output, dim, keepdim=True, prec=prec)
         output = vec_div(output, output_sum, prec=prec)
-        ctx.save_for_backward(output)
-        ctx.prec = prec.backward()
+        keep_for_backward(ctx, prec, output)
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        (output,) = ctx.saved_tensors
-        specs = ctx.prec
-        grad_output = vec_quantize(grad_output, prec=specs)
+        (output,), specs, grad_output = saved_and_grad(ctx, grad_output)
         grad_input = vec_mul(grad_output, output, prec=specs)
         grad_input = vec_reduce_sum(grad_input, ctx.dim, keepdim=True, prec=specs)
         grad_input = vec_sub(grad_output, grad_input, prec=specs)

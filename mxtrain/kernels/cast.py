@@ -327,6 +327,48 @@ if HAVE_TRITON:
                 tl.store(ptr + 2, hi.to(tl.uint8), mask=mask)
 
     @triton.jit
+    def _quantize_plane(x, rm, rk, lane_in, c0, seed, data_ptr, data_stride, scale_ptr, scale_stride, LP, NB,
+                        AXIS: tl.constexpr, STORE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BS: tl.constexpr, SCALE_MODE: tl.constexpr, ROUNDING: tl.constexpr, HW_FP8: tl.constexpr,
+                        IS_INT: tl.constexpr, BITS: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr,
+                        EMAX: tl.constexpr, MAX_CODE: tl.constexpr, MAX_NORM: tl.constexpr,
+                        INV_MAX_BITS: tl.constexpr, PACK_BITS: tl.constexpr):
+        """MX-quantize a [BLOCK_M, BLOCK_K] tile in blocks along its rows (AXIS 2) or columns (AXIS 1);
+        with STORE write the plane's scale bytes and packed codes (columnwise: transposed). ``lane_in``,
+        ``c0``, ``LP``, ``NB``: the plane's valid rows, first column, padded length and block count (rowwise
+        m_in, k0, KP, NBK; columnwise k_in, m0, MP, NBM). Returns (codes, scale) of the blocks."""
+        if AXIS == 2:
+            x3 = tl.reshape(x, (BLOCK_M, BLOCK_K // BS, BS))
+            if ROUNDING == 3:
+                offs3 = tl.reshape(rm[:, None] * LP + rk[None, :], (BLOCK_M, BLOCK_K // BS, BS))
+            else:
+                offs3 = 0
+            key = seed
+        else:
+            x3 = tl.reshape(x, (BLOCK_M // BS, BS, BLOCK_K))
+            if ROUNDING == 3:
+                offs3 = tl.reshape(rk[None, :] * LP + rm[:, None], (BLOCK_M // BS, BS, BLOCK_K))
+            else:
+                offs3 = 0
+            key = seed ^ 0x2545F491  # another Philox key for the columnwise plane
+        codes, scale = _quantize_blocks(x3, offs3, key, AXIS, SCALE_MODE, ROUNDING, HW_FP8, IS_INT, BITS, MBITS,
+                                        EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
+        if STORE:
+            if AXIS == 2:
+                blk = c0 // BS + tl.arange(0, BLOCK_K // BS)
+                tl.store(scale_ptr + rm[:, None] * scale_stride + blk[None, :], scale.to(tl.uint8),
+                         mask=lane_in[:, None] & (blk < NB)[None, :])
+                _store_codes(tl.reshape(codes, (BLOCK_M, BLOCK_K)), data_ptr, rm, data_stride, lane_in, c0, LP,
+                             BLOCK_M, BLOCK_K, PACK_BITS)
+            else:
+                blk = c0 // BS + tl.arange(0, BLOCK_M // BS)
+                tl.store(scale_ptr + rk[:, None] * scale_stride + blk[None, :], tl.trans(scale).to(tl.uint8),
+                         mask=lane_in[:, None] & (blk < NB)[None, :])
+                _store_codes(tl.trans(tl.reshape(codes, (BLOCK_M, BLOCK_K))), data_ptr, rk, data_stride, lane_in,
+                             c0, LP, BLOCK_K, BLOCK_M, PACK_BITS)
+        return codes, scale
+
+    @triton.jit
     def _mx_cast_kernel(
         x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, seed_ptr,
         M, K, stride_xm, stride_xk,
@@ -410,43 +452,23 @@ if HAVE_TRITON:
         else:
             seed = 0
         if ROW:
-            x3 = tl.reshape(x, (BLOCK_M, BLOCK_K // BS, BS))
-            if ROUNDING == 3:
-                offs3 = tl.reshape(rm[:, None] * KP + rk[None, :], (BLOCK_M, BLOCK_K // BS, BS))
-            else:
-                offs3 = 0
-            codes, scale = _quantize_blocks(x3, offs3, seed, 2, SCALE_MODE, ROUNDING, HW_FP8, IS_INT, BITS, MBITS,
-                                            EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
+            codes, scale = _quantize_plane(x, rm, rk, m_in, pk * BLOCK_K, seed, row_data_ptr, row_data_stride,
+                                           row_scale_ptr, row_scale_stride, KP, NBK, 2, ROW_CODES, BLOCK_M, BLOCK_K,
+                                           BS, SCALE_MODE, ROUNDING, HW_FP8, IS_INT, BITS, MBITS, EMIN, EMAX,
+                                           MAX_CODE, MAX_NORM, INV_MAX_BITS, PACK_BITS)
             if ROW_VALS:
                 v = tl.reshape(_plane_values(codes, scale, 2, HW_FP8, IS_INT, BITS, MBITS, EMIN, BIAS, NAN_KIND),
                                (BLOCK_M, BLOCK_K))
                 _store_values(row_val_ptr + rm[:, None] * stride_vm + rk[None, :], v, in_mask, SOFT_BF16)
-            if ROW_CODES:
-                blk = pk * (BLOCK_K // BS) + tl.arange(0, BLOCK_K // BS)
-                tl.store(row_scale_ptr + rm[:, None] * row_scale_stride + blk[None, :], scale.to(tl.uint8),
-                         mask=m_in[:, None] & (blk < NBK)[None, :])
-                _store_codes(tl.reshape(codes, (BLOCK_M, BLOCK_K)), row_data_ptr, rm, row_data_stride, m_in,
-                             pk * BLOCK_K, KP, BLOCK_M, BLOCK_K, PACK_BITS)
         if COL:
-            x3 = tl.reshape(x, (BLOCK_M // BS, BS, BLOCK_K))
-            if ROUNDING == 3:
-                offs3 = tl.reshape(rk[None, :] * MP + rm[:, None], (BLOCK_M // BS, BS, BLOCK_K))
-            else:
-                offs3 = 0
-            # another Philox key for the columnwise plane
-            codes, scale = _quantize_blocks(x3, offs3, seed ^ 0x2545F491, 1, SCALE_MODE, ROUNDING, HW_FP8, IS_INT,
-                                            BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
+            codes, scale = _quantize_plane(x, rm, rk, k_in, pm * BLOCK_M, seed, col_data_ptr, col_data_stride,
+                                           col_scale_ptr, col_scale_stride, MP, NBM, 1, COL_CODES, BLOCK_M, BLOCK_K,
+                                           BS, SCALE_MODE, ROUNDING, HW_FP8, IS_INT, BITS, MBITS, EMIN, EMAX,
+                                           MAX_CODE, MAX_NORM, INV_MAX_BITS, PACK_BITS)
             if COL_VALS:
                 v = tl.reshape(_plane_values(codes, scale, 1, HW_FP8, IS_INT, BITS, MBITS, EMIN, BIAS, NAN_KIND),
                                (BLOCK_M, BLOCK_K))
                 _store_values(col_val_ptr + rm[:, None] * stride_vm + rk[None, :], v, in_mask, SOFT_BF16)
-            if COL_CODES:
-                blk = pm * (BLOCK_M // BS) + tl.arange(0, BLOCK_M // BS)
-                tl.store(col_scale_ptr + rk[:, None] * col_scale_stride + blk[None, :],
-                         tl.trans(scale).to(tl.uint8), mask=k_in[:, None] & (blk < NBM)[None, :])
-                codes_t = tl.trans(tl.reshape(codes, (BLOCK_M, BLOCK_K)))
-                _store_codes(codes_t, col_data_ptr, rk, col_data_stride, k_in, pm * BLOCK_M, MP, BLOCK_K, BLOCK_M,
-                             PACK_BITS)
 
 
     @triton.jit

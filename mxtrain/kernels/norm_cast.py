@@ -41,7 +41,7 @@ class NormCastResult:
 
 
 if HAVE_TRITON:
-    from mxtrain.kernels.cast import _quantize_blocks, _round_to_dtype, _store_codes, _store_out, _widen
+    from mxtrain.kernels.cast import _quantize_plane, _round_to_dtype, _store_out, _widen
 
     @triton.jit
     def _norm_cast_kernel(
@@ -112,32 +112,13 @@ if HAVE_TRITON:
             if WRITE_Y:
                 _store_out(y_ptr + rm[:, None] * stride_ym + rk[None, :], y, mask, OUT_KIND)
             if ROW:
-                y3 = tl.reshape(y, (BLOCK_M, BLOCK_K // BS, BS))
-                if ROUNDING == 3:
-                    offs3 = tl.reshape(rm[:, None] * KP + rk[None, :], (BLOCK_M, BLOCK_K // BS, BS))
-                else:
-                    offs3 = 0
-                codes, scale = _quantize_blocks(y3, offs3, seed, 2, SCALE_MODE, ROUNDING, HW_FP8, IS_INT, BITS,
-                                                MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
-                blk = k0 // BS + tl.arange(0, BLOCK_K // BS)
-                tl.store(row_scale_ptr + rm[:, None] * row_scale_stride + blk[None, :], scale.to(tl.uint8),
-                         mask=m_in[:, None] & (blk < NBK)[None, :])
-                _store_codes(tl.reshape(codes, (BLOCK_M, BLOCK_K)), row_data_ptr, rm, row_data_stride, m_in,
-                             k0, KP, BLOCK_M, BLOCK_K, PACK_BITS)
+                _quantize_plane(y, rm, rk, m_in, k0, seed, row_data_ptr, row_data_stride, row_scale_ptr,
+                                row_scale_stride, KP, NBK, 2, True, BLOCK_M, BLOCK_K, BS, SCALE_MODE, ROUNDING, HW_FP8,
+                                IS_INT, BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS, PACK_BITS)
             if COL:
-                y3 = tl.reshape(y, (BLOCK_M // BS, BS, BLOCK_K))
-                if ROUNDING == 3:
-                    offs3 = tl.reshape(rk[None, :] * MP + rm[:, None], (BLOCK_M // BS, BS, BLOCK_K))
-                else:
-                    offs3 = 0
-                codes, scale = _quantize_blocks(y3, offs3, seed ^ 0x2545F491, 1, SCALE_MODE, ROUNDING, HW_FP8,
-                                                IS_INT, BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS)
-                blk = pm * (BLOCK_M // BS) + tl.arange(0, BLOCK_M // BS)
-                tl.store(col_scale_ptr + rk[:, None] * col_scale_stride + blk[None, :],
-                         tl.trans(scale).to(tl.uint8), mask=k_in[:, None] & (blk < NBM)[None, :])
-                codes_t = tl.trans(tl.reshape(codes, (BLOCK_M, BLOCK_K)))
-                _store_codes(codes_t, col_data_ptr, rk, col_data_stride, k_in, pm * BLOCK_M, MP, BLOCK_K, BLOCK_M,
-                             PACK_BITS)
+                _quantize_plane(y, rm, rk, k_in, pm * BLOCK_M, seed, col_data_ptr, col_data_stride, col_scale_ptr,
+                                col_scale_stride, MP, NBM, 1, True, BLOCK_M, BLOCK_K, BS, SCALE_MODE, ROUNDING, HW_FP8,
+                                IS_INT, BITS, MBITS, EMIN, EMAX, MAX_CODE, MAX_NORM, INV_MAX_BITS, PACK_BITS)
 
 
 def torch_norm(x, weight, bias=None, kind="LayerNorm", eps=1e-5, zero_centered_gamma=False):

@@ -220,37 +220,17 @@ class _MXConvTransposeMixin:
         return _batched(self, x, self._dims, run)
 
 
-class Conv1d(_MXConvMixin, nn.Conv1d):
-    """Drop-in ``torch.nn.Conv1d`` with MX GEMM operands under ``mx_autocast`` (see the module docstring)."""
-
-    _dims = 1
-
-
-class Conv2d(_MXConvMixin, nn.Conv2d):
-    """Drop-in ``torch.nn.Conv2d`` with MX GEMM operands under ``mx_autocast`` (see the module docstring)."""
-
-    _dims = 2
+def _drop_in(mixin, base, dims):
+    """``base`` (a torch conv class) with ``mixin``'s MX forward: same name, constructor and parameters."""
+    doc = (f"Drop-in ``torch.nn.{base.__name__}`` with MX GEMM operands under ``mx_autocast`` "
+           "(see the module docstring).")
+    cls = type(base.__name__, (mixin, base), {"_dims": dims, "__doc__": doc, "__module__": __name__})
+    cls.__qualname__ = base.__name__
+    return cls
 
 
-class Conv3d(_MXConvMixin, nn.Conv3d):
-    """Drop-in ``torch.nn.Conv3d`` with MX GEMM operands under ``mx_autocast`` (see the module docstring)."""
-
-    _dims = 3
-
-
-class ConvTranspose1d(_MXConvTransposeMixin, nn.ConvTranspose1d):
-    """Drop-in ``torch.nn.ConvTranspose1d`` with MX GEMM operands under ``mx_autocast`` (see the module docstring)."""
-
-    _dims = 1
-
-
-class ConvTranspose2d(_MXConvTransposeMixin, nn.ConvTranspose2d):
-    """Drop-in ``torch.nn.ConvTranspose2d`` with MX GEMM operands under ``mx_autocast`` (see the module docstring)."""
-
-    _dims = 2
-
-
-class ConvTranspose3d(_MXConvTransposeMixin, nn.ConvTranspose3d):
-    """Drop-in ``torch.nn.ConvTranspose3d`` with MX GEMM operands under ``mx_autocast`` (see the module docstring)."""
-
-    _dims = 3
+Conv1d, Conv2d, Conv3d = (
+    _drop_in(_MXConvMixin, base, d) for d, base in enumerate((nn.Conv1d, nn.Conv2d, nn.Conv3d), 1))
+ConvTranspose1d, ConvTranspose2d, ConvTranspose3d = (
+    _drop_in(_MXConvTransposeMixin, base, d)
+    for d, base in enumerate((nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), 1))

@@ -21,7 +21,7 @@ from mxtrain.modules._common import (
 from mxtrain.modules._recipe_state import RecipeStateMixin
 from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
 from mxtrain.modules.normalization import (
-    check_normalization, check_sizes_and_eps, norm_backward, norm_forward, norm_forward_stats,
+    check_sizes_and_eps, init_norm_, norm_backward, norm_forward, norm_forward_stats,
 )
 
 
@@ -109,14 +109,9 @@ class LayerNormLinear(RecipeStateMixin, nn.Module):
         super().__init__()
         check_sizes_and_eps(eps, in_features=in_features, out_features=out_features)
         self.in_features, self.out_features = in_features, out_features
-        self.normalization = check_normalization(normalization)
-        self.eps = float(eps)
-        self.zero_centered_gamma = bool(zero_centered_gamma)
+        init_norm_(self, in_features, normalization, eps, zero_centered_gamma, device, dtype)
         self.return_layernorm_output = bool(return_layernorm_output)
         f = {"device": device, "dtype": dtype}
-        self.layer_norm_weight = nn.Parameter((torch.zeros if zero_centered_gamma else torch.ones)(in_features, **f))
-        self.layer_norm_bias = (nn.Parameter(torch.zeros(in_features, **f))
-                                if self.normalization == "LayerNorm" else None)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **f))
         self.bias = nn.Parameter(torch.empty(out_features, **f)) if bias else None
         init_linear_(self.weight, self.bias)

@@ -40,7 +40,7 @@ from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
 from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
 from mxtrain.modules.linear import init_linear_
 from mxtrain.modules.normalization import (
-    check_normalization, check_sizes_and_eps, norm_backward, norm_forward, norm_forward_stats,
+    check_sizes_and_eps, init_norm_, norm_backward, norm_forward, norm_forward_stats,
 )
 from mxtrain.recipes.float8 import Float8RoleSpec
 
@@ -240,16 +240,11 @@ class LayerNormMLP(RecipeStateMixin, nn.Module):
         super().__init__()
         check_sizes_and_eps(eps, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
-        self.normalization = check_normalization(normalization)
+        init_norm_(self, hidden_size, normalization, eps, zero_centered_gamma, device, dtype)
         self.activation = check_activation(activation)
-        self.eps = float(eps)
-        self.zero_centered_gamma = bool(zero_centered_gamma)
         self.return_bias = bool(return_bias)
         f = {"device": device, "dtype": dtype}
         fc1_out = 2 * ffn_hidden_size if is_gated(self.activation) else ffn_hidden_size
-        self.layer_norm_weight = nn.Parameter((torch.zeros if zero_centered_gamma else torch.ones)(hidden_size, **f))
-        self.layer_norm_bias = (nn.Parameter(torch.zeros(hidden_size, **f))
-                                if self.normalization == "LayerNorm" else None)
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, **f))
         self.fc1_bias = nn.Parameter(torch.empty(fc1_out, **f)) if bias else None
         self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **f))

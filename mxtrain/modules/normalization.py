@@ -36,6 +36,17 @@ def check_sizes_and_eps(eps, **sizes) -> None:
         raise ValueError(f"eps must be > 0, got {eps!r}")
 
 
+def init_norm_(module, size: int, normalization: str, eps, zero_centered_gamma: bool, device, dtype) -> None:
+    """Gives a fused norm-GEMM module its norm: ``normalization`` (checked), ``eps``, ``zero_centered_gamma``,
+    ``layer_norm_weight`` (zeros when zero-centered, else ones) and ``layer_norm_bias`` (LayerNorm only)."""
+    module.normalization = check_normalization(normalization)
+    module.eps = float(eps)
+    module.zero_centered_gamma = bool(zero_centered_gamma)
+    f = {"device": device, "dtype": dtype}
+    module.layer_norm_weight = nn.Parameter((torch.zeros if zero_centered_gamma else torch.ones)(size, **f))
+    module.layer_norm_bias = nn.Parameter(torch.zeros(size, **f)) if module.normalization == "LayerNorm" else None
+
+
 def _gamma(weight, zero_centered_gamma: bool):
     """The norm's scale: ``1 + weight`` with a zero-centered gamma (in the weight's dtype), else the weight."""
     return weight + 1 if zero_centered_gamma and weight is not None else weight

@@ -19,13 +19,9 @@ __all__ = ["sigmoid", "tanh", "relu", "relu6", "leaky_relu", "silu", "gelu", "Si
            "LeakyReLUFunction", "SiLUFunction", "GELUFunction"]
 
 
-SigmoidFunction = translating_function(_e.SigmoidFunction)
-TanhFunction = translating_function(_e.TanhFunction)
-ReLUFunction = translating_function(_e.ReLUFunction)
-ReLU6Function = translating_function(_e.ReLU6Function)
-LeakyReLUFunction = translating_function(_e.LeakyReLUFunction)
-SiLUFunction = translating_function(_e.SiLUFunction)
-GELUFunction = translating_function(_e.GELUFunction)
+(SigmoidFunction, TanhFunction, ReLUFunction, ReLU6Function, LeakyReLUFunction, SiLUFunction, GELUFunction) = map(
+    translating_function, (_e.SigmoidFunction, _e.TanhFunction, _e.ReLUFunction, _e.ReLU6Function,
+                           _e.LeakyReLUFunction, _e.SiLUFunction, _e.GELUFunction))
 
 
 def sigmoid(input, mx_specs=None, name=None):

@@ -18,7 +18,7 @@ from torch.nn import grad as nn_grad
 from mxtrain.compat.mx._cache import cached
 from mxtrain.compat.mx.elemwise_ops import quantize_elemwise_op
 from mxtrain.compat.mx.mx_ops import quantize_mx_op
-from mxtrain.compat.mx.specs import apply_mx_specs, get_backwards_mx_specs, mx_assert_test
+from mxtrain.compat.mx.specs import MxSpecsModule, apply_mx_specs, get_backwards_mx_specs, mx_assert_test
 
 __all__ = ["ConvFunction", "conv1d", "conv2d", "conv3d", "Conv1d", "Conv2d", "Conv3d", "conv_weight"]
 
@@ -41,6 +41,53 @@ def _specs_key(specs):
                                     "block_size", "scale_bits", "shared_exp_method", "mx_flush_fp32_subnorms"))
 
 
+def _round_bias_and_save(ctx, input, weight, bias, bf_in, bf_weight, mx_specs):
+    """Saves what backward needs (input and weight, rounded when ``quantize_backprop``); returns the bias
+    rounded at ``round_weight`` (None without one)."""
+    bf_bias = None
+    if bias is not None:
+        bf_bias = quantize_elemwise_op(bias, mx_specs=mx_specs, round=mx_specs["round_weight"])
+    if mx_specs["quantize_backprop"]:
+        ctx.save_for_backward(bf_in, bf_weight)
+    else:
+        ctx.save_for_backward(input, weight)
+    return bf_bias
+
+
+def _rounded_output(ctx, output, mx_specs):
+    """The conv's output rounded at ``round_output``; keeps the backward specs on ``ctx``."""
+    output = quantize_elemwise_op(output, mx_specs=mx_specs, round=mx_specs["round_output"])
+    ctx.mx_specs = get_backwards_mx_specs(mx_specs)
+    return output
+
+
+def _conv_grads(ctx, grad_output, weight_grad, weight_axis, input_grad):
+    """``(dX, dW, db)`` of a conv or transposed conv, each rounded as microxcaling does.
+
+    dY is rounded first; ``dW = weight_grad(input, weight_shape, dY)`` on input and dY MX-quantized along the
+    batch axis; ``dX = input_grad(input_shape, W, dY)`` on W blocked along ``weight_axis`` and dY along its
+    channels; db (None without a bias) is dY summed over all but the channel axis. The callables get the conv's
+    stride, padding, dilation and groups as keywords.
+    """
+    specs = ctx.mx_specs
+    kw = dict(stride=ctx.stride, padding=ctx.padding, dilation=ctx.dilation, groups=ctx.groups)
+    input, weight = ctx.saved_tensors
+    grad_output = quantize_elemwise_op(grad_output, mx_specs=specs, round=specs["round_grad_input"])
+    qex_input = quantize_mx_op(input, specs, elem_format=specs["a_elem_format"], axes=[0])
+    qex_grad_output = quantize_mx_op(grad_output, specs, elem_format=specs["a_elem_format"], axes=[0])
+    grad_weight = weight_grad(qex_input, weight.shape, qex_grad_output, **kw)
+    grad_weight = quantize_elemwise_op(grad_weight, mx_specs=specs, round=specs["round_grad_weight"])
+    qod_weight = quantize_mx_op(weight, specs, elem_format=specs["w_elem_format"], axes=[weight_axis])
+    qod_grad_output = quantize_mx_op(grad_output, specs, elem_format=specs["a_elem_format"], axes=[1])
+    grad_input = input_grad(input.shape, qod_weight, qod_grad_output, **kw)
+    grad_input = quantize_elemwise_op(grad_input, mx_specs=specs, round=specs["round_grad_input"])
+    grad_bias = None
+    if ctx.has_bias:
+        grad_bias = grad_output.sum([0] + list(range(2, grad_output.ndim)))
+        grad_bias = quantize_elemwise_op(grad_bias, mx_specs=specs, round=specs["round_grad_weight"])
+    return grad_input, grad_weight, grad_bias
+
+
 class ConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1, mx_specs=None, name=None):
@@ -56,41 +103,16 @@ class ConvFunction(torch.autograd.Function):
         bf_in = quantize_elemwise_op(input, mx_specs=mx_specs, round=mx_specs["round_output"])
         bf_weight = cached(weight, ("conv_elem",) + key,
                            lambda: quantize_elemwise_op(weight, mx_specs=mx_specs, round=mx_specs["round_weight"]))
-        bf_bias = None
-        if bias is not None:
-            bf_bias = quantize_elemwise_op(bias, mx_specs=mx_specs, round=mx_specs["round_weight"])
-        if mx_specs["quantize_backprop"]:
-            ctx.save_for_backward(bf_in, bf_weight)
-        else:
-            ctx.save_for_backward(input, weight)
+        bf_bias = _round_bias_and_save(ctx, input, weight, bias, bf_in, bf_weight, mx_specs)
         qid_input = quantize_mx_op(bf_in, mx_specs, elem_format=mx_specs["a_elem_format"], axes=[1])
         qid_weight = cached(weight, ("conv_mx_fwd",) + key,
                             lambda: quantize_mx_op(bf_weight, mx_specs, elem_format=mx_specs["w_elem_format"], axes=[1]))
         output = _FWD[dims](qid_input, qid_weight, bf_bias, stride, padding, dilation, groups)
-        output = quantize_elemwise_op(output, mx_specs=mx_specs, round=mx_specs["round_output"])
-        ctx.mx_specs = get_backwards_mx_specs(mx_specs)
-        return output
+        return _rounded_output(ctx, output, mx_specs)
 
     @staticmethod
     def backward(ctx, grad_output):
-        specs = ctx.mx_specs
-        input, weight = ctx.saved_tensors
-        grad_output = quantize_elemwise_op(grad_output, mx_specs=specs, round=specs["round_grad_input"])
-        qex_input = quantize_mx_op(input, specs, elem_format=specs["a_elem_format"], axes=[0])
-        qex_grad_output = quantize_mx_op(grad_output, specs, elem_format=specs["a_elem_format"], axes=[0])
-        grad_weight = conv_weight(qex_input, weight.shape, qex_grad_output, stride=ctx.stride, padding=ctx.padding,
-                                  dilation=ctx.dilation, groups=ctx.groups)
-        grad_weight = quantize_elemwise_op(grad_weight, mx_specs=specs, round=specs["round_grad_weight"])
-        qod_weight = quantize_mx_op(weight, specs, elem_format=specs["w_elem_format"], axes=[0])
-        qod_grad_output = quantize_mx_op(grad_output, specs, elem_format=specs["a_elem_format"], axes=[1])
-        grad_input = ctx.conv_input(input.shape, qod_weight, qod_grad_output, stride=ctx.stride,
-                                    padding=ctx.padding, dilation=ctx.dilation, groups=ctx.groups)
-        grad_input = quantize_elemwise_op(grad_input, mx_specs=specs, round=specs["round_grad_input"])
-        grad_bias = None
-        if ctx.has_bias:
-            grad_bias = grad_output.sum([0] + list(range(2, grad_output.ndim)))
-            grad_bias = quantize_elemwise_op(grad_bias, mx_specs=specs, round=specs["round_grad_weight"])
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+        return _conv_grads(ctx, grad_output, conv_weight, 0, ctx.conv_input) + (None,) * 6
 
 
 def _conv(dims):
@@ -109,20 +131,7 @@ def _conv(dims):
 conv1d, conv2d, conv3d = _conv(1), _conv(2), _conv(3)
 
 
-class _MXConvMixin:
-    def _init_mx(self, mx_specs, name):
-        mx_assert_test(mx_specs)
-        self.mx_none = mx_specs is None
-        self.name = name
-        self.mx_specs = apply_mx_specs(mx_specs)
-
-    def apply_mx_specs(self, mx_specs):
-        self.mx_none = mx_specs is None
-        self.mx_specs = apply_mx_specs(mx_specs)
-
-    def append_name(self, postfix):
-        self.name += postfix
-
+class _MXConvMixin(MxSpecsModule):
     def forward(self, inputs):
         if self.mx_none:
             return self._conv_forward(inputs, self.weight, self.bias)

@@ -8,6 +8,7 @@ classes take ``mx_specs`` in place of the engine's precision, as microxcaling's 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -19,76 +20,54 @@ __all__ = ["simd_add", "simd_sub", "simd_mul", "simd_div", "simd_split", "simd_s
            "simd_log", "simd_reduce_sum", "simd_reduce_mean", "simd_norm"]
 
 
-SIMDAdd = translating_function(_e.SIMDAdd)
-SIMDSub = translating_function(_e.SIMDSub)
-SIMDMul = translating_function(_e.SIMDMul)
-SIMDDiv = translating_function(_e.SIMDDiv)
-SIMDSplit = translating_function(_e.SIMDSplit)
-SIMDSquare = translating_function(_e.SIMDSquare)
-SIMDSqrt = translating_function(_e.SIMDSqrt)
-SIMDExp = translating_function(_e.SIMDExp)
-SIMDLog = translating_function(_e.SIMDLog)
-SIMDReduceSum = translating_function(_e.SIMDReduceSum)
+(SIMDAdd, SIMDSub, SIMDMul, SIMDDiv, SIMDSplit, SIMDSquare, SIMDSqrt, SIMDExp, SIMDLog, SIMDReduceSum) = map(
+    translating_function, (_e.SIMDAdd, _e.SIMDSub, _e.SIMDMul, _e.SIMDDiv, _e.SIMDSplit, _e.SIMDSquare, _e.SIMDSqrt,
+                           _e.SIMDExp, _e.SIMDLog, _e.SIMDReduceSum))
+
+
+def _apply(function, exact, mx_specs, *args):
+    """``exact(*args)`` without ``mx_specs``, else ``function`` at its precision."""
+    mx_assert_test(mx_specs)
+    return exact(*args) if mx_specs is None else function.apply(*args, apply_mx_specs(mx_specs))
 
 
 def simd_add(in1, in2, mx_specs=None):
-    mx_assert_test(mx_specs)
-    return in1 + in2 if mx_specs is None else SIMDAdd.apply(in1, in2, apply_mx_specs(mx_specs))
+    return _apply(SIMDAdd, operator.add, mx_specs, in1, in2)
 
 
 def simd_sub(in1, in2, mx_specs=None):
-    mx_assert_test(mx_specs)
-    return in1 - in2 if mx_specs is None else SIMDSub.apply(in1, in2, apply_mx_specs(mx_specs))
+    return _apply(SIMDSub, operator.sub, mx_specs, in1, in2)
 
 
 def simd_mul(in1, in2, mx_specs=None):
-    mx_assert_test(mx_specs)
-    return in1 * in2 if mx_specs is None else SIMDMul.apply(in1, in2, apply_mx_specs(mx_specs))
+    return _apply(SIMDMul, operator.mul, mx_specs, in1, in2)
 
 
 def simd_div(in1, in2, mx_specs=None):
-    mx_assert_test(mx_specs)
-    return in1 / in2 if mx_specs is None else SIMDDiv.apply(in1, in2, apply_mx_specs(mx_specs))
+    return _apply(SIMDDiv, operator.truediv, mx_specs, in1, in2)
 
 
-def simd_split(in1, mx_specs=None):
-    mx_assert_test(mx_specs)
-    return (in1, in1) if mx_specs is None else SIMDSplit.apply(in1, apply_mx_specs(mx_specs))
+def _unary(function, exact):
+    """microxcaling's ``simd_<op>(in1, mx_specs=None)``: ``exact(in1)`` without mx_specs, else ``function``."""
+    def op(in1, mx_specs=None):
+        return _apply(function, exact, mx_specs, in1)
+    op.__name__ = op.__qualname__ = "simd_" + function.__name__[len("SIMD"):].lower()
+    return op
 
 
-def simd_square(in1, mx_specs=None):
-    mx_assert_test(mx_specs)
-    return torch.square(in1) if mx_specs is None else SIMDSquare.apply(in1, apply_mx_specs(mx_specs))
-
-
-def simd_sqrt(in1, mx_specs=None):
-    mx_assert_test(mx_specs)
-    return torch.sqrt(in1) if mx_specs is None else SIMDSqrt.apply(in1, apply_mx_specs(mx_specs))
-
-
-def simd_exp(in1, mx_specs=None):
-    mx_assert_test(mx_specs)
-    return torch.exp(in1) if mx_specs is None else SIMDExp.apply(in1, apply_mx_specs(mx_specs))
-
-
-def simd_log(in1, mx_specs=None):
-    mx_assert_test(mx_specs)
-    return torch.log(in1) if mx_specs is None else SIMDLog.apply(in1, apply_mx_specs(mx_specs))
+simd_split, simd_square, simd_sqrt, simd_exp, simd_log = (
+    _unary(SIMDSplit, lambda x: (x, x)), _unary(SIMDSquare, torch.square), _unary(SIMDSqrt, torch.sqrt),
+    _unary(SIMDExp, torch.exp), _unary(SIMDLog, torch.log))
 
 
 def simd_reduce_sum(in1, dim=None, keepdim=False, mx_specs=None):
-    mx_assert_test(mx_specs)
-    if dim is None:
-        dim = list(range(in1.ndim))
-    if mx_specs is None:
-        return torch.sum(in1, dim, keepdim=keepdim)
-    return SIMDReduceSum.apply(in1, dim, keepdim, apply_mx_specs(mx_specs))
+    dim = list(range(in1.ndim)) if dim is None else dim
+    return _apply(SIMDReduceSum, lambda x, d, k: torch.sum(x, d, keepdim=k), mx_specs, in1, dim, keepdim)
 
 
 def simd_reduce_mean(in1, dim=None, keepdim=False, mx_specs=None):
     mx_assert_test(mx_specs)
-    if dim is None:
-        dim = list(range(in1.ndim))
+    dim = list(range(in1.ndim)) if dim is None else dim
     if mx_specs is None:
         return torch.mean(in1, dim, keepdim=keepdim)
     mx_specs = apply_mx_specs(mx_specs)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mxtrain.compat.mx.precision import translating_function
-from mxtrain.compat.mx.specs import apply_mx_specs, mx_assert_test
+from mxtrain.compat.mx.specs import MxSpecsModule, apply_mx_specs, mx_assert_test
 from mxtrain.emulation import softmax as _e
 
 __all__ = ["SoftmaxFunction", "softmax", "Softmax", "LN_2_BF16"]
@@ -30,22 +30,12 @@ def softmax(input, dim=-1, mx_specs=None, name=None):
     return SoftmaxFunction.apply(input, dim, mx_specs, name)
 
 
-class Softmax(torch.nn.Softmax):
+class Softmax(MxSpecsModule, torch.nn.Softmax):
     """``torch.nn.Softmax`` taking ``mx_specs`` (None: plain)."""
 
     def __init__(self, dim=None, mx_specs=None, name=None):
-        mx_assert_test(mx_specs)
-        self.mx_none = mx_specs is None
-        self.name = name
-        self.mx_specs = apply_mx_specs(mx_specs)
+        self._init_mx(mx_specs, name)
         super().__init__(dim)
-
-    def apply_mx_specs(self, mx_specs):
-        self.mx_none = mx_specs is None
-        self.mx_specs = apply_mx_specs(mx_specs)
-
-    def append_name(self, postfix):
-        self.name += postfix
 
     def forward(self, input):
         if self.mx_none:

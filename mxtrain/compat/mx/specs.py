@@ -216,3 +216,21 @@ def mx_assert_test(mx_specs) -> None:
         f1, f2 = stack[-2], stack[-3]
         raise ValueError(f"MX assert test failed!\nmx_specs is None in function {f1.name}\n"
                          f"Called from {f2.filename}, line {f2.lineno}\n  {f2.line}")
+
+
+class MxSpecsModule:
+    """What microxcaling's modules share: ``mx_specs`` (``mx_none`` when None: the plain torch layer
+    runs), a ``name``, and the methods that change them later. Mixed in before the torch module."""
+
+    def _init_mx(self, mx_specs, name):
+        mx_assert_test(mx_specs)
+        self.mx_none = mx_specs is None
+        self.name = name
+        self.mx_specs = apply_mx_specs(mx_specs)
+
+    def apply_mx_specs(self, mx_specs):
+        self.mx_none = mx_specs is None
+        self.mx_specs = apply_mx_specs(mx_specs)
+
+    def append_name(self, postfix):
+        self.name += postfix
