@@ -421,11 +421,11 @@ def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axi
     the cuBLAS path of :mod:`mxtrain.kernels.gemm` (``Float8Tensor`` operands: the FP8
     GEMMs of :mod:`mxtrain.kernels.float8_gemm`); others the reference.
     """
+    if not torch.compiler.is_compiling():  # eager: the implementation itself
+        return _mx_gemm_impl(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias, backend=backend)
     if not all(isinstance(t, (MXTensor, Float8Tensor, torch.Tensor)) for t in (a, b)):
         raise TypeError(f"mx_gemm operands must be MXTensor, Float8Tensor or torch.Tensor, got "
                         f"{type(a).__name__} and {type(b).__name__}")
-    if not torch.compiler.is_compiling():  # eager: the implementation itself
-        return _mx_gemm_impl(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias, backend=backend)
     (ta, ma), (tb, mb) = _operand_parts(a, a_axis), _operand_parts(b, b_axis)
     return torch.ops.mxtrain.mx_gemm(ta, ma, tb, mb, a_axis, b_axis, out_dtype, bias, backend)
 

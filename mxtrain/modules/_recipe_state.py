@@ -41,6 +41,7 @@ __all__ = ["RecipeStateMixin", "gemm_recipe", "EXTRA_STATE_KEY", "STATE_TYPES", 
 
 EXTRA_STATE_KEY = "_extra_state"
 _ATTR = "_mxtrain_recipe_state"
+_UNPLACED = "_mxtrain_recipe_state_unplaced"  # set by a load: place the state on the next update
 
 
 def _state_types() -> dict:
@@ -77,7 +78,7 @@ class RecipeStateMixin:
             return recipe.bind(FrozenState(state if state is not None else make_state(), scales))
         if state is None:
             state = self.__dict__[_ATTR] = make_state()
-        self._follow_device(state)
+        self._place_loaded_state(state)
         state.update(recipe)  # the previous step's amaxes enter the histories; new scales
         capture = _CAPTURE.get()
         if capture is not None:
@@ -102,9 +103,15 @@ class RecipeStateMixin:
             return gemm_recipe(recipe.bind(FrozenState(state if state is not None else recipe.make_state())), gemm)
         if state is None:
             state = self.__dict__[_ATTR] = recipe.make_state()
-        self._follow_device(state)
+        self._place_loaded_state(state)
         state.update(recipe)
         return gemm_recipe(recipe.bind(state), gemm)
+
+    def _place_loaded_state(self, state) -> None:
+        """Once after a load: move the loaded state to the parameters' device (the model may have moved since
+        the load). A state this process made needs nothing: its tensors are made where the casts run."""
+        if self.__dict__.pop(_UNPLACED, False):
+            self._follow_device(state)
 
     def _follow_device(self, state) -> None:
         """Move ``state`` to the device of this module's parameters (a state loaded from a checkpoint sits on
@@ -135,6 +142,7 @@ class RecipeStateMixin:
             else:
                 state = self.__dict__[_ATTR] = cls.from_state_dict(d)
                 self._follow_device(state)
+                self.__dict__[_UNPLACED] = True
             # torch would report the key as unexpected: this class does not override set_extra_state
             # (so that modules without state need no such key when loading strictly)
             state_dict = {k: v for k, v in state_dict.items() if k != key}
@@ -251,5 +259,6 @@ def load_recipe_states(model, states: dict) -> None:
         if name in built:
             m.__dict__[_ATTR] = built[name]
             m._follow_device(built[name])
+            m.__dict__[_UNPLACED] = True
         else:
             m.reset_recipe_state()

@@ -122,7 +122,8 @@ class _LayerNormMLPFn(torch.autograd.Function):
                  if fuse else None)
         if fused is not None:
             (a_row, a_col), _ = fused
-        elif fuse and ctx.needs_input_grad[5] and isinstance(role2("fprop_input"), Float8RoleSpec):
+        elif (fuse and ctx.needs_input_grad[5] and isinstance(role2("fprop_input"), Float8RoleSpec)
+              and role2("wgrad_input").fmt is not None):  # quantize_backward=False: recompute, not keep bf16
             # FP8 recipes (gated activations): both planes from one act(h) and one amax, as the fused cast
             # does, rather than recomputing act(h) in backward
             a_row, a_col = _activation_operands(h, act, [(role2("fprop_input"), 1), (role2("wgrad_input"), 0)],

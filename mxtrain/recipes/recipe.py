@@ -25,6 +25,8 @@ and serialised anywhere (a launcher, a sweep driver, a config file).
 
 from __future__ import annotations
 
+import warnings
+
 import dataclasses
 import functools
 import numbers
@@ -328,10 +330,12 @@ def _register(cls: type["Recipe"]) -> None:
     for table, key, what in entries:
         old = table.get(key)
         if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-            raise TypeError(f"recipe {what} {key!r} of {cls.__module__}.{cls.__qualname__} is already taken by "
-                            f"{old.__module__}.{old.__qualname__}: recipe dicts and recipe strings name a class by it, "
-                            f"so it must be unique")
-    for table, key, _ in entries:
+            # a user subclass of the same name (to change defaults), or local classes of one name in two
+            # places: the first keeps the name, so dicts and strings naming it keep meaning what they meant
+            warnings.warn(f"recipe {what} {key!r} of {cls.__module__}.{cls.__qualname__} is already taken by "
+                          f"{old.__module__}.{old.__qualname__}: recipe dicts and recipe strings naming {key!r} "
+                          f"build that class; give this one another name to have it built from them", stacklevel=4)
+            continue
         table[key] = cls
 
 
