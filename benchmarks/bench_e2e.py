@@ -30,6 +30,11 @@ optimizer step, torchao's best FSDP2 configuration); ``ao-rowwise`` in bf16 (tor
 bf16 with ``+bf16ag``. ``+compile`` compiles each decoder layer (as torchtitan does); ``+graph`` is refused.
 Tokens/s count every rank's tokens; the table adds each side's all-gather bytes and kernel time per step.
 
+``--data austen`` trains on the Jane Austen corpus as byte tokens, a new batch every step (random tokens repeat 4
+batches, which every side memorises), so the sides' losses after N steps compare how they train. The GPU machine
+needs the corpus (``scripts/install_data.sh`` unpacks it; ``--data-dir`` or ``$MXTRAIN_DATA_DIR`` where it is)
+and the ``rdata`` package.
+
     torchrun --nproc_per_node=2 benchmarks/bench_e2e.py --fsdp --model llama-1b --batch 2 \
         --sides hf,ao-tensorwise,mx:mxfp8,mx:fp8_current,mx:fp8_block --warmup 5 --steps 45
 """
@@ -196,8 +201,19 @@ def build_fsdp(side: str, cfg, device, seed: int):
     return step, list(model.parameters()), after_step
 
 
-def batches(cfg, batch: int, seq: int, device, seed: int, count: int = 4):
-    """``count`` random (inputs, targets) pairs; each side sees the same ones in the same order."""
+def batches(cfg, batch: int, seq: int, device, seed: int, count: int = 4, data: str = "random",
+            data_dir: str | None = None):
+    """``count`` (inputs, targets) pairs; each side sees the same ones in the same order. ``data``: "random"
+    tokens, or "austen": windows of the Jane Austen corpus as byte tokens (ids < 256), real text whose loss
+    after N steps compares the sides' training (``mxtrain.data``; ``data_dir`` where it is unpacked)."""
+    if data == "austen":
+        from mxtrain.data import austen_lm_tokens
+
+        ids, _, _ = austen_lm_tokens(data_dir=data_dir)
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, ids.numel() - seq - 1, (count * batch,), generator=g).tolist()
+        windows = torch.stack([ids[s:s + seq + 1] for s in starts]).view(count, batch, seq + 1).to(device)
+        return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]
     g = torch.Generator(device=device).manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (count, batch, seq + 1), device=device, generator=g)
     return [(i[:, :-1].contiguous(), i[:, 1:].contiguous()) for i in ids]
@@ -215,7 +231,9 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
     else:
         (step, params), after_step = build(side, cfg, device, args.seed), None
     opt = torch.optim.AdamW(params, lr=args.lr, fused=True, capturable="graph" in modes)
-    data = batches(cfg, batch, seq, device, args.seed + rank)
+    # random tokens repeat 4 batches; Austen gives every step its own batch (warm-up, issue timing, timed steps)
+    count = 4 if args.data == "random" else args.warmup + 3 + args.steps
+    data = batches(cfg, batch, seq, device, args.seed + rank, count=count, data=args.data, data_dir=args.data_dir)
     inputs, targets = (t.clone() for t in data[0])  # static buffers, refilled before each step
     count = [0]
 
@@ -396,6 +414,10 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, metavar="SIDES", help="profile these eager sides instead of timing")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    p.add_argument("--data", choices=("random", "austen"), default="random",
+                   help="random tokens (4 batches repeated), or the Austen corpus as byte tokens, a new batch "
+                        "every step: its losses compare how the sides train")
+    p.add_argument("--data-dir", default=None, help="where the Austen corpus is unpacked (default: mxtrain.data's)")
     p.add_argument("--fsdp", action="store_true",
                    help="FSDP2 over torchrun's ranks (NCCL; gloo on CPU tests the code path only)")
     args = p.parse_args()

@@ -62,3 +62,21 @@ def test_fsdp_outside_torchrun_is_refused():
     env.pop("RANK", None)
     proc = subprocess.run([sys.executable, str(BENCH), *TINY], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "torchrun" in proc.stderr
+
+
+def test_fsdp_on_austen_text(tmp_path):
+    """--data austen: every step its own batch of Austen byte tokens; the mxtrain model without a recipe trains
+    as Hugging Face's does on it."""
+    try:
+        from mxtrain.data.austen import austen_package_dir
+        austen_package_dir()
+    except FileNotFoundError as e:
+        pytest.skip(f"the Austen corpus is not installed: {str(e).splitlines()[0]}")
+    out = tmp_path / "r.json"
+    proc = bench(*TINY, "--data", "austen", "--sides", "hf,mx:none", "--json", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    data = json.loads(out.read_text())
+    assert data["args"]["data"] == "austen"
+    res = {r["side"]: r for r in data["results"]}
+    assert res["mx:none"]["loss"] == pytest.approx(res["hf"]["loss"], rel=1e-3)
+    assert 0 < res["hf"]["loss"] < 10
