@@ -235,7 +235,7 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
     count = 4 if args.data == "random" else args.warmup + 3 + args.steps
     data = batches(cfg, batch, seq, device, args.seed + rank, count=count, data=args.data, data_dir=args.data_dir)
     inputs, targets = (t.clone() for t in data[0])  # static buffers, refilled before each step
-    count = [0]
+    served = [0]
 
     def train_step():
         loss = step(inputs, targets)
@@ -246,10 +246,10 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
         return loss
 
     def next_batch():
-        i, t = data[count[0] % len(data)]
+        i, t = data[served[0] % len(data)]
         inputs.copy_(i)
         targets.copy_(t)
-        count[0] += 1
+        served[0] += 1
 
     def run():
         next_batch()
@@ -385,21 +385,6 @@ def profile_side(side: str, cfg, batch: int, seq: int, args, device) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
-def init_distributed() -> torch.device:
-    """NCCL on this rank's GPU under torchrun, else gloo on the CPU; a stuck collective fails after 5 minutes."""
-    timeout = datetime.timedelta(minutes=5)
-    if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
-    return device
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="llama-1b")
@@ -429,7 +414,9 @@ def main():
             p.error("--fsdp runs under torchrun: torchrun --nproc_per_node=N benchmarks/bench_e2e.py --fsdp ...")
         if args.profile:
             p.error("--profile profiles one process; it does not combine with --fsdp")
-        device = init_distributed()
+        from bench_fsdp import init_distributed  # benchmarks/ is on sys.path when this file runs as a script
+
+        device = init_distributed(timeout=datetime.timedelta(minutes=5))  # a stuck collective fails, not hangs
     elif not torch.cuda.is_available():
         raise SystemExit("bench_e2e.py needs a CUDA device (or --fsdp under torchrun, which runs on CPU with gloo)")
     else:

@@ -199,16 +199,18 @@ def model_arguments(p: argparse.ArgumentParser, steps: int) -> None:
                    help="each block's backward gathers the N blocks before it (0: FSDP2's default, one)")
 
 
-def init_distributed() -> torch.device:
-    """NCCL on this rank's GPU under torchrun, else gloo on the CPU (threads split between ranks)."""
+def init_distributed(timeout: datetime.timedelta | None = None) -> torch.device:
+    """NCCL on this rank's GPU under torchrun, else gloo on the CPU (threads split between ranks); ``timeout``:
+    how long a stuck collective waits before it fails (torch's default when None)."""
+    kw = {} if timeout is None else {"timeout": timeout}
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **kw)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **kw)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", "1"))))
     return device
 

@@ -78,11 +78,6 @@ def all_reduce_amax(amax: torch.Tensor, group) -> torch.Tensor:
         return amax
     import torch.distributed as dist
     if dist.get_world_size(group) > 1:
-        if amax.device.type == "cpu" and "gloo" not in str(dist.get_backend(group)) and torch.cuda.is_available():
-            # a state still on the CPU (fresh, or loaded from a checkpoint) under a CUDA-only (NCCL) group
-            on_gpu = amax.to(torch.device("cuda", torch.cuda.current_device()))
-            dist.all_reduce(on_gpu, op=dist.ReduceOp.MAX, group=group)
-            return amax.copy_(on_gpu)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 

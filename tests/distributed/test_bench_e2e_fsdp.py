@@ -19,18 +19,10 @@ TINY = ["--fsdp", "--model", "tiny", "--rounds", "1", "--steps", "2", "--warmup"
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 
 
-def bench(*args, timeout=300) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONWARNINGS"] = "ignore"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(BENCH), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def test_fsdp_sides_train_and_quantized_gathers_send_less(tmp_path):
+def test_fsdp_sides_train_and_quantized_gathers_send_less(tmp_path, torchrun2):
     out = tmp_path / "r.json"
-    proc = bench(*TINY, "--sides", "hf,mx:none,mx:mxfp8,mx:fp8_current,mx:fp8_current+bf16ag", "--json", out)
+    proc = torchrun2(BENCH, *TINY, "--sides", "hf,mx:none,mx:mxfp8,mx:fp8_current,mx:fp8_current+bf16ag",
+                     "--json", out, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     data = json.loads(out.read_text())
     assert data["world"] == 2
@@ -50,8 +42,8 @@ def test_fsdp_sides_train_and_quantized_gathers_send_less(tmp_path):
     assert "vs hf" in proc.stdout and "AG MiB" in proc.stdout
 
 
-def test_graph_side_is_refused_with_fsdp():
-    proc = bench(*TINY, "--sides", "hf,mx:mxfp8+graph", timeout=120)
+def test_graph_side_is_refused_with_fsdp(torchrun2):
+    proc = torchrun2(BENCH, *TINY, "--sides", "hf,mx:mxfp8+graph", timeout=120)
     assert proc.returncode != 0
     assert "+graph is not supported with --fsdp" in proc.stdout + proc.stderr
     assert "round 0" not in proc.stdout  # nothing ran
@@ -64,7 +56,7 @@ def test_fsdp_outside_torchrun_is_refused():
     assert proc.returncode != 0 and "torchrun" in proc.stderr
 
 
-def test_fsdp_on_austen_text(tmp_path):
+def test_fsdp_on_austen_text(tmp_path, torchrun2):
     """--data austen: every step its own batch of Austen byte tokens; the mxtrain model without a recipe trains
     as Hugging Face's does on it."""
     try:
@@ -73,7 +65,7 @@ def test_fsdp_on_austen_text(tmp_path):
     except FileNotFoundError as e:
         pytest.skip(f"the Austen corpus is not installed: {str(e).splitlines()[0]}")
     out = tmp_path / "r.json"
-    proc = bench(*TINY, "--data", "austen", "--sides", "hf,mx:none", "--json", out)
+    proc = torchrun2(BENCH, *TINY, "--data", "austen", "--sides", "hf,mx:none", "--json", out, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     data = json.loads(out.read_text())
     assert data["args"]["data"] == "austen"

@@ -4,10 +4,7 @@ the table it prints and the JSON it writes (bytes per weight element, modes run 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,18 +17,9 @@ TINY = ["--layers", "2", "--hidden", "256", "--ffn", "1024", "--batch", "2", "--
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 
 
-def bench(*args, timeout=240) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONWARNINGS"] = "ignore"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(BENCH), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def test_repeated_modes_table_and_json(tmp_path):
+def test_repeated_modes_table_and_json(tmp_path, torchrun2):
     out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
-    proc = bench(*TINY, "--modes", "mxfp8+mxag,bf16,mxfp8+mxag", "--json", out_json, "--markdown", out_md)
+    proc = torchrun2(BENCH, *TINY, "--modes", "mxfp8+mxag,bf16,mxfp8+mxag", "--json", out_json, "--markdown", out_md)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = json.loads(out_json.read_text())["results"]
     assert [r["mode"] for r in res] == ["mxfp8+mxag", "bf16", "mxfp8+mxag"]
@@ -52,8 +40,8 @@ def test_repeated_modes_table_and_json(tmp_path):
     assert vs[2] == pytest.approx(mx2["step_ms"] / bf["step_ms"], abs=0.006)
 
 
-def test_unknown_mode_is_refused_before_any_run():
-    proc = bench(*TINY, "--modes", "bf16,mxfp4+mxag", timeout=120)
+def test_unknown_mode_is_refused_before_any_run(torchrun2):
+    proc = torchrun2(BENCH, *TINY, "--modes", "bf16,mxfp4+mxag", timeout=120)
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "unknown mode(s) 'mxfp4+mxag'" in text and "mxfp8+bf16ag" in text
