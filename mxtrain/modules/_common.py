@@ -301,6 +301,8 @@ def _flatten(obj, flat: list):
         return ("t", len(flat) - 1)
     if isinstance(obj, tuple):
         return ("tuple", tuple(_flatten(o, flat) for o in obj))
+    if obj is None or isinstance(obj, (str, int, float, torch.dtype, torch.device)):
+        return ("v", obj)  # before the dataclass test: dynamo (torch 2.11) cannot trace hasattr on torch.dtype
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return ("dc", type(obj), {f.name: _flatten(getattr(obj, f.name), flat) for f in dataclasses.fields(obj)})
     return ("v", obj)

@@ -186,6 +186,8 @@ class MXTensor(PlaneLookup):
         """An MXTensor from parts a kernel has just written, without the checks of ``__init__``
         (the casts' hot path: those parts are correct by construction). Anything else builds it
         with ``MXTensor(...)``."""
+        if torch.compiler.is_compiling():  # dynamo (torch 2.11) cannot trace the __dict__ update; checks are free there
+            return cls(planes, fmt, block_size, shape, dtype, scale_mode, rounding, whole_axis, values)
         self = object.__new__(cls)
         self.__dict__.update(planes=planes, fmt=fmt, block_size=block_size, shape=shape, dtype=dtype,
                              scale_mode=scale_mode, rounding=rounding, whole_axis=whole_axis, values=values)

@@ -13,6 +13,12 @@ from mxtrain.kernels import float8_gemm as fg  # noqa: E402
 from mxtrain.quantization.float8 import Float8Plane, quantize_float8  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PRECISE_TOL, FAST_TOL = 5e-4, 1e-2  # norm-relative error of Hopper FP8 GEMMs: split / fast accumulation
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
 interpret = os.environ.get("TRITON_INTERPRET") == "1" or DEVICE == "cuda"
 
 
@@ -42,7 +48,10 @@ def test_padded_per_tensor_gemm_equals_unpadded(m, n, k):
     want = (a.dequantize(torch.float32, 1) @ b.dequantize(torch.float32, 1).t()).to(DEVICE)
     got = fg._padded(fg._scaled_mm_planes, pa, pb, 1, 16, 16, torch.float32, None, fast=False)
     assert got.shape == (m, n) and got.is_contiguous()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    if DEVICE == "cpu":
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:  # Hopper's FP8 tensor cores accumulate below fp32 (benchmarks/NOTES_float8.md): test_float8_gpu's bound
+        assert _rel(got, want) <= PRECISE_TOL, _rel(got, want)
     got_b = fg._padded(fg._scaled_mm_planes, pa, pb, 1, 16, 16, torch.bfloat16, bias, fast=False)
     torch.testing.assert_close(got_b.float(), (want + bias.float()), rtol=2 ** -7, atol=1e-2)
 
@@ -89,5 +98,5 @@ def test_cuda_gemm_of_ragged_sizes_runs_on_the_tensor_cores(monkeypatch, block):
     a, b = (type(t)(tuple(p.to("cuda") for p in t.planes), t.fmt, t.shape, t.dtype, None) for t in (a, b))
     want = a.dequantize(torch.float32, 1) @ b.dequantize(torch.float32, 1).t()
     got = fg.float8_gemm(a, b, a_axis=1, b_axis=1, out_dtype=torch.float32)
-    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    assert got.shape == (200, 1000) and err <= 2e-4, err
+    # axes (1, 1) take cuBLAS's fast accumulation (the fprop setting): test_float8_gpu's bound for it
+    assert got.shape == (200, 1000) and _rel(got, want) <= FAST_TOL, _rel(got, want)

@@ -29,9 +29,11 @@ def test_kernels_match_torch_cuda(name, dtype):
     y, dh = gated_activation(h, name), gated_activation_backward(h, g, name)
     ulp = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2 ** -23}[dtype]
     for got, ref in ((y, y_ref), (dh, dh_ref)):
-        # an ulp where libdevice and torch's CUDA kernels (compiled with FMA contraction) round apart; atol for
-        # results near zero from cancellation (gelu's cdf + x * pdf for negative x)
-        torch.testing.assert_close(got, ref, rtol=ulp, atol=5e-5, equal_nan=True)
+        # an ulp where libdevice and torch's CUDA kernels (compiled with FMA contraction) round apart, two for
+        # 16-bit types (torch rounds act(gate) to 16 bits before the product; 3 of 1M bf16 geglu results on an
+        # H100, 2026-11-25); atol for results near zero from cancellation (gelu's cdf + x * pdf for negative x)
+        rtol = ulp if dtype == torch.float32 else 2 * ulp
+        torch.testing.assert_close(got, ref, rtol=rtol, atol=5e-5, equal_nan=True)
         same = ((got == ref) | (got.isnan() & ref.isnan())).float().mean().item()
         if dtype != torch.float32:  # 16-bit results: the fp32 differences almost always round away
             # (erf-gelu is the exception: torch's CUDA gelu and the kernel differ in about 9% of fp32 results
