@@ -5,23 +5,26 @@ As Transformer Engine's ``GroupedLinear``: parameters ``weight0 .. weight{n-1}``
 and ``m_splits[i]`` tokens (zero allowed) for expert ``i``, which computes ``x_i W_i^T + b_i``.
 Every expert computes what an ``mxtrain.Linear`` with its weight computes under the same recipe.
 
-Casts. Where the recipe's blocks stay inside one expert's rows, a tensor is cast for all experts
-in one quantize call and each expert takes its rows of the result: the rowwise planes (blocks
-along K or N) of the input, the grad-output and the stacked weights, and the columnwise planes
-(blocks along tokens) too, once each expert's rows are zero-padded to whole blocks (zeros change
-no scale and no code: the reference pads a ragged last block the same way). Per-tensor FP8
-scaling (current, delayed) has one scale per expert tensor, so it casts each expert apart.
+Casts. Where every block of a recipe's use stays inside one expert's rows, a tensor is cast for all
+experts in one quantize call (one launch writing all of its planes) and each expert takes its rows of
+the result: always the rowwise planes (blocks along K or N) of the input, the grad-output and the
+stacked weights; the columnwise planes (blocks along tokens) when every expert's token count is a
+multiple of the block (32 for MXFP8: pad each expert's tokens to it where the tokens are permuted, as
+Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Other counts, and
+per-tensor FP8 scaling (current, delayed: one scale per expert tensor), cast each expert alone, all
+its uses from one read, exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the stacked
+tensor would cost more passes over it than the per-expert casts.
 
 GEMMs. MX recipes with bf16 activations on CUDA run each pass as one grouped bf16 GEMM
-(``torch.nn.functional.grouped_mm``) of the dequantized operands, as ``mx_gemm`` does on Hopper;
-everything else (CPU, FP8 recipes: ``scaled_mm`` / the 128-block kernel per expert) runs
-``mx_linear_forward`` / ``mx_linear_backward`` per expert.
+(``torch.nn.functional.grouped_mm``) of the dequantized operands (written as bf16 values by the casts
+where the operand is used at once), as ``mx_gemm`` does on Hopper, where all experts were cast at
+once; everything else (CPU, ragged counts, FP8 recipes: ``scaled_mm`` / the 128-block kernel per
+expert) runs ``mx_linear_forward`` / ``mx_linear_backward`` per expert.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 
 import torch
@@ -79,37 +82,24 @@ def grouped_operands(stacked, parts, splits: list[int], uses_of, generator, at_o
     """Cast the experts' row blocks of a stacked 2-D tensor for their (spec, axis) uses.
 
     ``stacked()`` returns the tensor with every expert's rows in order (``splits`` rows each),
-    ``parts`` each expert's rows alone, ``uses_of(e)`` expert ``e``'s uses. One quantize call per
-    group of uses where blocks stay inside an expert (see module doc), else one per expert.
+    ``parts`` each expert's rows alone, ``uses_of(e)`` expert ``e``'s uses. Where every block of
+    every use stays inside one expert's rows, one quantize call casts all experts (all uses from one
+    read); else each expert is cast alone, all its uses in one call, as ``mxtrain.Linear`` casts it
+    (a zero-padded copy would cost more passes over the tensor than the per-expert casts; see module doc).
     """
     uses = uses_of(0)
     units = [_row_unit(spec, axis) for spec, axis in uses]
-    if None in units or any(hasattr(p, "mx_gathered_plane") for p in parts):
-        return _Operands(per_expert=[quantize_operand(p, uses_of(e), generator, at_once) for e, p in enumerate(parts)])
-    t2d = stacked()
+    if (None in units or any(n % unit for unit in units for n in splits)
+            or any(hasattr(p, "mx_gathered_plane") for p in parts)):
+        # an expert without tokens casts nothing (as mxtrain.Linear given no tokens): its entry is None
+        return _Operands(splits=splits, per_expert=[quantize_operand(p, uses_of(e), generator, at_once) if n else None
+                                     for e, (p, n) in enumerate(zip(parts, splits))])
     starts = [0]
     for n in splits[:-1]:
         starts.append(starts[-1] + n)
-    full, use_starts, use_ends = [None] * len(uses), [None] * len(uses), [None] * len(uses)
-    plain = [u for u, unit in enumerate(units) if all(n % unit == 0 for n in splits)]
-    padded = [u for u in range(len(uses)) if u not in plain]
-    groups = [(plain, t2d, starts, splits)]
-    if padded:
-        unit = math.lcm(*(units[u] for u in padded))
-        lengths = [-(-n // unit) * unit for n in splits]
-        pstarts = [0]
-        for n in lengths[:-1]:
-            pstarts.append(pstarts[-1] + n)
-        rows = torch.cat([torch.arange(s, s + n, device=t2d.device) for s, n in zip(pstarts, splits)])
-        tp = t2d.new_zeros(sum(lengths), t2d.shape[1])
-        tp[rows] = t2d  # one index_put for all experts
-        groups.append((padded, tp, pstarts, lengths))
-    for members, t, st, lens in groups:
-        if not members:
-            continue
-        for u, op in zip(members, quantize_operand(t, [uses[u] for u in members], generator, at_once)):
-            full[u], use_starts[u], use_ends[u] = op, st, [s + n for s, n in zip(st, lens)]
-    return _Operands(full=full, starts=use_starts, ends=use_ends, splits=splits)
+    full = quantize_operand(stacked(), uses, generator, at_once)
+    ends = [s + n for s, n in zip(starts, splits)]
+    return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
 
 
 def _rows(op, start: int, n: int):
@@ -173,16 +163,21 @@ def _grouped_gemm_ok(x2d, specs, dims) -> bool:
         s is not None and not isinstance(s, Float8RoleSpec) and s.fmt is not None for s in specs)
 
 
-def _grouped_mm(a, b, ends, device):
-    """``F.grouped_mm`` with fp32 output where the device has it (one rounding later), else bf16; None
-    (and per-expert GEMMs from then on) where it raises."""
-    offs = torch.tensor(ends, dtype=torch.int32, device=device)
+def _offsets(ends: list[int], device: torch.device) -> torch.Tensor:
+    """The grouped GEMM's int32 group ends on ``device``; on CUDA copied from pinned memory without
+    blocking (a pageable copy would wait for every kernel queued before it: the host then stops feeding
+    the GPU)."""
+    t = torch.tensor(ends, dtype=torch.int32)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _grouped_mm(a, b, offs):
+    """``F.grouped_mm`` (bf16 result: the fp32 accumulation rounded once, as the per-expert bf16 GEMM
+    rounds it); None (and per-expert GEMMs from then on) where it raises."""
     try:
-        try:
-            return _grouped_mm_fn(a, b, offs=offs, out_dtype=torch.float32)
-        except (RuntimeError, TypeError):
-            return _grouped_mm_fn(a, b, offs=offs)
+        return _grouped_mm_fn(a, b, offs=offs)
     except RuntimeError as err:
+        device = a.device
         _GROUPED_MM_FAILED.add((device.type, device.index))
         warnings.warn(f"GroupedLinear: the grouped GEMM failed on {device} ({err}); running per-expert GEMMs "
                       "(MXTRAIN_GROUPED_MM=0 chooses them from the start)", RuntimeWarning, stacklevel=3)
@@ -216,7 +211,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         specs = [recipe.role("fprop_input"), recipe.role("fprop_weight")]
         if x_ops.full is not None and w_ops.full is not None and _grouped_gemm_ok(x, specs, (x.shape[1], n_out)):
             w = _expert_stack(_values(w_ops.full[0], 1), num_gemms, n_out)
-            y = _grouped_mm(_values(x_ops.full[0], 1), w.transpose(1, 2), x_ops.ends[0], x.device)
+            ctx.offs = _offsets(x_ops.ends[0], x.device)
+            y = _grouped_mm(_values(x_ops.full[0], 1), w.transpose(1, 2), ctx.offs)
             if y is not None:
                 if biases[0] is not None:
                     rows = torch.repeat_interleave(torch.arange(num_gemms, device=x.device),
@@ -253,9 +249,11 @@ class _GroupedLinearFn(torch.autograd.Function):
             (recipes[e].role("dgrad_grad_output") if need_dx else None, 1),
             (recipes[e].role("wgrad_grad_output") if any(need_w) else None, 0)], ctx.gen, at_once=True)
         w_cols = ctx.w_ops
-        if need_dx and _first(w_cols, 1) is None:  # MX: the dgrad plane is cast in backward
+        if need_dx and _first(w_cols, 1) is None:  # MX: the dgrad plane is cast in backward, used at once
+            # (on CUDA the cast writes its bf16 values, as it does for mxtrain.Linear's weight parameter)
             w_cols = grouped_operands(lambda: _stack_rows(weights), weights, [weights[0].shape[0]] * num_gemms,
-                                      lambda e: [(None, 1), (recipes[e].role("dgrad_weight"), 0)], ctx.gen)
+                                      lambda e: [(None, 1), (recipes[e].role("dgrad_weight"), 0)], ctx.gen,
+                                      at_once=True)
         out = _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
         if out is None:
             out = _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
@@ -269,8 +267,9 @@ def _pair(ops: list) -> tuple:
 
 
 def _first(ops: _Operands, use: int):
-    """Expert 0's operand for ``use`` (every expert's is of the same kind), None if there is no such use."""
-    got = ops.expert(0)
+    """The first expert's operand for ``use`` (every expert's is of the same kind), None if there is no such
+    use (or no expert has tokens)."""
+    got = next((g for g in map(ops.expert, range(len(ops.splits))) if g is not None), [])
     return got[use] if use < len(got) else None
 
 
@@ -307,16 +306,17 @@ def _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, 
     if not _grouped_gemm_ok(dy, specs, (n_in, n_out)):
         return None
     dx = dw = None
+    offs = getattr(ctx, "offs", None)
+    if offs is None:
+        offs = _offsets(dy_ops.ends[0], dy.device)
     if need_dx:
         w = _expert_stack(_values(w_cols.full[1], 0), num_gemms, n_out)
-        dx = _grouped_mm(_values(dy_ops.full[0], 1), w, dy_ops.ends[0], dy.device)
+        dx = _grouped_mm(_values(dy_ops.full[0], 1), w, offs)
         if dx is None:
             return None
         dx = dx.to(ctx.dtypes[0])
     if any(need_w):
-        if dy_ops.ends[1] != x_ops.ends[1]:
-            return None  # different padding of the two wgrad operands (block lengths differ): per expert
-        dw = _grouped_mm(_values(dy_ops.full[1], 0).t(), _values(x_ops.full[1], 0), dy_ops.ends[1], dy.device)
+        dw = _grouped_mm(_values(dy_ops.full[1], 0).t(), _values(x_ops.full[1], 0), offs)
         if dw is None:
             return None
     dws = [dw[e].to(ctx.dtypes[1][e]) if need_w[e] else None for e in range(num_gemms)]

@@ -139,8 +139,7 @@ def test_weights_share_one_buffer_and_load_like_te():
     assert torch.allclose(y[2:], torch.nn.functional.linear(x[2:], w[2], m.bias2))
 
 
-def test_casts_one_call_over_all_experts(monkeypatch):
-    """MXFP8: x, dy and the weights are cast for all experts at once (rowwise and, padded, columnwise)."""
+def _count_casts(monkeypatch, splits):
     calls = []
     real = gl_module.quantize_operand
 
@@ -149,28 +148,45 @@ def test_casts_one_call_over_all_experts(monkeypatch):
         return real(t2d, specs_axes, *args, **kwargs)
 
     monkeypatch.setattr(gl_module, "quantize_operand", counting)
-    m = gl_module.GroupedLinear(4, 64, 64)
-    x = torch.randn(50, 64, requires_grad=True)
+    m = gl_module.GroupedLinear(len(splits), 64, 64)
+    x = torch.randn(sum(splits), 64, requires_grad=True)
     with mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()):
-        m(x, [10, 0, 0, 40]).sum().backward()
-    # forward: x rowwise, x columnwise (padded to 32 + 64 rows), weights rowwise; backward: dy both ways,
-    # the weights' dgrad plane
-    assert calls == [((50, 64), (1,)), ((96, 64), (0,)), ((256, 64), (1,)),
-                     ((50, 64), (1,)), ((96, 64), (0,)), ((256, 64), (0,))]
+        m(x, splits).sum().backward()
+    return calls
+
+
+def test_casts_one_call_over_all_experts(monkeypatch):
+    """MXFP8, token counts multiples of 32: x, dy and the weights are each cast for all experts in one call,
+    both planes of x and dy from one read."""
+    calls = _count_casts(monkeypatch, [32, 0, 0, 64])
+    # forward: x both ways, weights rowwise; backward: dy both ways, the weights' dgrad plane
+    assert calls == [((96, 64), (1, 0)), ((256, 64), (1,)), ((96, 64), (1, 0)), ((256, 64), (0,))]
+
+
+def test_ragged_counts_cast_per_expert_as_the_loop(monkeypatch):
+    """Counts not multiples of 32: x and dy are cast per expert (both planes in one call, as mxtrain.Linear),
+    never through a padded copy; the weights still at once."""
+    calls = _count_casts(monkeypatch, [10, 0, 0, 40])
+    x_casts = [((n, 64), (1, 0)) for n in (10, 40)]  # the experts without tokens cast nothing
+    assert calls == [*x_casts, ((256, 64), (1,)), *x_casts, ((256, 64), (0,))]
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_grouped_gemm_path_close_to_loop(mx_config, bias):
-    """The grouped bf16 GEMM path (CUDA's by default), run on the CPU: the loop's result up to bf16 rounding."""
+def test_grouped_gemm_path_close_to_loop(mx_config, monkeypatch, bias):
+    """The grouped bf16 GEMM path (CUDA's by default), run on the CPU: the loop's result up to bf16 rounding.
+    Token counts multiples of 32 (an empty expert among them): fprop, dgrad and wgrad are one grouped GEMM each."""
     mx_config(grouped_mm="1")
-    splits = [0, 37, 5, 0, 70]
-    grouped, linears = _pair(5, 64, 48, bias, torch.bfloat16)
+    real, calls = gl_module._grouped_mm_fn, []
+    monkeypatch.setattr(gl_module, "_grouped_mm_fn", lambda a, b, **kw: calls.append(a.shape) or real(a, b, **kw))
+    splits = [0, 32, 64, 0, 96]
+    grouped, linears = _pair(5, 64, 96, bias, torch.bfloat16)  # 96 rows a weight: its dgrad blocks stay inside
     (y1, dx1), (y2, dx2) = _step(grouped, linears, mxtrain.MXFP8Recipe(), splits, torch.bfloat16, seed=3)
     torch.testing.assert_close(y1, y2, rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(dx1, dx2, rtol=1.6e-2, atol=1e-2)
     for e, lin in enumerate(linears):
         torch.testing.assert_close(getattr(grouped, f"weight{e}").grad, lin.weight.grad if lin.weight.grad is not None
                                    else torch.zeros_like(lin.weight), rtol=1.6e-2, atol=5e-2)
+    assert len(calls) == 3
 
 
 def test_bad_inputs_raise_clearly():
