@@ -10,8 +10,15 @@ twice the tokens of the idlest (the counts are printed). Rows:
 * ``GroupedLinear <recipe>``: ``mxtrain.GroupedLinear`` (fc1, fc2) under ``mx_autocast(recipe)``;
 * ``Linear loop <recipe>``: one ``mxtrain.Linear`` per expert under the same recipe.
 
-Times are medians of ``--iters`` steps (each synchronised); "vs bf16" is the grouped bf16 time over the
-row's. Only the expert GEMMs and the activation are timed (routing, permutation excluded).
+* ``GroupedLinear <recipe> aligned<N>``: the same with each expert's tokens padded with zero rows to a
+  multiple of ``--align`` where they are permuted (Megatron-LM's ``moe_router_padding_for_fp8``, torchao's
+  MoE token alignment): the casts then run once over all experts. Its FLOP/s count the real rows only.
+
+The modes of one recipe (with the bf16 grouped_mm baseline) are timed alternately, step by step, so that
+clock and thermal drift fall on all of them alike. Times are medians of ``--iters`` steps (each
+synchronised); "vs bf16" is the bf16 grouped_mm time over the row's, both timed in the same turns. Only the expert GEMMs and the activation
+are timed (routing, permutation excluded). ``--profile`` then prints each mode's top CUDA kernels of one
+step (torch.profiler).
 
     python benchmarks/bench_moe.py                         # one GPU (the Mixtral shape)
     python benchmarks/bench_moe.py --small --device cpu    # smoke test: tiny shapes, seconds
@@ -84,26 +91,56 @@ class TorchGroupedExperts(nn.Module):
         return _grouped_mm(swiglu(h), self.w2.transpose(1, 2), offs=offs)
 
 
-def time_step(model, x, dy, splits, recipe, iters: int, warmup: int) -> float:
-    """Median seconds of one forward + backward."""
+def _step_fn(model, x, dy, splits, recipe):
     def step():
         xi = x.detach().requires_grad_()
         with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
             y = model(xi, splits)
         y.backward(dy)
+    return step
 
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+
+def time_steps(steps: list, iters: int, warmup: int, cuda: bool) -> list[float]:
+    """Median seconds of one forward + backward of each step function, the steps run in turn."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
-        step()
-    times = []
+        for step in steps:
+            step()
+    times: list[list[float]] = [[] for _ in steps]
     for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
+        for step, t in zip(steps, times):
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def profile_step(label: str, step, cuda: bool, top: int) -> None:
+    """Print the ``top`` CUDA kernels (by total device time) of one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(f"## {label}: top {top} {'CUDA kernels' if cuda else 'CPU ops'} of one step")
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70))
+
+
+def aligned(x: torch.Tensor, dy: torch.Tensor, splits: list[int], align: int):
+    """``x``, ``dy`` with each expert's rows followed by zero rows up to a multiple of ``align`` (as a token
+    permutation that pads writes them), and the padded counts."""
+    padded = [-(-n // align) * align for n in splits]
+    def pad(t):
+        out = t.new_zeros(sum(padded), t.shape[1])
+        for src, dst, n in zip(t.split(splits), out.split(padded), splits):
+            dst[:n] = src
+        return out
+    return pad(x), pad(dy), padded
 
 
 RECIPES = {"mxfp8": mxtrain.MXFP8Recipe, "fp8_current": mxtrain.Float8CurrentScaling,
@@ -122,6 +159,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--no-loop", action="store_true", help="skip the per-expert loop rows")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--align", type=int, default=32, help="token alignment of the 'aligned' rows (0: none)")
+    p.add_argument("--profile", action="store_true", help="print each mode's top CUDA kernels of one step")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per mode with --profile")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="tiny shapes (4 experts, 32 -> 2 x 64 -> 32, 64 tokens)")
     args = p.parse_args(argv)
@@ -144,31 +184,52 @@ def main(argv=None) -> list[dict]:
           f"{args.tokens} tokens; rows per expert {splits}; {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), torch {torch.__version__}")
     results = []
-    cases = []
-    if _grouped_mm is not None:
-        cases.append(("bf16 grouped_mm", TorchGroupedExperts, None))
-    cases.append(("GroupedLinear bf16", GroupedExperts, None))
-    if not args.no_loop:
-        cases.append(("bf16 loop", LoopExperts, None))
+    xa, dya, splits_a = aligned(x, dy, splits, args.align) if args.align > 0 else (x, dy, splits)
+    groups = [[("GroupedLinear bf16", GroupedExperts, None, False)]
+              + ([] if args.no_loop else [("bf16 loop", LoopExperts, None, False)])]
     for name in recipes:
-        cases.append((f"GroupedLinear {name}", GroupedExperts, name))
+        group = [(f"GroupedLinear {name}", GroupedExperts, name, False)]
+        if args.align > 0 and splits_a != splits:
+            group.append((f"GroupedLinear {name} aligned{args.align}", GroupedExperts, name, True))
         if not args.no_loop:
-            cases.append((f"Linear loop {name}", LoopExperts, name))
-    for label, cls, rname in cases:
+            group.append((f"Linear loop {name}", LoopExperts, name, False))
+        groups.append(group)
+    baseline = None
+    if _grouped_mm is not None:
         torch.manual_seed(0)
-        model = cls(*shape, **kw)
-        try:
-            sec = time_step(model, x, dy, splits, RECIPES[rname]() if rname else None, args.iters, args.warmup)
-        except RuntimeError as err:  # e.g. torch's grouped GEMM not on this device
-            print(f"# {label}: skipped ({str(err).splitlines()[0]})")
-            continue
-        results.append({"mode": label, "ms": sec * 1e3, "tflops": flops / sec / 1e12})
-        del model
-    base = next((r["ms"] for r in results if r["mode"] == "bf16 grouped_mm"), results[0]["ms"])
-    print(f"{'mode':28s} {'ms':>9s} {'TFLOP/s':>8s} {'vs bf16':>8s}")
+        baseline = ("bf16 grouped_mm", TorchGroupedExperts(*shape, **kw), None, False)
+    for group in groups:
+        cases = [] if baseline is None else [baseline]
+        for label, cls, rname, pad in group:
+            torch.manual_seed(0)
+            cases.append((label, cls(*shape, **kw), rname, pad))
+        steps, ok = [], []
+        for label, model, rname, pad in cases:
+            step = _step_fn(model, *((xa, dya, splits_a) if pad else (x, dy, splits)),
+                            RECIPES[rname]() if rname else None)
+            try:
+                step()
+            except RuntimeError as err:  # e.g. torch's grouped GEMM not on this device
+                print(f"# {label}: skipped ({str(err).splitlines()[0]})")
+                continue
+            steps.append(step)
+            ok.append(label)
+        secs = dict(zip(ok, time_steps(steps, args.iters, args.warmup, device.type == "cuda")))
+        base = secs.get("bf16 grouped_mm")
+        for label, sec in secs.items():
+            if not any(r["mode"] == label for r in results):  # the baseline: its first group's row
+                # "vs bf16" against the baseline timed alongside (in turn with) this row
+                results.append({"mode": label, "ms": sec * 1e3, "tflops": flops / sec / 1e12,
+                                "vs_bf16": (base or sec) / sec})
+        if args.profile:
+            for label, step in zip(ok, steps):
+                profile_step(label, step, device.type == "cuda", args.top)
+        for case in cases[1 if baseline is not None else 0:]:
+            case[1].zero_grad(set_to_none=True)
+        del cases, steps
+    print(f"{'mode':34s} {'ms':>9s} {'TFLOP/s':>8s} {'vs bf16':>8s}")
     for r in results:
-        r["vs_bf16"] = base / r["ms"]
-        print(f"{r['mode']:28s} {r['ms']:9.2f} {r['tflops']:8.1f} {r['vs_bf16']:7.2f}x")
+        print(f"{r['mode']:34s} {r['ms']:9.2f} {r['tflops']:8.1f} {r['vs_bf16']:7.2f}x")
     return results
 
 

@@ -6,6 +6,7 @@ import importlib.util
 import pathlib
 
 import pytest
+import torch
 
 BENCH = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_moe.py"
 
@@ -28,8 +29,8 @@ def test_small_run_prints_every_mode(capsys):
     bench = _load()
     rows = bench.main(["--small", "--device", "cpu", "--recipes", "mxfp8,fp8_current"])
     modes = [r["mode"] for r in rows]
-    for label in ("GroupedLinear bf16", "bf16 loop", "GroupedLinear mxfp8", "Linear loop mxfp8",
-                  "GroupedLinear fp8_current", "Linear loop fp8_current"):
+    for label in ("GroupedLinear bf16", "bf16 loop", "GroupedLinear mxfp8", "GroupedLinear mxfp8 aligned32",
+                  "Linear loop mxfp8", "GroupedLinear fp8_current", "Linear loop fp8_current"):
         assert label in modes
     assert all(r["ms"] > 0 and r["vs_bf16"] > 0 for r in rows)
     out = capsys.readouterr().out
@@ -40,3 +41,18 @@ def test_unknown_recipe_is_refused():
     bench = _load()
     with pytest.raises(SystemExit):
         bench.main(["--small", "--device", "cpu", "--recipes", "mxfp9"])
+
+
+def test_aligned_pads_each_expert_with_zero_rows():
+    bench = _load()
+    x = torch.arange(1.0, 8.0).reshape(7, 1)
+    xa, _, counts = bench.aligned(x, x, [3, 0, 4], 4)
+    assert counts == [4, 0, 4]
+    assert xa.flatten().tolist() == [1, 2, 3, 0, 4, 5, 6, 7]
+
+
+def test_profile_prints_each_mode(capsys):
+    bench = _load()
+    bench.main(["--small", "--device", "cpu", "--recipes", "mxfp8", "--no-loop", "--profile", "--top", "2"])
+    out = capsys.readouterr().out
+    assert "## GroupedLinear mxfp8: top 2 CPU ops" in out and "## GroupedLinear mxfp8 aligned32" in out
