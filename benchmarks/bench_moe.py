@@ -17,8 +17,8 @@ twice the tokens of the idlest (the counts are printed). Rows:
 The modes of one recipe (with the bf16 grouped_mm baseline) are timed alternately, step by step, so that
 clock and thermal drift fall on all of them alike. Times are medians of ``--iters`` steps (each
 synchronised); "vs bf16" is the bf16 grouped_mm time over the row's, both timed in the same turns. Only
-the expert GEMMs and the activation are timed (routing, permutation excluded). ``--profile`` then prints each mode's top CUDA kernels of one
-step (torch.profiler).
+the expert GEMMs and the activation are timed (routing, permutation excluded). ``--profile`` then prints
+each mode's top CUDA kernels of one step (torch.profiler).
 
     python benchmarks/bench_moe.py                         # one GPU (the Mixtral shape)
     python benchmarks/bench_moe.py --small --device cpu    # smoke test: tiny shapes, seconds
