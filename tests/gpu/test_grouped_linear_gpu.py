@@ -15,18 +15,26 @@ pytestmark = [pytest.mark.gpu,
 gl_module = importlib.import_module("mxtrain.modules.grouped_linear")
 # MXFP4 with deterministic gradients (its default rounds them stochastically): the grouped cast and the loop draw
 # different random bits
-RECIPES = {"mxfp8": mxtrain.MXFP8Recipe, "mxfp4": lambda: mxtrain.MXFP4Recipe(grad_rounding=None), "fp8_current": mxtrain.Float8CurrentScaling,
-           "fp8_delayed": mxtrain.DelayedScaling, "fp8_block": mxtrain.Float8BlockScaling}
+RECIPES = {"mxfp8": mxtrain.MXFP8Recipe, "mxfp4": lambda: mxtrain.MXFP4Recipe(grad_rounding=None),
+           "fp8_current": mxtrain.Float8CurrentScaling, "fp8_delayed": mxtrain.DelayedScaling, "fp8_block": mxtrain.Float8BlockScaling}
 
 
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+# ragged: MX casts and GEMMs per expert, as the loop; aligned (multiples of 32): one cast a tensor, grouped GEMMs
+SPLITS = {"ragged": [0, 700, 37, 0, 1290, 128, 5, 900], "aligned": [0, 704, 64, 0, 1280, 128, 32, 896]}
+
+
+@pytest.mark.parametrize("splits", list(SPLITS))
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_matches_loop_of_linears_on_cuda(recipe, bias):
-    splits = [0, 700, 37, 0, 1290, 128, 5, 900]
+def test_matches_loop_of_linears_on_cuda(recipe, bias, splits, monkeypatch):
+    grouped_calls = []
+    real = gl_module._grouped_mm_fn
+    monkeypatch.setattr(gl_module, "_grouped_mm_fn", lambda a, b, **kw: grouped_calls.append(1) or real(a, b, **kw))
+    splits = SPLITS[splits]
     torch.manual_seed(0)
     grouped = mxtrain.GroupedLinear(8, 512, 384, bias=bias).cuda().bfloat16()
     linears = [mxtrain.Linear(512, 384, bias=bias).cuda().bfloat16() for _ in splits]
@@ -46,6 +54,8 @@ def test_matches_loop_of_linears_on_cuda(recipe, bias):
         y1.backward(dy)
         y2.backward(dy)
     assert not gl_module._GROUPED_MM_FAILED
+    aligned_mx = all(n % 32 == 0 for n in splits) and recipe.startswith("mx")
+    assert len(grouped_calls) == (3 if aligned_mx else 0)  # fprop, dgrad, wgrad
     assert _rel(y1, y2) < 1e-2 and _rel(x1.grad, x2.grad) < 1e-2
     for e, (lin, n) in enumerate(zip(linears, splits)):
         got = getattr(grouped, f"weight{e}").grad
