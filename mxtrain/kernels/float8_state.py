@@ -3,7 +3,7 @@
 :meth:`mxtrain.quantization.float8.DelayedScalingState.update` pushes each recorded
 amax into its slot's history, takes the history's max (or newest), recomputes the
 scale (:func:`~mxtrain.quantization.float8.compute_delayed_scale`) and advances the
-update count ``gen`` (a slot was recorded since the last update when its stamp equals
+update count ``gen``, when any slot was recorded (a slot was recorded since the last update when its stamp equals
 ``gen``): :func:`~mxtrain.quantization.float8.delayed_scaling_update_`, about 20 small
 torch ops, none reading the device on the host. At the start of a forward the GPU is
 often idle (the previous step has finished), so their launches are paid in full
@@ -108,7 +108,7 @@ if triton is not None:
         keep = (a == 0.0) | (a == float("inf")) | (a != a) | ~rec
         tl.store(scale_ptr + col, tl.where(keep, previous, s), mask=cmask)
         tl.debug_barrier()  # every stamp is compared with gen before it moves on
-        tl.store(gen_ptr, gen + 1)
+        tl.store(gen_ptr, gen + tl.max(rec.to(tl.int64), axis=0))  # moves only if a slot was recorded
 
     def fused_delayed_update(history, scale, gen, fwd_amax, fwd_stamp, grad_amax, grad_stamp, fp8_max, margin: int,
                              most_recent: bool, power_of_2: bool) -> None:

@@ -432,7 +432,8 @@ def delayed_scaling_update_(history, scale, gen, fwd_amax, fwd_stamp, grad_amax,
                             most_recent: bool, power_of_2: bool, reduce=None) -> None:
     """DelayedScaling's step, in place and on the device (no host reads): every slot recorded since the last
     update (its stamp equals ``gen``) pushes its amax into its history column (newest first) and gets
-    ``compute_delayed_scale`` of the history's max (or newest); other slots keep both; ``gen`` += 1.
+    ``compute_delayed_scale`` of the history's max (or newest); other slots keep both; ``gen`` += 1 if any
+    slot was recorded.
     ``reduce(amax)``: all-reduce the amaxes (MAX) first, in place (eager only)."""
     fwd, bwd = _recorded(fwd_stamp, gen), _recorded(grad_stamp, gen)
     recorded = fwd | bwd
@@ -445,7 +446,7 @@ def delayed_scaling_update_(history, scale, gen, fwd_amax, fwd_stamp, grad_amax,
                                 power_of_2=power_of_2)
     history.copy_(hist)
     scale.copy_(torch.where(recorded, new, scale))
-    gen.add_(1)
+    gen.add_(recorded.any().to(gen.dtype))
 
 
 def delayed_scaling_record_(amax_buf, stamp, gen, index: int, amax) -> None:
@@ -495,6 +496,7 @@ class DelayedScalingState:
         self.grad_stamp = torch.zeros(0, dtype=torch.int64)
         self.gen = torch.zeros((), dtype=torch.int64)  # updates so far; a slot's stamp == gen: recorded since
         self._updates = 0  # gen on the host, while only eager updates ran (no device read for `updates`)
+        self._dirty = False  # an eager record since the last eager update (then gen moves)
         self._compiled_updates = False
 
     # -- slots
@@ -506,6 +508,10 @@ class DelayedScalingState:
             for name in self._TENSORS:
                 setattr(self, name, getattr(self, name).to(device))
         return self
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the state keeps (histories, scales, amaxes recorded, stamps, the update count)."""
+        return [getattr(self, name) for name in self._TENSORS]
 
     def ensure_slots(self, slots, device: torch.device | None = None) -> None:
         """Create the slots ``((name, fmt), ...)`` that do not exist yet (and follow a changed format), on
@@ -576,6 +582,7 @@ class DelayedScalingState:
             _DELAYED_OPS["record"](buf, stamp, self.gen, i, amax.float().reshape(()))
         else:
             delayed_scaling_record_(buf, stamp, self.gen, i, amax)
+            self._dirty = True
 
     # -- the step
 
@@ -611,7 +618,8 @@ class DelayedScalingState:
             self._compiled_updates = True  # `updates` must read gen from now on
             return
         self.resize_history(recipe.amax_history_len)
-        self._updates += 1
+        self._updates += self._dirty
+        self._dirty = False
         fused = _FUSED_DELAYED_UPDATES.get(self.scale.device.type)
         if fused is not None and group is None and self.slots:
             # one kernel instead of ~20 small ops (GPU): they would stall an idle GPU at a step's start
@@ -621,7 +629,7 @@ class DelayedScalingState:
 
     @property
     def updates(self) -> int:
-        """Updates run so far (a device read once a compiled update has run)."""
+        """Updates that found recorded amaxes so far (a device read once a compiled update has run)."""
         return int(self.gen) if self._compiled_updates else self._updates
 
     @property
@@ -659,6 +667,7 @@ class DelayedScalingState:
         self.scale = d["scale"].detach().to(**f).clone()
         self.fp8_max = torch.tensor([FP8_MAX[fmt] for fmt in self.formats], **f)
         self._updates, self._compiled_updates = int(d.get("updates", 0)), False
+        self._dirty = bool(d["recorded"])
         self.gen = torch.tensor(self._updates, device=device, dtype=torch.int64)
         pending = d["pending_amax"].detach().to(**f)
         recorded = set(d["recorded"])
