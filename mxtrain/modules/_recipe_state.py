@@ -256,11 +256,18 @@ def _setting(var: contextvars.ContextVar, value):
         var.reset(token)
 
 
-@torch.compiler.assume_constant_result
-def _prepare_state_while_tracing(module, recipe) -> bool:
+def _prepare_state_while_tracing(module, recipe) -> None:
     """Runs for real while torch.compile traces ``module``'s forward, before the trace reads the state:
     :meth:`RecipeStateMixin._prepare_state` (a tensor the compiled graph made could not be written by its
-    backward, where gradients' amaxes are recorded)."""
+    backward, where gradients' amaxes are recorded). Older dynamo (torch 2.11) passes only constants to such a
+    function: the module and recipe go by id, both alive while the trace runs."""
+    _prepare_by_id(id(module), id(recipe))
+
+
+@torch.compiler.assume_constant_result
+def _prepare_by_id(module_id: int, recipe_id: int) -> bool:
+    import ctypes
+    module, recipe = (ctypes.cast(i, ctypes.py_object).value for i in (module_id, recipe_id))
     module._prepare_state(recipe)
     return True
 
