@@ -36,6 +36,8 @@ from collections import deque
 
 import torch
 
+import mxtrain.kernels.float8_state  # noqa: F401  (registers DelayedScaling's update and record ops)
+
 __all__ = ["RecipeStateMixin", "gemm_recipe", "EXTRA_STATE_KEY", "STATE_TYPES", "recipe_state_modules", "recipe_states",
            "load_recipe_states"]
 
@@ -66,23 +68,33 @@ class RecipeStateMixin:
         if make_state is None:
             return recipe
         if torch.compiler.is_compiling():
-            # its amax histories update on the host, in Python, and the casts record into them: not traceable
-            raise NotImplementedError(f"{type(recipe).__name__} (per-module scaling state) cannot run under "
-                                      "torch.compile yet; use Float8CurrentScaling, Float8BlockScaling or an MX "
-                                      "recipe, or run this module eagerly")
+            return self._traced_forward_recipe(recipe)
         state = self.__dict__.get(_ATTR)
         replay = _REPLAY.get()
         if replay is not None or not torch.is_grad_enabled() or in_backward():
             # evaluation or a recompute: cast with the scales of now (or of the forward being recomputed)
             scales = replay.popleft() if replay else None
             return recipe.bind(FrozenState(state if state is not None else make_state(), scales))
-        if state is None:
-            state = self.__dict__[_ATTR] = make_state()
-        self._place_loaded_state(state)
+        state = self._prepare_state(recipe)
         state.update(recipe)  # the previous step's amaxes enter the histories; new scales
         capture = _CAPTURE.get()
         if capture is not None:
             capture.append(state.scale.clone())
+        return recipe.bind(state)
+
+    def _traced_forward_recipe(self, recipe):
+        """forward_recipe while torch.compile traces: the state is made (and placed) for real at trace time, so
+        that its tensors are the graph's inputs; the update is one registered op that mutates them."""
+        if _ACTIVE_SETTINGS:
+            raise NotImplementedError(
+                f"{type(recipe).__name__} under torch.compile inside mxtrain.checkpoint (its recompute replays the "
+                "scales of the forward, kept on the host) cannot be compiled yet; compile the checkpointed function's "
+                "callers without mxtrain.checkpoint, or run it eagerly")
+        _prepare_state_while_tracing(self, recipe)
+        state = self.__dict__[_ATTR]
+        if not torch.is_grad_enabled():  # evaluation: cast with the scales of now, record nothing
+            return recipe.bind(FrozenState(state))
+        state.update(recipe)
         return recipe.bind(state)
 
     def gather_recipe(self, recipe, gemm: str = "", *, update: bool = True):
@@ -96,6 +108,10 @@ class RecipeStateMixin:
         training steps) that the next training forward would apply, and the evaluation itself records
         nothing. Without ``update`` (backward) the state is only read, and None is returned when the module
         has none yet."""
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"{type(recipe).__name__}: FSDP2's all-gather of weights cast with the module's delayed scales "
+                "cannot be compiled yet; run the FSDP2 model eagerly or use Float8CurrentScaling")
         state = self.__dict__.get(_ATTR)
         if not update:
             return None if state is None else gemm_recipe(recipe.bind(state), gemm)
@@ -106,6 +122,31 @@ class RecipeStateMixin:
         self._place_loaded_state(state)
         state.update(recipe)
         return gemm_recipe(recipe.bind(state), gemm)
+
+    def recipe_state_gemms(self) -> tuple[str, ...]:
+        """The names this module's GEMMs have in its recipe state ("" for a one-GEMM module, "fc1" / "fc2" for
+        LayerNormMLP, "expert<i>" for GroupedLinear): their slots are made at the start of a forward."""
+        n = getattr(self, "num_gemms", None)
+        if isinstance(n, int):
+            return tuple(f"expert{e}" for e in range(n))
+        if hasattr(self, "fc1_weight") and hasattr(self, "fc2_weight"):
+            return ("fc1", "fc2")
+        return ("",)
+
+    def _prepare_state(self, recipe):
+        """This module's state for a training forward under ``recipe``: made if it has none (on the parameters'
+        device), a loaded one placed, its history resized, and the slots of all its GEMMs made, in GEMM order
+        (so an eager and a compiled run lay out the same state)."""
+        state = self.__dict__.get(_ATTR)
+        if state is None:
+            state = self.__dict__[_ATTR] = recipe.make_state()
+            self._follow_device(state)
+        self._place_loaded_state(state)
+        state.resize_history(recipe.amax_history_len)
+        bound = recipe.bind(state)
+        for gemm in self.recipe_state_gemms():
+            state._ensure_slots(gemm_recipe(bound, gemm).slot_formats(), state.scale.device)
+        return state
 
     def _place_loaded_state(self, state) -> None:
         """Once after a load: move the loaded state to the parameters' device (the model may have moved since
@@ -200,13 +241,35 @@ def replay_scales(queue: deque):
     return _setting(_REPLAY, deque(queue))
 
 
+# the capture / replay contexts entered now, as a plain list that torch.compile can read (not a ContextVar)
+_ACTIVE_SETTINGS: list = []
+
+
 @contextlib.contextmanager
 def _setting(var: contextvars.ContextVar, value):
     token = var.set(value)
+    _ACTIVE_SETTINGS.append(var)
     try:
         yield
     finally:
+        _ACTIVE_SETTINGS.pop()
         var.reset(token)
+
+
+def _prepare_state_while_tracing(module, recipe) -> None:
+    """Runs for real while torch.compile traces ``module``'s forward, before the trace reads the state:
+    :meth:`RecipeStateMixin._prepare_state` (a tensor the compiled graph made could not be written by its
+    backward, where gradients' amaxes are recorded). Older dynamo (torch 2.11) passes only constants to such a
+    function: the module and recipe go by id, both alive while the trace runs."""
+    _prepare_by_id(id(module), id(recipe))
+
+
+@torch.compiler.assume_constant_result
+def _prepare_by_id(module_id: int, recipe_id: int) -> bool:
+    import ctypes
+    module, recipe = (ctypes.cast(i, ctypes.py_object).value for i in (module_id, recipe_id))
+    module._prepare_state(recipe)
+    return True
 
 
 def gemm_recipe(recipe, gemm: str):

@@ -31,7 +31,8 @@ from mxtrain.quantization._validate import check_dequantize_dtype
 from mxtrain.quantization.mxtensor import PlaneLookup
 
 __all__ = [
-    "FP8_DTYPES", "FP8_MAX", "Float8Plane", "Float8Tensor", "DelayedScalingState",
+    "FP8_DTYPES", "FP8_MAX", "Float8Plane", "Float8Tensor", "DelayedScalingState", "delayed_scaling_update_",
+    "delayed_scaling_record_",
     "fp8_format_name", "tensor_amax", "block_amax", "compute_scale", "compute_delayed_scale",
     "round_scale_down_to_power_of_2", "amax_from_history", "cast_to_fp8", "quantize_float8",
     "fake_quantize_float8", "all_reduce_amax",
@@ -408,13 +409,52 @@ def fake_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axis: int = -1, **k
 # --- delayed scaling state ------------------------------------------------------------------
 
 
-# device type -> fused update(history, pending, scale, idx, fp8_max, recipe), in place and bit-identical
-# to DelayedScalingState.update's torch ops (mxtrain.kernels.float8_state registers the CUDA one)
+# device type -> fused update with delayed_scaling_update_'s signature, in place and bit-identical to it
+# (mxtrain.kernels.float8_state registers the CUDA one and the registered ops used under torch.compile)
 _FUSED_DELAYED_UPDATES: dict = {}
+_DELAYED_OPS: dict = {}  # "update" / "record": the registered ops (torch.ops.mxtrain.*), for torch.compile
 
 
 def register_fused_delayed_update(device_type: str, fn) -> None:
     _FUSED_DELAYED_UPDATES[device_type] = fn
+
+
+def register_delayed_scaling_ops(update, record) -> None:
+    """The registered (compilable) forms of :func:`delayed_scaling_update_` and :func:`delayed_scaling_record_`."""
+    _DELAYED_OPS.update(update=update, record=record)
+
+
+def _recorded(stamp: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
+    return stamp == gen
+
+
+def delayed_scaling_update_(history, scale, gen, fwd_amax, fwd_stamp, grad_amax, grad_stamp, fp8_max, margin: int,
+                            most_recent: bool, power_of_2: bool, reduce=None) -> None:
+    """DelayedScaling's step, in place and on the device (no host reads): every slot recorded since the last
+    update (its stamp equals ``gen``) pushes its amax into its history column (newest first) and gets
+    ``compute_delayed_scale`` of the history's max (or newest); other slots keep both; ``gen`` += 1 if any
+    slot was recorded.
+    ``reduce(amax)``: all-reduce the amaxes (MAX) first, in place (eager only)."""
+    fwd, bwd = _recorded(fwd_stamp, gen), _recorded(grad_stamp, gen)
+    recorded = fwd | bwd
+    amax = torch.where(fwd, fwd_amax, torch.where(bwd, grad_amax, torch.zeros_like(grad_amax)))
+    if reduce is not None:
+        reduce(amax)
+    rolled = torch.cat([amax[None], history[:-1]], 0)
+    hist = torch.where(recorded[None], rolled, history)
+    new = compute_delayed_scale(hist[0] if most_recent else hist.amax(dim=0), scale, fp8_max, margin=margin,
+                                power_of_2=power_of_2)
+    history.copy_(hist)
+    scale.copy_(torch.where(recorded, new, scale))
+    gen.add_(recorded.any().to(gen.dtype))
+
+
+def delayed_scaling_record_(amax_buf, stamp, gen, index: int, amax) -> None:
+    """Keep ``amax`` for slot ``index`` (the max with amaxes recorded since the last update), in place."""
+    a = amax.to(amax_buf.device, torch.float32).reshape(())
+    same = stamp[index] == gen
+    amax_buf[index] = torch.where(same, torch.maximum(amax_buf[index], a), a)
+    stamp[index] = gen
 
 
 class DelayedScalingState:
@@ -429,6 +469,11 @@ class DelayedScalingState:
     (:func:`compute_delayed_scale`). Slots not recorded since the last update keep
     their history and scale.
 
+    Whether a slot was recorded lives on the device (a stamp per slot against the update count ``gen``), so
+    that the update reads nothing on the host (CUDA-graph capture) and is one registered op under
+    torch.compile. Amaxes of gradients (slots ``*grad_output``, cast in backward) are kept apart from those of
+    forward casts: a compiled graph may not write one tensor in both passes.
+
     Tensors live on the device of the first tensor cast and follow the data
     if it moves (modules move a loaded state to their parameters' device before
     its first update: :meth:`to`). :meth:`state_dict` / :meth:`load_state_dict`
@@ -437,6 +482,7 @@ class DelayedScalingState:
 
     kind = "DelayedScaling"
     version = 1
+    _TENSORS = ("amax_history", "scale", "fp8_max", "fwd_amax", "fwd_stamp", "grad_amax", "grad_stamp", "gen")
 
     def __init__(self, history_len: int) -> None:
         self.history_len = int(history_len)
@@ -444,10 +490,14 @@ class DelayedScalingState:
         self.formats: list[str] = []
         self.amax_history = torch.zeros(self.history_len, 0)
         self.scale = torch.ones(0)
-        self.pending_amax = torch.zeros(0)
-        self.recorded: set[str] = set()
-        self.updates = 0
-        self._index_cache: dict = {}  # see _update_indices
+        self.fp8_max = torch.zeros(0)
+        self.fwd_amax, self.grad_amax = torch.zeros(0), torch.zeros(0)
+        self.fwd_stamp = torch.zeros(0, dtype=torch.int64)
+        self.grad_stamp = torch.zeros(0, dtype=torch.int64)
+        self.gen = torch.zeros((), dtype=torch.int64)  # updates so far; a slot's stamp == gen: recorded since
+        self._updates = 0  # gen on the host, while only eager updates ran (no device read for `updates`)
+        self._dirty = False  # an eager record since the last eager update (then gen moves)
+        self._compiled_updates = False
 
     # -- slots
 
@@ -455,13 +505,46 @@ class DelayedScalingState:
         """Move the histories, scales and pending amaxes to ``device`` (values unchanged); returns self."""
         device = torch.device(device)
         if self.scale.device != device:
-            self.amax_history = self.amax_history.to(device)
-            self.scale = self.scale.to(device)
-            self.pending_amax = self.pending_amax.to(device)
+            for name in self._TENSORS:
+                setattr(self, name, getattr(self, name).to(device))
         return self
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the state keeps (histories, scales, amaxes recorded, stamps, the update count)."""
+        return [getattr(self, name) for name in self._TENSORS]
+
+    def ensure_slots(self, slots, device: torch.device | None = None) -> None:
+        """Create the slots ``((name, fmt), ...)`` that do not exist yet (and follow a changed format), on
+        ``device`` (default: where the state is). Under torch.compile this runs while tracing, so the
+        tensors are the graph's inputs."""
+        device = self.scale.device if device is None else torch.device(device)
+        if self.scale.device == device and all(self.slots.get(n) is not None and self.formats[self.slots[n]] == f
+                                               for n, f in slots):
+            return
+        if torch.compiler.is_compiling():
+            self._not_made_while_tracing([n for n, _ in slots])
+        self._ensure_slots(slots, device)
+
+    def _ensure_slots(self, slots, device: torch.device) -> None:
+        for slot, fmt in slots:
+            self._index_now(slot, fmt, device)
 
     def index(self, slot: str, fmt: str, device: torch.device) -> int:
         """The column of ``slot`` (created with scale 1 and an empty history on first use)."""
+        i = self.slots.get(slot)
+        if i is not None and self.formats[i] == fmt and self.scale.device == device:
+            return i
+        if torch.compiler.is_compiling():
+            self._not_made_while_tracing([slot])
+        return self._index_now(slot, fmt, device)
+
+    def _not_made_while_tracing(self, names) -> None:
+        raise NotImplementedError(
+            f"DelayedScaling under torch.compile: the state slots {names} (or a changed format or device) were not "
+            f"made before tracing (a module makes those of the GEMMs its recipe_state_gemms() names); the state has "
+            f"{list(self.slots)}. Run one step eagerly first, or name the GEMM in recipe_state_gemms()")
+
+    def _index_now(self, slot: str, fmt: str, device: torch.device) -> int:
         self.to(device)
         i = self.slots.get(slot)
         if i is None:
@@ -470,9 +553,15 @@ class DelayedScalingState:
             f = {"device": device, "dtype": torch.float32}
             self.amax_history = torch.cat([self.amax_history, torch.zeros(self.history_len, 1, **f)], 1)
             self.scale = torch.cat([self.scale, torch.ones(1, **f)])
-            self.pending_amax = torch.cat([self.pending_amax, torch.zeros(1, **f)])
+            self.fp8_max = torch.cat([self.fp8_max, torch.full((1,), FP8_MAX[fmt], **f)])
+            self.fwd_amax = torch.cat([self.fwd_amax, torch.zeros(1, **f)])
+            self.grad_amax = torch.cat([self.grad_amax, torch.zeros(1, **f)])
+            never = torch.full((1,), -1, device=device, dtype=torch.int64)
+            self.fwd_stamp = torch.cat([self.fwd_stamp, never])
+            self.grad_stamp = torch.cat([self.grad_stamp, never])
         elif self.formats[i] != fmt:
             self.formats[i] = fmt  # the recipe changed the format: the next update uses the new max
+            self.fp8_max[i] = FP8_MAX[fmt]
         return i
 
     def scale_for(self, slot: str, fmt: str, device: torch.device) -> torch.Tensor:
@@ -480,11 +569,20 @@ class DelayedScalingState:
         i = self.index(slot, fmt, device)
         return self.scale[i].clone()  # a copy: the next update writes self.scale in place
 
+    @staticmethod
+    def is_gradient_slot(slot: str) -> bool:
+        return slot.endswith("grad_output")
+
     def record(self, slot: str, amax: torch.Tensor) -> None:
         """Keep ``amax`` (max with earlier ones since the last update) for the next update."""
         i = self.slots[slot]
-        self.pending_amax[i] = torch.maximum(self.pending_amax[i], amax.to(self.pending_amax.device).float())
-        self.recorded.add(slot)
+        buf, stamp = ((self.grad_amax, self.grad_stamp) if self.is_gradient_slot(slot)
+                      else (self.fwd_amax, self.fwd_stamp))
+        if torch.compiler.is_compiling():
+            _DELAYED_OPS["record"](buf, stamp, self.gen, i, amax.float().reshape(()))
+        else:
+            delayed_scaling_record_(buf, stamp, self.gen, i, amax)
+            self._dirty = True
 
     # -- the step
 
@@ -501,41 +599,50 @@ class DelayedScalingState:
         self.amax_history, self.history_len = h, history_len
 
     def update(self, recipe) -> None:
-        """Push the recorded amaxes into their histories and recompute those slots' scales."""
+        """Push the recorded amaxes into their histories and recompute those slots' scales (on the device)."""
+        group = getattr(recipe, "amax_reduction_group", None)
+        args = (self.amax_history, self.scale, self.gen, self.fwd_amax, self.fwd_stamp, self.grad_amax,
+                self.grad_stamp, self.fp8_max, recipe.margin, recipe.amax_compute_algo == "most_recent",
+                bool(recipe.power_of_2_scales))
+        if torch.compiler.is_compiling():
+            if group is not None:
+                raise NotImplementedError(
+                    "DelayedScaling with an amax_reduction_group (amaxes all-reduced across ranks at each update) "
+                    "cannot be compiled yet: the all-reduce cannot enter the registered update op; run it eagerly "
+                    "or leave amax_reduction_group None")
+            if self.history_len != recipe.amax_history_len:
+                raise NotImplementedError(
+                    f"DelayedScaling: amax_history_len changed from {self.history_len} to {recipe.amax_history_len} "
+                    "inside a compiled function (the history is reallocated); run one step eagerly after the change")
+            _DELAYED_OPS["update"](*args)
+            self._compiled_updates = True  # `updates` must read gen from now on
+            return
         self.resize_history(recipe.amax_history_len)
-        if not self.recorded:
-            return
-        idx_list = sorted(self.slots[s] for s in self.recorded)
-        device = self.scale.device
-        idx, fp8_max = self._update_indices(tuple(idx_list), device)
-        fused = _FUSED_DELAYED_UPDATES.get(device.type)
-        if fused is not None and getattr(recipe, "amax_reduction_group", None) is None:
-            # one kernel instead of ~25 small ops (GPU): they would stall an idle GPU at a step's start
-            fused(self.amax_history, self.pending_amax, self.scale, idx, fp8_max, recipe)
-            self.recorded.clear()
-            self.updates += 1
-            return
-        amax = self.pending_amax[idx]
-        all_reduce_amax(amax, getattr(recipe, "amax_reduction_group", None))
-        hist = self.amax_history[:, idx]
-        hist = torch.cat([amax[None], hist[:-1]], 0)
-        self.amax_history[:, idx] = hist
-        self.scale[idx] = compute_delayed_scale(amax_from_history(hist, recipe.amax_compute_algo),
-                                                self.scale[idx], fp8_max, margin=recipe.margin,
-                                                power_of_2=recipe.power_of_2_scales)
-        self.pending_amax[idx] = 0.0
-        self.recorded.clear()
-        self.updates += 1
+        self._updates += self._dirty
+        self._dirty = False
+        fused = _FUSED_DELAYED_UPDATES.get(self.scale.device.type)
+        if fused is not None and group is None and self.slots:
+            # one kernel instead of ~20 small ops (GPU): they would stall an idle GPU at a step's start
+            fused(*args)
+        else:
+            delayed_scaling_update_(*args, reduce=None if group is None else (lambda a: all_reduce_amax(a, group)))
 
-    def _update_indices(self, idx_list: tuple[int, ...], device: torch.device):
-        """Device tensors of the slot indices and their formats' maxima, made once per set of slots:
-        building them each step is a pageable host-to-device copy, which waits for the GPU queue."""
-        key = (idx_list, tuple(self.formats[i] for i in idx_list), device)
-        cache = self._index_cache
-        if key not in cache:
-            cache[key] = (torch.tensor(idx_list, device=device),
-                          torch.tensor([FP8_MAX[self.formats[i]] for i in idx_list], device=device))
-        return cache[key]
+    @property
+    def updates(self) -> int:
+        """Updates that found recorded amaxes so far (a device read once a compiled update has run)."""
+        return int(self.gen) if self._compiled_updates else self._updates
+
+    @property
+    def pending_amax(self) -> torch.Tensor:
+        """Per slot, the amax recorded since the last update (0 where none was)."""
+        fwd, bwd = _recorded(self.fwd_stamp, self.gen), _recorded(self.grad_stamp, self.gen)
+        return torch.where(fwd, self.fwd_amax, torch.where(bwd, self.grad_amax, torch.zeros_like(self.grad_amax)))
+
+    @property
+    def recorded(self) -> set[str]:
+        """Names of the slots recorded since the last update (reads the device)."""
+        rec = (_recorded(self.fwd_stamp, self.gen) | _recorded(self.grad_stamp, self.gen)).tolist()
+        return {name for name, i in self.slots.items() if rec[i]}
 
     # -- checkpoints
 
@@ -552,14 +659,25 @@ class DelayedScalingState:
         if d.get("kind") != self.kind:
             raise ValueError(f"not a {self.kind} state: kind={d.get('kind')!r}")
         device = self.scale.device
+        f = {"device": device, "dtype": torch.float32}
         self.slots = {name: i for i, name in enumerate(d["slots"])}
         self.formats = list(d["formats"])
-        self.amax_history = d["amax_history"].detach().to(device, torch.float32).clone()
+        self.amax_history = d["amax_history"].detach().to(**f).clone()
         self.history_len = self.amax_history.shape[0]
-        self.scale = d["scale"].detach().to(device, torch.float32).clone()
-        self.pending_amax = d["pending_amax"].detach().to(device, torch.float32).clone()
-        self.recorded = set(d["recorded"])
-        self.updates = int(d.get("updates", 0))
+        self.scale = d["scale"].detach().to(**f).clone()
+        self.fp8_max = torch.tensor([FP8_MAX[fmt] for fmt in self.formats], **f)
+        self._updates, self._compiled_updates = int(d.get("updates", 0)), False
+        self._dirty = bool(d["recorded"])
+        self.gen = torch.tensor(self._updates, device=device, dtype=torch.int64)
+        pending = d["pending_amax"].detach().to(**f)
+        recorded = set(d["recorded"])
+        grad = torch.tensor([self.is_gradient_slot(n) for n in d["slots"]], device=device, dtype=torch.bool)
+        rec = torch.tensor([n in recorded for n in d["slots"]], device=device, dtype=torch.bool)
+        never = torch.full_like(rec, -1, dtype=torch.int64)
+        self.fwd_amax = torch.where(rec & ~grad, pending, 0.0)
+        self.grad_amax = torch.where(rec & grad, pending, 0.0)
+        self.fwd_stamp = torch.where(rec & ~grad, self.gen, never)
+        self.grad_stamp = torch.where(rec & grad, self.gen, never)
 
     @classmethod
     def from_state_dict(cls, d: dict) -> "DelayedScalingState":

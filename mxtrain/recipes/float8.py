@@ -342,14 +342,33 @@ class BoundFloat8Recipe:
         self.recipe, self.state, self.gemm, self._specs = recipe, state, gemm, {}
 
     def role(self, name: str) -> Float8RoleSpec:
+        if not self._specs:
+            # every role's spec at the first call (in forward): a compiled backward may not fill a cache
+            self._ensure_slots()
+            for n in ROLE_NAMES:
+                spec = self.recipe.role(n)
+                if spec.quantized:
+                    slot = f"{self.gemm}.{spec.tensor}" if self.gemm else spec.tensor
+                    spec = dataclasses.replace(spec, state=self.state, slot=slot)
+                self._specs[n] = spec
         spec = self._specs.get(name)
-        if spec is None:
+        return self.recipe.role(name) if spec is None else spec  # an unknown name: the recipe's error
+
+    def slot_formats(self) -> tuple[tuple[str, str], ...]:
+        """``((slot, fmt), ...)`` of every quantized tensor of this GEMM (input, weight, grad_output)."""
+        slots = {}
+        for name in ROLE_NAMES:
             spec = self.recipe.role(name)
             if spec.quantized:
-                slot = f"{self.gemm}.{spec.tensor}" if self.gemm else spec.tensor
-                spec = dataclasses.replace(spec, state=self.state, slot=slot)
-            self._specs[name] = spec
-        return spec
+                slots.setdefault(f"{self.gemm}.{spec.tensor}" if self.gemm else spec.tensor, spec.fmt)
+        return tuple(slots.items())
+
+    def _ensure_slots(self) -> None:
+        """Make the state's slots of every tensor of this GEMM in forward, gradients' too: under torch.compile
+        a slot cannot be made in backward (the backward only writes amaxes into existing tensors)."""
+        ensure = getattr(self.state, "ensure_slots", None)
+        if ensure is not None:
+            ensure(self.slot_formats())
 
     def roles(self) -> Mapping[str, Float8RoleSpec]:
         return {name: self.role(name) for name in ROLE_NAMES}
@@ -358,6 +377,8 @@ class BoundFloat8Recipe:
         return BoundFloat8Recipe(self.recipe, self.state, gemm)
 
     def __getattr__(self, name: str):
+        if name in BoundFloat8Recipe.__slots__:  # not set yet (torch.compile builds the object in steps)
+            raise AttributeError(name)
         return getattr(self.recipe, name)
 
     def __repr__(self) -> str:
