@@ -18,7 +18,7 @@ import torch
 
 from mxtrain import config
 
-__all__ = ["Kernel", "Operation", "KernelUnavailable", "BACKENDS", "ORDER", "define", "register", "unregister",
+__all__ = ["Kernel", "Operation", "KernelUnavailable", "BACKENDS", "ORDER", "define", "undefine", "register", "unregister",
            "kernels", "chain", "select", "run", "run_from", "explain", "preferred_backend", "walks",
            "set_kernel_loader"]
 
@@ -97,6 +97,14 @@ def define(op: Operation) -> None:
     """Declare an operation (its entry point in :mod:`mxtrain.kernels.dispatch` does)."""
     _OPS[op.name] = op
     _KERNELS.setdefault(op.name, [])
+    _changed()
+
+
+def undefine(op: str) -> None:
+    """Remove an operation and its implementations (tests define throwaway ones)."""
+    _OPS.pop(op, None)
+    _KERNELS.pop(op, None)
+    _BROKEN.clear()
     _changed()
 
 
