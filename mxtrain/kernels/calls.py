@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from mxtrain.formats import ElemFormat
-from mxtrain.quantization._validate import normalize_axes
+from mxtrain.quantization._validate import check_float_tensor, normalize_axes
 from mxtrain.quantization.mx import _check_common
 
 __all__ = ["CastSpec", "QuantizeCall", "DequantizeCall", "DequantizeShardsCall", "Float8QuantizeCall",
@@ -79,6 +79,18 @@ class CastSpec(NamedTuple):
     keep: tuple[int, ...]
 
 
+def _cast_spec(x, fmt, block_size, axis, scale_mode, rounding, dequantized, keep_codes, dequantized_dtype) -> CastSpec:
+    fmt, bs, mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
+    axes = normalize_axes(axis, x.ndim)
+    deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
+    return CastSpec(fmt, bs, axes, mode, rounding, deq, keep)
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _cast_spec_cached(ndim, *args) -> CastSpec:
+    return _cast_spec(torch.empty((0,) * ndim), *args)  # x's dtype checked by the caller; only its ndim matters
+
+
 class QuantizeCall:
     """An MX cast: :func:`mxtrain.kernels.dispatch.quantize`'s arguments."""
 
@@ -102,12 +114,17 @@ class QuantizeCall:
         return self.dequantized == () and self.keep_codes is None
 
     def spec(self) -> CastSpec:
-        """The validated arguments (raises what the reference raises for bad ones)."""
+        """The validated arguments (raises what the reference raises for bad ones); remembered per argument
+        tuple, as a training step repeats a handful of them."""
         if self._spec is None:
-            fmt, bs, mode, rounding = _check_common(self.x, self.fmt, self.block_size, self.scale_mode, self.rounding)
-            axes = normalize_axes(self.axis, self.x.ndim)
-            deq, keep = values_request(self.x.ndim, axes, self.dequantized, self.keep_codes, self.dequantized_dtype)
-            self._spec = CastSpec(fmt, bs, axes, mode, rounding, deq, keep)
+            x = self.x
+            args = (self.fmt, self.block_size, self.axis, self.scale_mode, self.rounding, self.dequantized,
+                    self.keep_codes, self.dequantized_dtype)
+            try:
+                check_float_tensor(x)
+                self._spec = _cast_spec_cached(x.ndim, *args)
+            except TypeError:  # unhashable arguments (lists), or a bad x: worked out afresh (it raises there)
+                self._spec = _cast_spec(x, *args)
         return self._spec
 
     def key(self):

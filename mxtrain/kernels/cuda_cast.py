@@ -23,7 +23,7 @@ from mxtrain.formats import ElemFormat
 from mxtrain.kernels import registry
 from mxtrain.kernels.calls import QuantizeCall
 from mxtrain.quantization import MXPlane, MXTensor
-from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS
+from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS, Prologue
 from mxtrain.quantization.float8 import FP8_MAX
 
 __all__ = ["cuda_quantize", "fp8_block_cast", "norm_cast", "activation_cast", "fused_sources_selected",
@@ -548,8 +548,8 @@ def fp8_block_cast(x: torch.Tensor, grad: torch.Tensor | None, fmt: str, square:
     nothing, where it does not apply (:func:`fp8_block_unsupported`, no extension)."""
     if fp8_block_unsupported(x, grad, col is not None) is not None:
         return False
-    pre = 0 if act is None else (1 if grad is None else 2)
-    acts = FP8_BLOCK_ACTIVATIONS[0 if pre == 1 else 1]
+    pre = Prologue.of(act, grad)
+    acts = FP8_BLOCK_ACTIVATIONS[0 if pre == Prologue.ACTIVATION else 1]
     if pre and act not in acts:
         return False
     lib = library()
@@ -563,7 +563,7 @@ def fp8_block_cast(x: torch.Tensor, grad: torch.Tensor | None, fmt: str, square:
     def ptr(t):
         return None if t is None else t.data_ptr()
     err = lib.mxtrain_fp8_block_cast(
-        x.data_ptr(), g.data_ptr(), M, N, x.stride(0), g.stride(0), _DTYPES[x.dtype], _FORMATS[fmt], pre,
+        x.data_ptr(), g.data_ptr(), M, N, x.stride(0), g.stride(0), _DTYPES[x.dtype], _FORMATS[fmt], int(pre),
         ACTIVATION_IDS[act] if pre else 0, flags, FP8_MAX[fmt], float(amax_epsilon), ptr(row), ptr(rsi), ptr(col), ptr(csi),
         ptr(dbias), -(-N // 128), -(-M // 128), _raw_stream(x.device))
     if err:

@@ -19,7 +19,7 @@ from mxtrain.kernels._triton_utils import interpret_mode
 from mxtrain.kernels.cast import _act_bwd, _activation, _round_to_dtype, _store_out, _widen
 from mxtrain.kernels import registry
 from mxtrain.kernels.calls import BlockCastCall, Float8QuantizeCall
-from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS
+from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS, Prologue
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
 )
@@ -295,9 +295,10 @@ def _prologue(who: str, x, rowwise, columnwise, act, grad):
         x = x.contiguous()
     if grad is not None and grad.stride(1) != 1:
         grad = grad.contiguous()
-    pre = 0 if act is None else (1 if grad is None else 2)
+    pre = Prologue.of(act, grad)
     g = grad if grad is not None else x
-    src = dict(PRE=pre, ACT=0 if act is None else (FUSED_ACTIVATIONS if pre == 1 else FUSED_ACTIVATION_GRADS)[act],
+    src = dict(PRE=int(pre), ACT=0 if act is None else (FUSED_ACTIVATIONS if pre == Prologue.ACTIVATION
+                                                        else FUSED_ACTIVATION_GRADS)[act],
                X_BF16=x.dtype == torch.bfloat16, G_BF16=g.dtype == torch.bfloat16, OUT_KIND=DTYPE_IDS[x.dtype],
                GPU=not interpret_mode())
     return x, g, _bits_view(x), _bits_view(g), src

@@ -216,3 +216,13 @@ def test_no_implementation_calls_another_or_walks_the_registry():
         if path.name != "registry.py":
             assert "except registry.KernelUnavailable" not in path.read_text() and \
                 "except KernelUnavailable" not in path.read_text(), path.name
+
+
+def test_activation_and_prologue_enums_are_the_kernels_ids():
+    from mxtrain.kernels.ids import ACTIVATION_IDS, Activation, Prologue
+
+    assert {a.name.lower(): int(a) for a in Activation} == ACTIVATION_IDS
+    assert Activation.of("swiglu") is Activation.SWIGLU and int(Activation.of("gelu")) == 1
+    with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+        Activation.of("tanh")
+    assert [Prologue.of(None, None), Prologue.of("gelu", None), Prologue.of("gelu", torch.ones(1))] == [0, 1, 2]
