@@ -179,7 +179,7 @@ def test_allowed_lists_hold_only_live_violations():
 
 
 def test_the_checker_sees_imports_inside_functions():
-    assert "mxtrain.kernels.dispatch" in imports("mxtrain.kernels.cuda_cast")  # imported inside cuda_selected
+    assert "mxtrain.kernels.cast" in imports("mxtrain.kernels.cuda_cast")  # imported only inside functions
     assert layer_of("mxtrain.compat.mx.specs") > layer_of("mxtrain.modules.linear") > layer_of("mxtrain.formats")
 
 

@@ -1,7 +1,8 @@
-"""Fast kernels (Triton here, CUDA C++ in mxtrain/csrc) and the one dispatch point to them.
+"""Fast kernels (Triton here, CUDA C++ in mxtrain/csrc) and the one registry that picks them.
 
-:mod:`mxtrain.kernels.dispatch` picks, per call, a GPU kernel or the exact
-reference in :mod:`mxtrain.quantization`; both produce identical bits.
+:mod:`mxtrain.kernels.dispatch` holds the entry points; :mod:`mxtrain.kernels.registry` picks, per call,
+a GPU kernel or the exact reference in :mod:`mxtrain.quantization` (identical bits), and
+:func:`explain` says which one runs and why the others do not.
 """
 
 import os
@@ -10,14 +11,15 @@ import torch
 
 from mxtrain.kernels import dispatch
 from mxtrain.kernels.dispatch import gemm_operand, mx_gemm, quantize
+from mxtrain.kernels.registry import explain
 
-__all__ = ["mx_gemm", "gemm_operand", "quantize"]
+__all__ = ["mx_gemm", "gemm_operand", "quantize", "explain"]
 
 _KERNELS_LOADED = False
 
 
 def _load_kernels() -> None:
-    """Import the kernel modules once, where they can run (they register themselves with the dispatch point).
+    """Import the kernel modules once, where they can run (they register themselves with the registry).
 
     Only with CUDA or ``TRITON_INTERPRET=1``: CPU-only users never pay for importing Triton. It lives here,
     above the kernel modules, and is handed to the dispatch point, so no kernel file imports another's importer.

@@ -2,8 +2,9 @@
 
 Bit-for-bit the reference :func:`mxtrain.quantization.quantize_mx` (``pack=True`` layout included) for
 ``nearest`` / ``floor`` / ``even`` rounding; ``stochastic`` rounding draws its own random bits (Triton's
-Philox), so it is unbiased and reproducible for a seed but not the reference's bits. Unsupported cases go
-to the reference in one place, :func:`_fallback_reason`. How the bits are kept: docs/kernels.md.
+Philox), so it is unbiased and reproducible for a seed but not the reference's bits. What it does not take
+is said in one place, :func:`_fallback_reason` (its ``supports`` in :mod:`mxtrain.kernels.registry`, which
+then runs the reference). How the bits are kept: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from mxtrain.kernels._triton_utils import (
     HAVE_TRITON, ROUNDING_IDS, SCALE_MODE_IDS, device_supported, format_consts, interpret_mode, is_pow2,
     launch_options, tl, triton,
 )
-from mxtrain.quantization import MXPlane, MXTensor, quantize_mx
-from mxtrain.quantization._validate import make_generator, normalize_axes
-from mxtrain.quantization.mx import _check_common
+from mxtrain.kernels import registry
+from mxtrain.kernels.calls import QuantizeCall
+from mxtrain.quantization import MXPlane, MXTensor
+from mxtrain.quantization._validate import make_generator
 from mxtrain.quantization.packing import packed_length
 
 __all__ = ["triton_quantize", "assemble_mxtensor", "MAX_BLOCK_SIZE"]
@@ -570,7 +572,7 @@ _GROUP = {8: 1, 6: 4, 4: 2, 2: 4}
 
 
 def _fallback_reason(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tuple[int, ...], pack: bool):
-    """Why the kernel cannot take this call (then the reference does), or None. The one fallback place."""
+    """Why the kernel cannot take this call (then the registry walks on to the reference), or None."""
     if not HAVE_TRITON:
         return "triton is not importable"
     if not device_supported(x.device):
@@ -809,30 +811,34 @@ def triton_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_m
 
     Blocks along the last axis (rowwise, any ndim) and/or the first axis
     (columnwise); a 2-D tensor asked for both (``axis=(-1, 0)``) gets both planes
-    from one read. Other cases run the reference (see :func:`_fallback_reason`).
-    ``pack=False`` stores one code per byte. Stochastic rounding uses an
-    in-kernel Philox stream (reproducible per seed, not the reference's bits).
+    from one read. The registry walks from this kernel on: what it does not take
+    (:func:`_fallback_reason`) runs the reference. ``pack=False`` stores one code
+    per byte. Stochastic rounding uses an in-kernel Philox stream (reproducible per
+    seed, not the reference's bits).
 
     ``dequantized`` / ``dequantized_dtype`` / ``keep_codes``: as
     :func:`mxtrain.kernels.dispatch.quantize`; the same pass writes the dequantized
     values of the ``dequantized`` planes (logical layout) and skips the codes and
     scales of planes not in ``keep_codes``.
     """
-    from mxtrain.kernels.dispatch import attach_values, values_request
+    call = QuantizeCall(x, fmt, block_size, axis, scale_mode, rounding, seed, pack, dequantized, dequantized_dtype,
+                        keep_codes)
+    return registry.run_from("quantize", call, x.device, "triton")
 
-    fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
-    axes = normalize_axes(axis, x.ndim)
-    deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
-    if _fallback_reason(x, fmt, block_size, axes, pack) is not None:
-        mxt = quantize_mx(x, fmt, block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding,
-                          seed=seed, pack=pack)
-        if deq or keep != axes:
-            mxt = attach_values(mxt, deq, dequantized_dtype, keep, backend="reference")
-        return mxt
-    seed_t = _philox_seed(seed, x.device) if rounding == "stochastic" else None
+
+def _supports(call: QuantizeCall) -> str | None:
+    s = call.spec()
+    return _fallback_reason(call.x, s.fmt, s.block_size, s.axes, call.pack)
+
+
+def _triton_cast(call: QuantizeCall) -> MXTensor:
+    """The registered Triton implementation of ``quantize`` (``_supports`` said it takes ``call``)."""
+    x, pack = call.x, call.pack
+    fmt, block_size, axes, scale_mode, rounding, deq, keep = call.spec()
+    seed_t = _philox_seed(call.seed, x.device) if rounding == "stochastic" else None
     last = x.ndim - 1
     want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
-    opts = plane_outputs(last, keep, deq, dequantized_dtype)
+    opts = plane_outputs(last, keep, deq, call.dequantized_dtype)
     if x.ndim == 2 and want_row and want_col and block_size <= MAX_FUSED_BLOCK_SIZE:
         row, col = _launch(x, fmt, block_size, True, True, scale_mode, rounding, seed_t, pack, **opts)
     else:
@@ -874,15 +880,11 @@ def assemble_mxtensor(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: t
                                scale_mode, rounding, False, tuple((a, values[a]) for a in axes if a in values))
 
 
-triton_quantize.supports_values = True
-
-
 def _register() -> None:
     from mxtrain.kernels._triton_utils import kernels_available
-    from mxtrain.kernels.dispatch import register_quantize
 
     if kernels_available():
-        register_quantize("triton", triton_quantize)
+        registry.register("quantize", "triton", _triton_cast, supports=_supports)
 
 
 _register()

@@ -1,8 +1,8 @@
 """The CUDA C++ MX cast (``mxtrain/csrc/mx_cast.cu``): built on first use, registered as backend ``"cuda"``.
 
 It covers ``fp8_e4m3`` / ``fp8_e5m2``, block 32, round-half-even, any scale mode, bf16 / fp16 / fp32 input;
-every other cast goes to the Triton cast in one place (:func:`unsupported_reason`), so the backend takes any
-call and returns the reference's bits. Built with ninja into torch's extension cache on first use; without a
+what it does not take is said in one place (:func:`unsupported_reason`, its ``supports`` in
+:mod:`mxtrain.kernels.registry`, which then walks on to the Triton cast and the reference). Built with ninja into torch's extension cache on first use; without a
 compiler, a warning says why once and Triton serves every call. Switches and build: docs/kernels.md.
 """
 
@@ -20,11 +20,11 @@ import torch
 
 from mxtrain import config
 from mxtrain.formats import ElemFormat
+from mxtrain.kernels import registry
+from mxtrain.kernels.calls import QuantizeCall
 from mxtrain.quantization import MXPlane, MXTensor
-from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS
+from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS, Prologue
 from mxtrain.quantization.float8 import FP8_MAX
-from mxtrain.quantization._validate import normalize_axes
-from mxtrain.quantization.mx import _check_common
 
 __all__ = ["cuda_quantize", "fp8_block_cast", "norm_cast", "activation_cast", "fused_sources_selected",
            "dequantize_fp8", "dequantize_fp8_at", "cuda_selected", "cast_planes_into",
@@ -128,7 +128,7 @@ def library() -> ctypes.CDLL | None:
 
 def unsupported_reason(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tuple[int, ...], scale_mode: str,
                        rounding: str, deq: tuple[int, ...], dequantized_dtype: torch.dtype) -> str | None:
-    """Why the CUDA kernel does not take this cast (then the Triton cast does), or None. The one place."""
+    """Why the CUDA kernel does not take this cast (the registry then walks on to the Triton cast), or None."""
     if fmt.name not in _FORMATS:
         return f"format {fmt.name} (the CUDA kernel casts {', '.join(_FORMATS)})"
     if block_size != 32:
@@ -273,12 +273,10 @@ def fused_sources_selected(device: torch.device) -> bool:
 
 
 def cuda_selected(device: torch.device) -> bool:
-    """Whether the dispatch point picks the ``"cuda"`` backend on ``device`` (``MXTRAIN_BACKEND=triton``
-    keeps the Triton kernels)."""
-    from mxtrain.kernels import dispatch
-
+    """Whether a cast on ``device`` tries the ``"cuda"`` backend first (``MXTRAIN_BACKEND=triton`` keeps
+    the Triton kernels)."""
     try:
-        return dispatch._resolve(None, device, dispatch._QUANTIZE_IMPLS) == "cuda"
+        return registry.preferred_backend("quantize", device) == "cuda"
     except RuntimeError:
         return False
 
@@ -365,38 +363,39 @@ def _inv_max_bits(fmt: ElemFormat) -> int:
     return format_consts(fmt)["INV_MAX_BITS"] & 0xFFFFFFFF
 
 
-def _fallback(x, fmt, **kw) -> MXTensor:
-    """The Triton cast (which itself runs the reference where Triton cannot)."""
-    from mxtrain.kernels.cast import triton_quantize
-
-    return triton_quantize(x, fmt, **kw)
-
-
 def cuda_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: str = "floor",
                   rounding: str = "even", seed=None, pack: bool = True, dequantized=(),
                   dequantized_dtype: torch.dtype = torch.bfloat16, keep_codes=None) -> MXTensor:
-    """:func:`mxtrain.quantization.quantize_mx` on the CUDA C++ cast where it applies, else the Triton cast.
+    """:func:`mxtrain.quantization.quantize_mx` walked from the CUDA C++ cast on (the registry then tries
+    the Triton cast and the reference where it does not apply).
 
     Same signature, same bits (codes, scale bytes and values). ``axis=(-1, 0)`` on a 2-D tensor
     writes both planes from one read; ``dequantized`` / ``keep_codes`` as
     :func:`mxtrain.kernels.dispatch.quantize`.
     """
-    from mxtrain.kernels.cast import assemble_mxtensor, plane_outputs
-    from mxtrain.kernels.dispatch import values_request
+    call = QuantizeCall(x, fmt, block_size, axis, scale_mode, rounding, seed, pack, dequantized, dequantized_dtype,
+                        keep_codes)
+    return registry.run_from("quantize", call, x.device, "cuda")
 
-    kw = dict(block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding, seed=seed, pack=pack,
-              dequantized=dequantized, dequantized_dtype=dequantized_dtype, keep_codes=keep_codes)
-    fmt, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
-    axes = normalize_axes(axis, x.ndim)
-    deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
-    if unsupported_reason(x, fmt, block_size, axes, scale_mode, rounding, deq, dequantized_dtype) is not None:
-        return _fallback(x, fmt, **kw)
-    lib = library()
-    if lib is None:
-        return _fallback(x, fmt, **kw)
+
+def _supports(call: QuantizeCall) -> str | None:
+    s = call.spec()
+    reason = unsupported_reason(call.x, s.fmt, s.block_size, s.axes, s.scale_mode, s.rounding, s.deq,
+                                call.dequantized_dtype)
+    if reason is None and library() is None:
+        return f"the CUDA extension is unavailable ({extension_error()})"
+    return reason
+
+
+def _cuda_cast(call: QuantizeCall) -> MXTensor:
+    """The registered CUDA C++ implementation of ``quantize`` (``_supports`` said it takes ``call``)."""
+    from mxtrain.kernels.cast import assemble_mxtensor, plane_outputs
+
+    x, lib = call.x, library()
+    fmt, block_size, axes, scale_mode, rounding, deq, keep = call.spec()
     last = x.ndim - 1
     want_row, want_col = last in axes, (0 in axes and x.ndim >= 2)
-    opts = plane_outputs(last, keep, deq, dequantized_dtype)
+    opts = plane_outputs(last, keep, deq, call.dequantized_dtype)
     if x.ndim == 2 and want_row and want_col:
         row, col = _launch(lib, x, fmt, scale_mode, True, True, **opts)
     else:
@@ -405,10 +404,7 @@ def cuda_quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mod
             row, _ = _launch(lib, x.view(-1, x.shape[-1]), fmt, scale_mode, True, False, **opts)
         if want_col:
             _, col = _launch(lib, x.view(x.shape[0], -1), fmt, scale_mode, False, True, **opts)
-    return assemble_mxtensor(x, fmt, block_size, axes, scale_mode, rounding, pack, row, col)
-
-
-cuda_quantize.supports_values = True
+    return assemble_mxtensor(x, fmt, block_size, axes, scale_mode, rounding, call.pack, row, col)
 
 
 def cast_planes_into(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tuple[int, ...], scale_mode: str,
@@ -457,9 +453,34 @@ def cast_planes_into(x: torch.Tensor, fmt: ElemFormat, block_size: int, axes: tu
 
 # ---- MXFP8 dequantize (mxtrain/csrc/mx_dequantize.cu) -------------------------------------------
 
-# The CUDA dequantize serves the Triton dequantize's launches (mxtrain.kernels.dequantize) that it covers:
-# MXFP8 planes of block 32 into bf16, rowwise or transposed, one launch for all of an FSDP2 gather's shards.
+# The CUDA dequantize: MXFP8 planes of block 32 into bf16, rowwise or transposed, one launch for all of an
+# FSDP2 gather's shards; registered as the "cuda" implementation of dequantize (mxtrain.kernels.dequantize).
 # On by default (about a third of a Triton launch's host time); MXTRAIN_CUDA_DEQUANTIZE=0 keeps Triton's.
+
+
+def dequantize_unsupported(fmt: ElemFormat, block_size: int, out_dtype: torch.dtype, device: torch.device, rows: int,
+                           length: int, data_ld: int, data_ptr: int, out_stride_r: int, out_stride_l: int,
+                           out_ptr: int, count: int = 1, data_step: int = 0, out_step: int = 0) -> str | None:
+    """Why the CUDA dequantize does not take a plane read as ``[rows, length]`` (rows ``data_ld`` bytes
+    apart) written at ``r * out_stride_r + l * out_stride_l`` (as :func:`dequantize_fp8` takes it), or None."""
+    if not config.current().cuda_dequantize:
+        return "off (MXTRAIN_CUDA_DEQUANTIZE=0)"
+    if device.type != "cuda":
+        return f"output on {device}"
+    if out_dtype != torch.bfloat16:
+        return f"output dtype {out_dtype} (the CUDA kernel writes bf16)"
+    if block_size != 32 or fmt.name not in _FORMATS:  # (fp8 codes are one a byte: "packed" changes nothing)
+        return f"{fmt.name} with block size {block_size} (the CUDA kernel reads MXFP8 of block 32)"
+    transposed = out_stride_r == 1 and out_stride_l != 1
+    ld_out = out_stride_l if transposed else out_stride_r
+    if (length % 8 or data_ld % 8 or data_step % 8 or out_step % 8 or ld_out % 8
+            or (not transposed and out_stride_l != 1) or (transposed and rows % 8) or data_ptr % 8
+            or out_ptr % 16 or not 1 <= count <= 65535):
+        return (f"a layout the CUDA kernel does not read ([{rows}, {length}] codes {data_ld} bytes a row, output "
+                f"strides ({out_stride_r}, {out_stride_l}): multiples of 8 elements, 16-byte aligned, are needed)")
+    if library() is None:
+        return f"the CUDA extension is unavailable ({extension_error()})"
+    return None
 
 
 def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, fmt: ElemFormat, block_size: int,
@@ -468,8 +489,7 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, f
     """Run the CUDA dequantize on a plane read as ``[rows, length]`` (``data`` / ``scale`` 2-D, block axis
     last), written to ``out`` at ``r * out_stride_r + l * out_stride_l`` (``count`` shards, as
     :func:`mxtrain.kernels.dequantize._launch` takes them). Returns False, launching nothing, where it does
-    not apply: off by ``config.current().cuda_dequantize`` or the backend choice (``MXTRAIN_BACKEND=triton``), another
-    format, block size or output dtype, or a layout the kernel does not take (strides, alignment)."""
+    not apply (:func:`dequantize_unsupported`, or planes not contiguous along the block axis)."""
     if data.stride(-1) != 1 or scale.stride(-1) != 1:
         return False
     return dequantize_fp8_at(data.data_ptr(), scale.data_ptr(), data.stride(0), scale.stride(0), out, fmt,
@@ -481,20 +501,12 @@ def dequantize_fp8_at(data_ptr: int, scale_ptr: int, data_ld: int, scale_ld: int
                       fmt: ElemFormat, block_size: int, rows: int, length: int, out_stride_r: int, out_stride_l: int,
                       count: int = 1, data_step: int = 0, scale_step: int = 0, out_step: int = 0) -> bool:
     """:func:`dequantize_fp8` on codes and scale bytes given by address (rows ``data_ld`` / ``scale_ld`` bytes
-    apart, contiguous along the block axis), for callers that laid them out themselves (FSDP2's gather
-    buffer: no tensor views built per call). Same checks, same False where it does not apply."""
-    if not (config.current().cuda_dequantize and out.is_cuda and out.dtype == torch.bfloat16 and block_size == 32 and fmt.name in _FORMATS
-            and cuda_selected(out.device)):  # (fp8 codes are one a byte: a plane's "packed" flag changes nothing)
-        return False
-    transposed = out_stride_r == 1 and out_stride_l != 1
-    ld_out = out_stride_l if transposed else out_stride_r
-    if (length % 8 or data_ld % 8 or data_step % 8 or out_step % 8 or ld_out % 8
-            or (not transposed and out_stride_l != 1) or (transposed and rows % 8) or data_ptr % 8
-            or out.data_ptr() % 16 or not 1 <= count <= 65535):
+    apart, contiguous along the block axis), for callers that laid them out themselves. Same checks, same
+    False where it does not apply."""
+    if dequantize_unsupported(fmt, block_size, out.dtype, out.device, rows, length, data_ld, data_ptr, out_stride_r,
+                              out_stride_l, out.data_ptr(), count, data_step, out_step) is not None:
         return False
     lib = library()
-    if lib is None:
-        return False
     err = lib.mxtrain_mx_dequantize_fp8(data_ptr, scale_ptr, out.data_ptr(), rows, length, data_ld, scale_ld,
                                         out_stride_r, out_stride_l, count, data_step, scale_step, out_step,
                                         _FORMATS[fmt.name], _raw_stream(out.device))
@@ -506,7 +518,7 @@ def dequantize_fp8_at(data_ptr: int, scale_ptr: int, data_ld: int, scale_ld: int
 # ---- FP8 block scaling (mxtrain/csrc/fp8_block_cast.cu) ------------------------------------------
 
 # what fp8_block_cast.cu casts: act(x) (PRE 1) and g * act'(x) (PRE 2) of these activations
-_FP8_ACTS = (tuple(PLAIN_ACTIVATION_IDS), ("gelu", "relu", "silu"))
+FP8_BLOCK_ACTIVATIONS = (tuple(PLAIN_ACTIVATION_IDS), ("gelu", "relu", "silu"))
 
 
 def fp8_block_unsupported(x: torch.Tensor, grad: torch.Tensor | None, columnwise: bool) -> str | None:
@@ -536,8 +548,8 @@ def fp8_block_cast(x: torch.Tensor, grad: torch.Tensor | None, fmt: str, square:
     nothing, where it does not apply (:func:`fp8_block_unsupported`, no extension)."""
     if fp8_block_unsupported(x, grad, col is not None) is not None:
         return False
-    pre = 0 if act is None else (1 if grad is None else 2)
-    acts = _FP8_ACTS[0 if pre == 1 else 1]
+    pre = Prologue.of(act, grad)
+    acts = FP8_BLOCK_ACTIVATIONS[0 if pre == Prologue.ACTIVATION else 1]
     if pre and act not in acts:
         return False
     lib = library()
@@ -551,7 +563,7 @@ def fp8_block_cast(x: torch.Tensor, grad: torch.Tensor | None, fmt: str, square:
     def ptr(t):
         return None if t is None else t.data_ptr()
     err = lib.mxtrain_fp8_block_cast(
-        x.data_ptr(), g.data_ptr(), M, N, x.stride(0), g.stride(0), _DTYPES[x.dtype], _FORMATS[fmt], pre,
+        x.data_ptr(), g.data_ptr(), M, N, x.stride(0), g.stride(0), _DTYPES[x.dtype], _FORMATS[fmt], int(pre),
         ACTIVATION_IDS[act] if pre else 0, flags, FP8_MAX[fmt], float(amax_epsilon), ptr(row), ptr(rsi), ptr(col), ptr(csi),
         ptr(dbias), -(-N // 128), -(-M // 128), _raw_stream(x.device))
     if err:
@@ -560,10 +572,8 @@ def fp8_block_cast(x: torch.Tensor, grad: torch.Tensor | None, fmt: str, square:
 
 
 def _register() -> None:
-    from mxtrain.kernels.dispatch import register_quantize
-
     if config.current().cuda_kernels and torch.cuda.is_available():
-        register_quantize("cuda", cuda_quantize)
+        registry.register("quantize", "cuda", _cuda_cast, supports=_supports)
 
 
 _register()

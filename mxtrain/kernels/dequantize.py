@@ -1,9 +1,10 @@
 """Triton MX dequantize, fused with the unpacking of fp6/fp4/int4/int2 codes.
 
 One pass reads packed code and scale bytes and writes ``code * 2**X`` in the output dtype straight into the
-logical layout, bit-identical to :meth:`mxtrain.quantization.MXTensor.dequantize`. On CUDA, MXFP8 planes of
-block 32 into bf16 take the CUDA C++ kernel (``mxtrain/csrc/mx_dequantize.cu``, same bits) where its layout
-conditions hold. How: docs/kernels.md.
+logical layout, bit-identical to :meth:`mxtrain.quantization.MXTensor.dequantize`. Registered with
+:mod:`mxtrain.kernels.registry` beside the CUDA C++ kernel (``mxtrain/csrc/mx_dequantize.cu``: MXFP8 planes of
+block 32 into bf16, same bits), which the walk tries first on CUDA where its layout conditions hold.
+How: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import dataclasses
 
 import torch
 
+from mxtrain import config
+from mxtrain.kernels import registry
+from mxtrain.kernels.calls import DequantizeCall, DequantizeShardsCall
 from mxtrain.kernels._triton_utils import (
     HAVE_TRITON, decode_codes as _decode, device_supported, format_consts, interpret_mode, launch_options, tl, triton,
 )
@@ -118,7 +122,7 @@ if HAVE_TRITON:
 
 
 def _fallback_reason(mxt: MXTensor, plane, dtype) -> str | None:
-    """Why the kernel cannot take this call (then the reference does), or None."""
+    """Why the Triton kernel cannot take this call (the registry then walks on to the reference), or None."""
     if not HAVE_TRITON:
         return "triton is not importable"
     if not device_supported(plane.data.device):
@@ -136,21 +140,32 @@ def _fallback_reason(mxt: MXTensor, plane, dtype) -> str | None:
     return None
 
 
+def _start(device: torch.device) -> str:
+    """Where the public entry points below start the walk: the CUDA C++ kernel where casts on ``device``
+    take it (``cuda_cast.cuda_selected``), else Triton's."""
+    return "cuda" if device.type == "cuda" and registry.preferred_backend("quantize", device) == "cuda" else "triton"
+
+
 def triton_dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """:meth:`MXTensor.dequantize` on the fused unpack + dequantize kernel (same values, same bits).
 
     ``out``: write into this tensor (the logical shape, ``dtype``, any strides) instead of a new one,
-    e.g. a slice of a larger buffer; returned."""
+    e.g. a slice of a larger buffer; returned. The registry walks from here on (the CUDA C++ kernel
+    first where casts take it, the reference where no kernel applies)."""
     dtype = dtype or mxt.dtype
     plane = mxt.plane(axis)
     if out is not None and (tuple(out.shape) != tuple(mxt.shape) or out.dtype != dtype
                             or out.device != plane.data.device):
         raise ValueError(f"out must be a {dtype} tensor of shape {list(mxt.shape)} on {plane.data.device}, got "
                          f"{out.dtype} {list(out.shape)} on {out.device}")
-    if _fallback_reason(mxt, plane, dtype) is not None or (out is not None and out.ndim != 2):
-        values = mxt.dequantize(dtype, axis)
-        return values if out is None else out.copy_(values)
+    device = plane.data.device
+    return registry.run_from("dequantize", DequantizeCall(mxt, dtype, axis, out), device, _start(device))
+
+
+def _layout(mxt: MXTensor, plane, out: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """``(rows, length, out_stride_r, out_stride_l)``: the plane read as ``[rows, length]`` (block axis last)
+    and where element (r, l) goes in ``out`` (None: a new contiguous tensor of the logical shape)."""
     shape = tuple(mxt.shape)
     length = shape[plane.axis]
     rows = 1
@@ -159,17 +174,73 @@ def triton_dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int
             rows *= n
     if out is not None:  # 2-D: plane rows run along the other axis
         last = plane.axis == mxt.ndim - 1
-        out_stride_r, out_stride_l = (out.stride(0), out.stride(1)) if last else (out.stride(1), out.stride(0))
-    else:
-        if POISON_OUTPUTS:
-            out = torch.full(shape, -7.75, dtype=dtype, device=plane.data.device)
-        else:
-            out = torch.empty(shape, dtype=dtype, device=plane.data.device)
-        if plane.axis == mxt.ndim - 1 or mxt.ndim == 1:
-            out_stride_r, out_stride_l = length, 1
-        else:  # axis 0: plane row r = flattened trailing index, plane column = index along axis 0
-            out_stride_r, out_stride_l = 1, rows
+        return (rows, length) + ((out.stride(0), out.stride(1)) if last else (out.stride(1), out.stride(0)))
+    if plane.axis == mxt.ndim - 1 or mxt.ndim == 1:
+        return rows, length, length, 1
+    return rows, length, 1, rows  # axis 0: plane row r = flattened trailing index, column = index along axis 0
+
+
+def _new_out(mxt: MXTensor, dtype: torch.dtype, device) -> torch.Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(tuple(mxt.shape), -7.75, dtype=dtype, device=device)
+    return torch.empty(tuple(mxt.shape), dtype=dtype, device=device)
+
+
+def _supports(call: DequantizeCall) -> str | None:
+    reason = _fallback_reason(call.mxt, call.mxt.plane(call.axis), call.dtype)
+    if reason is None and call.out is not None and call.out.ndim != 2:
+        return f"out= of {call.out.ndim} dimensions (the kernel writes 2-D outputs)"
+    return reason
+
+
+def _triton_dequantize(call: DequantizeCall) -> torch.Tensor:
+    """The registered Triton implementation of ``dequantize``."""
+    mxt, plane = call.mxt, call.mxt.plane(call.axis)
+    out = call.out if call.out is not None else _new_out(mxt, call.dtype, plane.data.device)
+    rows, length, out_stride_r, out_stride_l = _layout(mxt, plane, call.out)
     _launch(mxt, plane, rows, length, out, out_stride_r, out_stride_l)
+    return out
+
+
+def _plane_2d(plane, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    data = plane.data if plane.data.ndim == 2 else plane.data.reshape(rows, plane.data.shape[-1])
+    scale = plane.scale if plane.scale.ndim == 2 else plane.scale.reshape(rows, plane.scale.shape[-1])
+    return data, scale
+
+
+def _cuda_reason(mxt: MXTensor, plane, dtype, out, count=1, data_step=0, out_step=0, layout=None) -> str | None:
+    """Why the CUDA C++ dequantize does not take this plane (``cuda_cast.dequantize_unsupported``), or None."""
+    from mxtrain.kernels import cuda_cast
+
+    if mxt.whole_axis or plane.axis not in (0, mxt.ndim - 1) or any(n == 0 for n in mxt.shape):
+        return f"a plane blocked along axis {plane.axis} of {list(mxt.shape)} (whole axis: {mxt.whole_axis})"
+    if out is not None and out.ndim != 2:
+        return f"out= of {out.ndim} dimensions"
+    rows, length, out_stride_r, out_stride_l = layout or _layout(mxt, plane, out)
+    data, scale = _plane_2d(plane, rows)
+    if data.stride(-1) != 1 or scale.stride(-1) != 1:
+        return "codes or scales not contiguous along the block axis"
+    out_ptr = 0 if out is None else out.data_ptr()  # a new output is allocated aligned
+    return cuda_cast.dequantize_unsupported(mxt.format, mxt.block_size, dtype, plane.data.device, rows, length,
+                                            data.stride(0), data.data_ptr(), out_stride_r, out_stride_l, out_ptr,
+                                            count, data_step, out_step)
+
+
+def _cuda_supports(call: DequantizeCall) -> str | None:
+    return _cuda_reason(call.mxt, call.mxt.plane(call.axis), call.dtype, call.out)
+
+
+def _cuda_dequantize(call: DequantizeCall) -> torch.Tensor:
+    """The registered CUDA C++ implementation of ``dequantize`` (``mxtrain/csrc/mx_dequantize.cu``)."""
+    from mxtrain.kernels import cuda_cast
+
+    mxt, plane = call.mxt, call.mxt.plane(call.axis)
+    out = call.out if call.out is not None else _new_out(mxt, call.dtype, plane.data.device)
+    rows, length, out_stride_r, out_stride_l = _layout(mxt, plane, call.out)
+    data, scale = _plane_2d(plane, rows)
+    if not cuda_cast.dequantize_fp8(data, scale, out, mxt.format, mxt.block_size, rows, length, out_stride_r,
+                                    out_stride_l):
+        raise registry.KernelUnavailable("the CUDA dequantize refused a call its supports() accepted")
     return out
 
 
@@ -179,14 +250,7 @@ def _launch(mxt: MXTensor, plane, rows: int, length: int, out: torch.Tensor, out
     ``(r, l) -> r * out_stride_r + l * out_stride_l``; ``count`` > 1 repeats it for shards whose codes,
     scales and outputs lie ``data_step`` / ``scale_step`` / ``out_step`` elements further each."""
     fmt, bs = mxt.format, mxt.block_size
-    data = plane.data if plane.data.ndim == 2 else plane.data.reshape(rows, plane.data.shape[-1])
-    scale = plane.scale if plane.scale.ndim == 2 else plane.scale.reshape(rows, plane.scale.shape[-1])
-    if out.is_cuda:  # MXFP8 into bf16: the CUDA kernel where it applies (a plain C call, not a Triton launch)
-        from mxtrain.kernels import cuda_cast
-
-        if cuda_cast.dequantize_fp8(data, scale, out, fmt, bs, rows, length, out_stride_r, out_stride_l, count,
-                                    data_step, scale_step, out_step):
-            return
+    data, scale = _plane_2d(plane, rows)
     nb = scale.shape[-1]
     br, bl, warps = TILE_CONFIG
     if out_stride_r == 1:  # transposed write: square-ish tiles keep both sides coalesced
@@ -210,8 +274,9 @@ def triton_dequantize_shards(shard: MXTensor, count: int, data_step: int, scale_
     first: shard ``i``'s codes and scales lie ``i * data_step`` and ``i * scale_step`` elements after
     ``shard``'s (their storage must hold them all: the per-rank chunks of an FSDP2 all-gather buffer).
 
-    Bit for bit what :func:`triton_dequantize` writes for each shard (``out``'s dtype); where the
-    kernel does not apply it loops over the shards with it (which then takes the reference)."""
+    Bit for bit what :func:`triton_dequantize` writes for each shard (``out``'s dtype); the registry walks
+    as for it (the CUDA C++ kernel first where casts take it; where no kernel applies, the reference
+    dequantizes shard by shard)."""
     plane = shard.plane(axis)
     if shard.ndim != 2 or out.ndim != 2 or count < 1:
         raise ValueError(f"triton_dequantize_shards takes 2-D shards and a 2-D out and count >= 1, got shard "
@@ -226,28 +291,78 @@ def triton_dequantize_shards(shard: MXTensor, count: int, data_step: int, scale_
     if not storage_ok:
         raise ValueError(f"the {count} shards' codes and scales, {data_step} and {scale_step} elements apart, "
                          "run past the storage of the first shard's (or its planes are not contiguous)")
-    if _fallback_reason(shard, plane, out.dtype) is not None:
-        for i in range(count):
-            data = plane.data.as_strided(plane.data.shape, plane.data.stride(),
-                                         plane.data.storage_offset() + i * data_step)
-            scale = plane.scale.as_strided(plane.scale.shape, plane.scale.stride(),
-                                           plane.scale.storage_offset() + i * scale_step)
-            one = dataclasses.replace(shard, planes=(dataclasses.replace(plane, data=data, scale=scale),))
-            triton_dequantize(one, out.dtype, plane.axis, out=out[i * rows_per:(i + 1) * rows_per])
-        return out
+    device = plane.data.device
+    call = DequantizeShardsCall(shard, count, data_step, scale_step, out, axis)
+    return registry.run_from("dequantize_shards", call, device, _start(device))
+
+
+def _shards_layout(call: DequantizeShardsCall):
+    """``(plane, (rows, length, out_stride_r, out_stride_l), out_step)`` of a shards call's launch."""
+    shard, out = call.shard, call.out
+    plane = shard.plane(call.axis)
+    rows_per, cols = shard.shape
     last = plane.axis == 1
-    out_stride_r, out_stride_l = (out.stride(0), out.stride(1)) if last else (out.stride(1), out.stride(0))
-    _launch(shard, plane, rows_per if last else cols, cols if last else rows_per, out, out_stride_r, out_stride_l,
-            count, data_step, scale_step, rows_per * out.stride(0))
-    return out
+    layout = (rows_per if last else cols, cols if last else rows_per) + \
+        ((out.stride(0), out.stride(1)) if last else (out.stride(1), out.stride(0)))
+    return plane, layout, rows_per * out.stride(0)
+
+
+def _shards_supports(call: DequantizeShardsCall) -> str | None:
+    return _fallback_reason(call.shard, call.shard.plane(call.axis), call.out.dtype)
+
+
+def _triton_shards(call: DequantizeShardsCall) -> torch.Tensor:
+    plane, layout, out_step = _shards_layout(call)
+    _launch(call.shard, plane, *layout[:2], call.out, *layout[2:], call.count, call.data_step, call.scale_step,
+            out_step)
+    return call.out
+
+
+def _cuda_shards_supports(call: DequantizeShardsCall) -> str | None:
+    plane, layout, out_step = _shards_layout(call)
+    return _cuda_reason(call.shard, plane, call.out.dtype, call.out, call.count, call.data_step, out_step, layout)
+
+
+def _cuda_shards(call: DequantizeShardsCall) -> torch.Tensor:
+    from mxtrain.kernels import cuda_cast
+
+    plane, (rows, length, sr, sl), out_step = _shards_layout(call)
+    data, scale = _plane_2d(plane, rows)
+    if not cuda_cast.dequantize_fp8(data, scale, call.out, call.shard.format, call.shard.block_size, rows, length,
+                                    sr, sl, call.count, call.data_step, call.scale_step, out_step):
+        raise registry.KernelUnavailable("the CUDA dequantize refused a call its supports() accepted")
+    return call.out
+
+
+def _reference_shards(call: DequantizeShardsCall) -> torch.Tensor:
+    """Each shard dequantized by the reference into its rows of ``out``."""
+    shard, plane = call.shard, call.shard.plane(call.axis)
+    rows_per = shard.shape[0]
+    for i in range(call.count):
+        data = plane.data.as_strided(plane.data.shape, plane.data.stride(),
+                                     plane.data.storage_offset() + i * call.data_step)
+        scale = plane.scale.as_strided(plane.scale.shape, plane.scale.stride(),
+                                       plane.scale.storage_offset() + i * call.scale_step)
+        one = dataclasses.replace(shard, planes=(dataclasses.replace(plane, data=data, scale=scale),))
+        call.out[i * rows_per:(i + 1) * rows_per].copy_(one.dequantize(call.out.dtype, plane.axis))
+    return call.out
+
+
+def _make_shards_call(*, shard, count, data_step, scale_step, out, axis=None) -> DequantizeShardsCall:
+    return DequantizeShardsCall(shard, count, data_step, scale_step, out, axis)
 
 
 def _register() -> None:
     from mxtrain.kernels._triton_utils import kernels_available
-    from mxtrain.kernels.dispatch import register_dequantize
 
+    registry.define(registry.Operation("dequantize_shards", _make_shards_call, DequantizeShardsCall.key))
+    registry.register("dequantize_shards", "reference", _reference_shards)
     if kernels_available():
-        register_dequantize("triton", triton_dequantize)
+        registry.register("dequantize", "triton", _triton_dequantize, supports=_supports)
+        registry.register("dequantize_shards", "triton", _triton_shards, supports=_shards_supports)
+    if config.current().cuda_kernels and torch.cuda.is_available():
+        registry.register("dequantize", "cuda", _cuda_dequantize, supports=_cuda_supports)
+        registry.register("dequantize_shards", "cuda", _cuda_shards, supports=_cuda_shards_supports)
 
 
 _register()

@@ -1,24 +1,26 @@
-"""The one dispatch point between kernels and the reference numerics.
+"""The entry points of the kernel operations: quantize, dequantize, FP8 cast, MX / FP8 GEMM.
 
-Backends: ``"reference"`` (pure PyTorch, any device) and, once registered by
-the GPU kernel modules, ``"triton"`` (:mod:`mxtrain.kernels`) / ``"cuda"`` (the
-CUDA C++ kernels of ``mxtrain/csrc``, built on first use: today the MX cast, see
-:mod:`mxtrain.kernels.cuda_cast`). ``MXTRAIN_BACKEND`` or the ``backend=`` argument
-forces one (what it selects per operation: :mod:`mxtrain.config`); a forced ``"cuda"`` runs Triton's kernel for operations that have no
-CUDA C++ one. By default CUDA tensors take the fastest registered kernel (CUDA C++,
-then Triton: ``benchmarks/RESULTS.md``) and CPU tensors the reference.
+Each builds its call (:mod:`mxtrain.kernels.calls`) and hands it to :mod:`mxtrain.kernels.registry`,
+which picks the implementation: ``"reference"`` (pure PyTorch, any device, registered here) or, once
+registered by the GPU kernel modules, ``"triton"`` / ``"cuda"`` (the CUDA C++ kernels of ``mxtrain/csrc``).
+``MXTRAIN_BACKEND`` or the ``backend=`` argument forces where the walk starts (what it selects per
+operation: :mod:`mxtrain.config`). By default CUDA tensors take the fastest kernel that supports the call
+(CUDA C++, then Triton: ``benchmarks/RESULTS.md``) and CPU tensors the reference. Under ``torch.compile``
+each entry point is one registered op.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import torch
 
-from mxtrain import config
 from mxtrain.formats import parse_format
+from mxtrain.kernels import registry
+from mxtrain.kernels.calls import (  # noqa: F401  (values_request, VALUES_DTYPES: part of this module's API)
+    VALUES_DTYPES, DequantizeCall, Float8QuantizeCall, GemmCall, QuantizeCall, values_request,
+)
 from mxtrain.quantization import MXTensor, quantize_mx
 from mxtrain.quantization._validate import normalize_axes
 from mxtrain.quantization.mxtensor import MXPlane
@@ -28,108 +30,33 @@ from mxtrain.quantization.float8 import (
     fp8_format_name, quantize_float8 as quantize_float8_reference,
 )
 
-BACKENDS = ("auto", "reference", "triton", "cuda")
+BACKENDS = registry.BACKENDS
 
-# name -> quantize implementation with quantize_mx's signature; filled by kernel modules
-_QUANTIZE_IMPLS: dict[str, Callable[..., MXTensor]] = {"reference": quantize_mx}
-_GEMM_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
-# name -> dequantize implementation (mxt, dtype, axis) -> tensor; filled by kernel modules
-_DEQUANTIZE_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
-# FP8 (mxtrain.recipes.float8): casts with quantize_float8's signature, GEMMs with mx_gemm's
-_FLOAT8_QUANTIZE_IMPLS: dict[str, Callable[..., Float8Tensor]] = {"reference": quantize_float8_reference}
-_FLOAT8_GEMM_IMPLS: dict[str, Callable[..., torch.Tensor]] = {}
-_PREFERENCE = ("cuda", "triton")
-_LOADER: Callable[[], None] | None = None
-
-
-def register_quantize(name: str, fn: Callable[..., MXTensor]) -> None:
-    _QUANTIZE_IMPLS[name] = fn
-
-
-def register_gemm(name: str, fn: Callable[..., torch.Tensor]) -> None:
-    _GEMM_IMPLS[name] = fn
-
-
-def register_dequantize(name: str, fn: Callable[..., torch.Tensor]) -> None:
-    _DEQUANTIZE_IMPLS[name] = fn
-
-
-def register_float8_quantize(name: str, fn: Callable[..., Float8Tensor]) -> None:
-    _FLOAT8_QUANTIZE_IMPLS[name] = fn
-
-
-def register_float8_gemm(name: str, fn: Callable[..., torch.Tensor]) -> None:
-    _FLOAT8_GEMM_IMPLS[name] = fn
+# The operations' names (the tables of kernels live in mxtrain.kernels.registry). Kept under their former
+# table names for callers that ask ``_resolve(None, device, _QUANTIZE_IMPLS)``; a GEMM name set empty
+# (tests do, to compare casts with the GEMM held on the reference) sends that GEMM to the reference.
+_QUANTIZE_IMPLS = "quantize"
+_DEQUANTIZE_IMPLS = "dequantize"
+_FLOAT8_QUANTIZE_IMPLS = "float8_quantize"
+_GEMM_IMPLS = "gemm"
+_FLOAT8_GEMM_IMPLS = "float8_gemm"
 
 
 def set_kernel_loader(loader: Callable[[], None]) -> None:
     """Install the function that imports the kernel modules on first use (``mxtrain/kernels/__init__.py``
-    does, so the kernel modules, which register here, never import the file that imports them)."""
-    global _LOADER
-    _LOADER = loader
+    does, so the kernel modules, which register with :mod:`mxtrain.kernels.registry`, never import the
+    file that imports them)."""
+    registry.set_kernel_loader(loader)
 
 
 def _load_kernels() -> None:
     """Import the kernel modules once, where they can run (they register themselves)."""
-    if _LOADER is not None:
-        _LOADER()
+    registry._load()
 
 
-def _resolve(backend: str | None, device: torch.device, impls: dict) -> str:
-    _load_kernels()
-    backend = backend or config.current().backend
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(BACKENDS)} (argument or MXTRAIN_BACKEND)")
-    if backend == "auto":
-        if device.type == "cuda":
-            for name in _PREFERENCE:
-                if name in impls:
-                    return name
-        return "reference"
-    if backend == "cuda" and impls is not _QUANTIZE_IMPLS and "triton" in impls:
-        return "triton"  # "cuda": the CUDA C++ kernels where an operation has one (the cast), Triton's elsewhere
-    if backend != "reference" and backend not in impls:
-        raise RuntimeError(f"backend {backend!r} is not available here (registered: {', '.join(impls) or 'none'})")
-    return backend
-
-
-VALUES_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
-
-
-def values_request(ndim: int, axis, dequantized, keep_codes, dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Normalized ``(dequantized axes, axes whose codes are kept)`` of a quantize call, validated.
-
-    ``dequantized``: axes (among ``axis``) whose dequantized values the result carries;
-    ``keep_codes``: axes whose codes+scales it keeps (None: all of ``axis``). Every axis of
-    ``axis`` needs its codes or its values. Remembered per argument tuple (every cast of a
-    training step asks it, with a handful of distinct requests).
-    """
-    try:
-        return _values_request_cached(ndim, axis, dequantized, keep_codes, dtype)
-    except TypeError:  # unhashable arguments (lists): worked out afresh
-        return _values_request(ndim, axis, dequantized, keep_codes, dtype)
-
-
-def _values_request(ndim: int, axis, dequantized, keep_codes, dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    axes = axis if isinstance(axis, tuple) else (axis,)
-    norm = lambda a: a % ndim if ndim and -ndim <= a < ndim else a  # noqa: E731  (bad axes: quantize_mx says)
-    axes = tuple(norm(a) for a in axes)
-    deq = dequantized if isinstance(dequantized, (tuple, list)) else (dequantized,)
-    deq = tuple(dict.fromkeys(norm(a) for a in deq))
-    keep = axes if keep_codes is None else (keep_codes if isinstance(keep_codes, (tuple, list)) else (keep_codes,))
-    keep = tuple(dict.fromkeys(norm(a) for a in keep))
-    for what, sub in (("dequantized", deq), ("keep_codes", keep)):
-        if any(a not in axes for a in sub):
-            raise ValueError(f"{what} axes {sub} must be among the quantized axes {axes}")
-    if any(a not in keep and a not in deq for a in axes):
-        raise ValueError(f"axes {axes}: each needs its codes kept or its values dequantized "
-                         f"(keep_codes={keep}, dequantized={deq})")
-    if deq and dtype not in VALUES_DTYPES:
-        raise ValueError(f"dequantized_dtype must be one of {VALUES_DTYPES}, got {dtype}")
-    return deq, keep
-
-
-_values_request_cached = functools.lru_cache(maxsize=1024, typed=True)(_values_request)
+def _resolve(backend: str | None, device: torch.device, op: str) -> str:
+    """The backend a call of ``op`` on ``device`` tries first (:func:`mxtrain.kernels.registry.preferred_backend`)."""
+    return registry.preferred_backend(op, device, backend)
 
 
 def attach_values(mxt: MXTensor, dequantized: tuple[int, ...], dtype: torch.dtype,
@@ -191,16 +118,19 @@ def quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: st
 
 def _quantize_impl(x, fmt, block_size, axis, scale_mode, rounding, seed, pack, backend, dequantized,
                    dequantized_dtype, keep_codes) -> MXTensor:
-    name = _resolve(backend, x.device, _QUANTIZE_IMPLS)
-    fn = _QUANTIZE_IMPLS[name]
-    kw = dict(block_size=block_size, axis=axis, scale_mode=scale_mode, rounding=rounding, seed=seed, pack=pack)
-    if dequantized == () and keep_codes is None:
-        return fn(x, fmt, **kw)
-    deq, keep = values_request(x.ndim, axis, dequantized, keep_codes, dequantized_dtype)
-    if getattr(fn, "supports_values", False):
-        return fn(x, fmt, **kw, dequantized=deq, dequantized_dtype=dequantized_dtype, keep_codes=keep)
-    return attach_values(fn(x, fmt, **kw), deq, dequantized_dtype, keep,
-                         backend="reference" if name == "reference" else None)
+    call = QuantizeCall(x, fmt, block_size, axis, scale_mode, rounding, seed, pack, dequantized, dequantized_dtype,
+                        keep_codes)
+    return registry.run("quantize", call, x.device, backend)
+
+
+def reference_quantize(call: QuantizeCall) -> MXTensor:
+    """The reference implementation of the MX cast: ``quantize_mx``, then the values asked for."""
+    mxt = quantize_mx(call.x, call.fmt, block_size=call.block_size, axis=call.axis, scale_mode=call.scale_mode,
+                      rounding=call.rounding, seed=call.seed, pack=call.pack)
+    if call.plain:
+        return mxt
+    spec = call.spec()
+    return attach_values(mxt, spec.deq, call.dequantized_dtype, spec.keep, backend="reference")
 
 
 # Registered ops: each quantization entry point is one opaque op of plain tensors under torch.compile (no
@@ -262,10 +192,9 @@ def dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None
                backend: str | None = None) -> torch.Tensor:
     """``mxt.dequantize(dtype, axis)`` through the selected backend (bit-identical across backends)."""
     if not torch.compiler.is_compiling():  # eager: the implementation itself
-        name = _resolve(backend, mxt.device, _DEQUANTIZE_IMPLS)
-        if name == "reference" or mxt.values_only(axis) is not None:  # values without codes: cast them
+        if mxt.values_only(axis) is not None:  # values without codes: cast them
             return mxt.dequantize(dtype, axis)
-        return _DEQUANTIZE_IMPLS[name](mxt, dtype, axis)
+        return registry.run("dequantize", DequantizeCall(mxt, dtype, axis), mxt.device, backend)
     if mxt.values_only(axis) is not None:  # values without codes: cast them
         return mxt.dequantize(dtype, axis)
     p = mxt.plane(axis)
@@ -281,8 +210,7 @@ def _dequantize_mx_op(data: torch.Tensor, scale: torch.Tensor, fmt: str, block_s
     """The logical-shape values of one MX plane (``data``, ``scale``), through the selected backend."""
     mxt = MXTensor._unchecked((MXPlane(data, scale, axis, packed),), fmt, block_size, tuple(shape), src_dtype,
                               scale_mode, rounding, whole_axis)
-    name = _resolve(backend, data.device, _DEQUANTIZE_IMPLS)
-    out = mxt.dequantize(dtype, axis) if name == "reference" else _DEQUANTIZE_IMPLS[name](mxt, dtype, axis)
+    out = registry.run("dequantize", DequantizeCall(mxt, dtype, axis), data.device, backend)
     return _distinct([_values_layout(out, axis)], data, scale)[0]
 
 
@@ -323,10 +251,15 @@ def quantize_float8(x: torch.Tensor, fmt, *, axes=-1, scale: torch.Tensor | None
 
 def _quantize_float8_impl(x, fmt, axes, scale, block, power_of_2_scales, amax_epsilon, amax_reduction_group,
                           backend) -> Float8Tensor:
-    name = _resolve(backend, x.device, _FLOAT8_QUANTIZE_IMPLS)
-    return _FLOAT8_QUANTIZE_IMPLS[name](x, fmt, axes=axes, scale=scale, block=block,
-                                        power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon,
-                                        amax_reduction_group=amax_reduction_group)
+    call = Float8QuantizeCall(x, fmt, axes, scale, block, power_of_2_scales, amax_epsilon, amax_reduction_group)
+    return registry.run("float8_quantize", call, x.device, backend)
+
+
+def reference_quantize_float8(call: Float8QuantizeCall) -> Float8Tensor:
+    """The reference implementation of the FP8 cast (``quantize_float8``)."""
+    return quantize_float8_reference(call.x, call.fmt, axes=call.axes, scale=call.scale, block=call.block,
+                                     power_of_2_scales=call.power_of_2_scales, amax_epsilon=call.amax_epsilon,
+                                     amax_reduction_group=call.amax_reduction_group)
 
 
 @torch.library.custom_op("mxtrain::quantize_float8", mutates_args=())
@@ -497,14 +430,12 @@ def _(a, a_meta, b, b_meta, a_axis, b_axis, out_dtype, bias, backend):
 def _mx_gemm_impl(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
                   backend: str | None) -> torch.Tensor:
     device = a.device if isinstance(a, (MXTensor, Float8Tensor, torch.Tensor)) else torch.device("cpu")
-    # FP8 operands (Float8Tensor) have GEMMs of their own (mxtrain/kernels/float8_gemm.py)
-    impls = _FLOAT8_GEMM_IMPLS if isinstance(a, Float8Tensor) or isinstance(b, Float8Tensor) else _GEMM_IMPLS
-    # a forced kernel backend names the casts; the GEMM then takes whatever GPU GEMM exists
-    requested = backend or config.current().backend
-    name = _resolve("reference" if requested == "reference" else "auto", device, impls)
-    if name != "reference":
-        return impls[name](a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
-    return reference_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+    # FP8 operands (Float8Tensor) have GEMMs of their own (mxtrain/kernels/float8_gemm.py); a forced kernel
+    # backend names the casts, the GEMM then takes whatever GPU GEMM supports it (backend_policy below)
+    op = _FLOAT8_GEMM_IMPLS if isinstance(a, Float8Tensor) or isinstance(b, Float8Tensor) else _GEMM_IMPLS
+    if not op:
+        return reference_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+    return registry.run(op, GemmCall(a, b, a_axis, b_axis, out_dtype, bias), device, backend)
 
 
 def reference_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
@@ -516,3 +447,41 @@ def reference_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bi
     if bias is not None:
         out += bias.float()
     return out.to(out_dtype)
+
+
+def _reference_gemm_call(call: GemmCall) -> torch.Tensor:
+    return reference_gemm(call.a, call.b, **call.kwargs())
+
+
+def _reference_dequantize(call: DequantizeCall) -> torch.Tensor:
+    values = call.mxt.dequantize(call.dtype, call.axis)
+    return values if call.out is None else call.out.copy_(values)
+
+
+def _make_quantize(*, x, fmt, **kw) -> QuantizeCall:
+    return QuantizeCall(x, fmt, **kw)
+
+
+def _make_dequantize(*, mxt, dtype=None, axis=None, out=None) -> DequantizeCall:
+    return DequantizeCall(mxt, dtype, axis, out)
+
+
+def _make_float8_quantize(*, x, fmt, **kw) -> Float8QuantizeCall:
+    return Float8QuantizeCall(x, fmt, **kw)
+
+
+def _make_gemm(*, a, b, **kw) -> GemmCall:
+    return GemmCall(a, b, **kw)
+
+
+# The operations and their reference implementations; the kernel modules register theirs.
+registry.define(registry.Operation("quantize", _make_quantize, QuantizeCall.key, strict_cuda=True))
+registry.define(registry.Operation("dequantize", _make_dequantize, DequantizeCall.key))
+registry.define(registry.Operation("float8_quantize", _make_float8_quantize, Float8QuantizeCall.key))
+registry.define(registry.Operation("gemm", _make_gemm, backend_policy="reference_only"))
+registry.define(registry.Operation("float8_gemm", _make_gemm, backend_policy="reference_only"))
+registry.register("quantize", "reference", reference_quantize)
+registry.register("dequantize", "reference", _reference_dequantize)
+registry.register("float8_quantize", "reference", reference_quantize_float8)
+registry.register("gemm", "reference", _reference_gemm_call)
+registry.register("float8_gemm", "reference", _reference_gemm_call)

@@ -17,11 +17,11 @@ import triton.language as tl
 from mxtrain import config
 from mxtrain.kernels._triton_utils import interpret_mode
 from mxtrain.kernels.cast import _act_bwd, _activation, _round_to_dtype, _store_out, _widen
-from mxtrain.kernels.dispatch import register_float8_quantize
-from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS
+from mxtrain.kernels import registry
+from mxtrain.kernels.calls import BlockCastCall, Float8QuantizeCall
+from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS, Prologue
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
-    quantize_float8 as quantize_float8_reference,
 )
 
 __all__ = ["triton_quantize_float8", "tensor_cast_float8", "block_cast_float8", "FUSED_ACTIVATIONS",
@@ -262,12 +262,8 @@ BLOCK_CAST_SPLIT = True
 BLOCK_ROW_TILE = (32, 4)
 BLOCK_COL_TILE = (64, 4)
 # CUDA tensors take the CUDA C++ block cast (mxtrain/csrc/fp8_block_cast.cu, built on first use) where it
-# applies: one 128x128-tile pass writes both planes and the bias sums (MXTRAIN_FP8_BLOCK_CAST=triton: off)
-
-
-def _block_cast_cuda() -> bool:
-    settings = config.current()
-    return settings.fp8_block_cast != "triton" and settings.cuda_kernels
+# applies (_cuda_block_supports): one 128x128-tile pass writes both planes and the bias sums
+# (MXTRAIN_FP8_BLOCK_CAST=triton: off); the registry walks on to the Triton cast elsewhere
 
 
 # activations the prologue computes (forward) and differentiates (backward), with their ids
@@ -299,9 +295,10 @@ def _prologue(who: str, x, rowwise, columnwise, act, grad):
         x = x.contiguous()
     if grad is not None and grad.stride(1) != 1:
         grad = grad.contiguous()
-    pre = 0 if act is None else (1 if grad is None else 2)
+    pre = Prologue.of(act, grad)
     g = grad if grad is not None else x
-    src = dict(PRE=pre, ACT=0 if act is None else (FUSED_ACTIVATIONS if pre == 1 else FUSED_ACTIVATION_GRADS)[act],
+    src = dict(PRE=int(pre), ACT=0 if act is None else (FUSED_ACTIVATIONS if pre == Prologue.ACTIVATION
+                                                        else FUSED_ACTIVATION_GRADS)[act],
                X_BF16=x.dtype == torch.bfloat16, G_BF16=g.dtype == torch.bfloat16, OUT_KIND=DTYPE_IDS[x.dtype],
                GPU=not interpret_mode())
     return x, g, _bits_view(x), _bits_view(g), src
@@ -320,21 +317,73 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
     fmt = fp8_format_name(fmt)
     if tuple(block) not in ((1, 128), (128, 128)):
         raise ValueError(f"block_cast_float8: block must be (1, 128) or (128, 128), got {block!r}")
-    x, g, xb, gb, src = _prologue("block_cast_float8", x, rowwise, columnwise, act, grad)
+    x, g, _, _, _ = _prologue("block_cast_float8", x, rowwise, columnwise, act, grad)
+    call = BlockCastCall(x, g if grad is not None else None, fmt, block, rowwise, columnwise, act, power_of_2_scales,
+                         amax_epsilon, dbias)
+    return registry.run_from("float8_block_cast", call, x.device, "cuda")
+
+
+def _block_outputs(call: BlockCastCall):
+    """``(row, rsi, col, csi)``: the planes and block scale-inverses a block cast writes (None: not asked)."""
+    x, (M, N) = call.x, call.x.shape
+    f32 = {"dtype": torch.float32, "device": x.device}
+    dtype = FP8_DTYPES[call.fmt]
+    nb_m, nb_n = triton.cdiv(M, 128), triton.cdiv(N, 128)
+    square = call.block == (128, 128)
+    row = torch.empty((M, N), dtype=dtype, device=x.device) if call.rowwise else None
+    col = torch.empty((N, M), dtype=dtype, device=x.device) if call.columnwise else None
+    rsi = (torch.empty((nb_m, nb_n), **f32) if square else torch.empty((M, nb_n), **f32)) if call.rowwise else None
+    csi = (torch.empty((nb_n, nb_m), **f32) if square else torch.empty((N, nb_m), **f32)) if call.columnwise else None
+    return row, rsi, col, csi
+
+
+def _cuda_block_supports(call: BlockCastCall) -> str | None:
+    from mxtrain.kernels import cuda_cast
+
+    settings = config.current()
+    if settings.fp8_block_cast == "triton":
+        return "off (MXTRAIN_FP8_BLOCK_CAST=triton)"
+    if not settings.cuda_kernels:
+        return "off (MXTRAIN_CUDA_KERNELS=0)"
+    reason = cuda_cast.fp8_block_unsupported(call.x, call.grad, call.columnwise)
+    if reason is not None:
+        return reason
+    acts = cuda_cast.FP8_BLOCK_ACTIVATIONS[0 if call.grad is None else 1]
+    if call.act is not None and call.act not in acts:
+        return f"activation {call.act!r} {'backward ' if call.grad is not None else ''}(the CUDA block cast " \
+               f"fuses {', '.join(acts)})"
+    if cuda_cast.library() is None:
+        return f"the CUDA extension is unavailable ({cuda_cast.extension_error()})"
+    return None
+
+
+def _cuda_block_cast(call: BlockCastCall) -> tuple[Float8Tensor, torch.Tensor | None]:
+    """The registered CUDA C++ implementation of ``float8_block_cast`` (mxtrain/csrc/fp8_block_cast.cu)."""
+    from mxtrain.kernels import cuda_cast
+
+    row, rsi, col, csi = _block_outputs(call)
+    M, N = call.x.shape
+    db = torch.empty((triton.cdiv(M, 128), N), dtype=torch.float32, device=call.x.device) if call.dbias else None
+    if not cuda_cast.fp8_block_cast(call.x, call.grad, call.fmt, call.block == (128, 128), call.act, row, rsi, col,
+                                    csi, db, call.power_of_2_scales, call.amax_epsilon):
+        raise registry.KernelUnavailable("the CUDA block cast refused a call its supports() accepted")
+    return _block_result(row, rsi, col, csi, call.block, call.fmt, call.x, db)
+
+
+def _triton_block_cast(call: BlockCastCall) -> tuple[Float8Tensor, torch.Tensor | None]:
+    """The registered Triton implementation of ``float8_block_cast``."""
+    x, g, xb, gb, src = _prologue("block_cast_float8", call.x, call.rowwise, call.columnwise, call.act, call.grad)
+    fmt, block, rowwise, columnwise, dbias = call.fmt, call.block, call.rowwise, call.columnwise, call.dbias
     M, N = x.shape
     f32 = {"dtype": torch.float32, "device": x.device}
     mbits, emin = _FP8_BITS[fmt]
-    dtype = FP8_DTYPES[fmt]
     B = 128
     square = tuple(block) == (128, 128)
     nb_m, nb_n = triton.cdiv(M, B), triton.cdiv(N, B)
-    row = torch.empty((M, N), dtype=dtype, device=x.device) if rowwise else None
-    col = torch.empty((N, M), dtype=dtype, device=x.device) if columnwise else None
-    rsi = (torch.empty((nb_m, nb_n), **f32) if square else torch.empty((M, nb_n), **f32)) if rowwise else None
-    csi = (torch.empty((nb_n, nb_m), **f32) if square else torch.empty((N, nb_m), **f32)) if columnwise else None
+    row, rsi, col, csi = _block_outputs(call)
     dummy = rsi if rsi is not None else csi
-    consts = dict(FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon), POW2=bool(power_of_2_scales),
-                  SQUARE=square)
+    consts = dict(FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(call.amax_epsilon),
+                  POW2=bool(call.power_of_2_scales), SQUARE=square)
 
     def launch(src_x, src_g, csts, row_, col_, db_, bm, bn, warps, out=None):
         grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))  # dbias partial sums: one row per grid row
@@ -346,14 +395,6 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
             BM=bm, BN=bn, num_warps=warps, **consts, **csts)
 
     db = None
-    if _block_cast_cuda() and x.is_cuda:  # the CUDA C++ cast (mxtrain/csrc/fp8_block_cast.cu): one pass, both planes
-        from mxtrain.kernels import cuda_cast
-
-        db = torch.empty((nb_m, N), **f32) if dbias else None
-        if cuda_cast.fp8_block_cast(x, g if src["PRE"] == 2 else None, fmt, square, act, row, rsi, col, csi, db,
-                                    power_of_2_scales, amax_epsilon):
-            return _block_result(row, rsi, col, csi, block, fmt, x, db)
-        db = None
     if square or (rowwise and columnwise and not BLOCK_CAST_SPLIT):  # one 128x128 tile writes both planes
         db = torch.empty((nb_m, N), **f32) if dbias else None
         launch(xb, gb, src, row, col, db, B, B, BLOCK_CAST_WARPS)
@@ -460,35 +501,89 @@ def triton_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axes=-1, scale: t
                            amax_reduction_group=None) -> Float8Tensor:
     """:func:`~mxtrain.quantization.float8.quantize_float8` with Triton casts (same arguments, same bits).
 
-    Falls back to the reference for what the kernels do not cover (empty or
-    non-2-D-reshapeable tensors, blocks other than (1, 128) / (128, 128)).
+    The registry walks from here on: what the kernels do not cover (:func:`_supports`: empty or
+    non-2-D-reshapeable tensors, blocks other than (1, 128) / (128, 128)) runs the reference.
     """
-    fmt = fp8_format_name(fmt)
-    ref = dict(axes=axes, scale=scale, block=block, power_of_2_scales=power_of_2_scales,
-               amax_epsilon=amax_epsilon, amax_reduction_group=amax_reduction_group)
+    call = Float8QuantizeCall(x, fmt, axes, scale, block, power_of_2_scales, amax_epsilon, amax_reduction_group)
+    return registry.run_from("float8_quantize", call, x.device, "triton")
+
+
+def _supports(call: Float8QuantizeCall) -> str | None:
+    x, axes, block = call.x, call.axes, call.block
+    fp8_format_name(call.fmt)  # a bad format raises here, as the reference would
     if x.numel() == 0 or x.ndim == 0 or not x.is_floating_point() or x.dtype == torch.float64:
-        return quantize_float8_reference(x, fmt, **ref)
+        return f"{x.dtype} tensor of shape {list(x.shape)} (the kernels cast non-empty fp32 / bf16 / fp16 tensors)"
     axes_t = (axes,) if isinstance(axes, int) else tuple(axes)
     last = x.ndim - 1
     norm = tuple(dict.fromkeys(a % x.ndim for a in axes_t)) if all(-x.ndim <= a < x.ndim for a in axes_t) else ()
     if not norm or any(a != last and not (x.ndim == 2 and a == 0) for a in norm):
-        return quantize_float8_reference(x, fmt, **ref)  # it raises the error
+        return f"axes {axes} of a {x.ndim}-D tensor (the kernels write the last axis' plane and a 2-D transpose)"
     if block is not None and (x.ndim != 2 or tuple(block) not in ((1, 128), (128, 128))):
-        return quantize_float8_reference(x, fmt, **ref)
+        return f"block {block} of a {x.ndim}-D tensor (the kernels cast 2-D tensors in 1x128 / 128x128 blocks)"
+    return None
+
+
+def _planes_of(call: Float8QuantizeCall) -> tuple[torch.Tensor, tuple[int, ...], bool, bool]:
+    """``(x as 2-D with contiguous rows, normalized axes, rowwise?, columnwise?)`` of a supported call."""
+    x = call.x
+    axes_t = (call.axes,) if isinstance(call.axes, int) else tuple(call.axes)
+    norm = tuple(dict.fromkeys(a % x.ndim for a in axes_t))
     x2d = x.reshape(-1, x.shape[-1])
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    want_row, want_col = last in norm, (x.ndim == 2 and 0 in norm)
+    return x2d, norm, x.ndim - 1 in norm, (x.ndim == 2 and 0 in norm)
+
+
+def _block_call_of(call: Float8QuantizeCall) -> BlockCastCall:
+    x2d, _, want_row, want_col = _planes_of(call)
+    return BlockCastCall(x2d, None, fp8_format_name(call.fmt), call.block, want_row, want_col, None,
+                         call.power_of_2_scales, call.amax_epsilon, False)
+
+
+def _cuda_supports(call: Float8QuantizeCall) -> str | None:
+    reason = _supports(call)
+    if reason is None and call.block is None:
+        return "per-tensor scaling (the CUDA C++ FP8 cast is the 128-block one)"
+    return reason or _cuda_block_supports(_block_call_of(call))
+
+
+def _cuda_quantize_float8(call: Float8QuantizeCall) -> Float8Tensor:
+    """The registered CUDA C++ implementation of ``float8_quantize`` (128-block scaling)."""
+    _, norm, _, _ = _planes_of(call)
+    q, _ = _cuda_block_cast(_block_call_of(call))
+    return Float8Tensor(tuple(q.plane(a % 2) for a in norm), fp8_format_name(call.fmt), tuple(call.x.shape),
+                        call.x.dtype, None)
+
+
+def _triton_quantize_float8(call: Float8QuantizeCall) -> Float8Tensor:
+    """The registered Triton implementation of ``float8_quantize``."""
+    x, block = call.x, call.block
+    fmt = fp8_format_name(call.fmt)
+    x2d, norm, want_row, want_col = _planes_of(call)
+    last = x.ndim - 1
+    power_of_2_scales, amax_epsilon = call.power_of_2_scales, call.amax_epsilon
     if block is None:
-        q, _ = tensor_cast_float8(x2d, fmt, rowwise=want_row, columnwise=want_col, scale=scale,
+        q, _ = tensor_cast_float8(x2d, fmt, rowwise=want_row, columnwise=want_col, scale=call.scale,
                                   power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon,
-                                  amax_reduction_group=amax_reduction_group)
+                                  amax_reduction_group=call.amax_reduction_group)
         planes = [Float8Plane(q.rowwise.data.view(x.shape), q.scale_inv, last) if a == last else q.columnwise
                   for a in norm]
         return Float8Tensor(tuple(planes), fmt, tuple(x.shape), x.dtype, q.amax)
-    q, _ = block_cast_float8(x2d, fmt, block, rowwise=want_row, columnwise=want_col,
-                             power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon)
+    q, _ = _triton_block_cast(BlockCastCall(x2d, None, fmt, block, want_row, want_col, None, power_of_2_scales,
+                                            amax_epsilon, False))
     return Float8Tensor(tuple(q.plane(a % 2) for a in norm), fmt, tuple(x.shape), x.dtype, None)
 
 
-register_float8_quantize("triton", triton_quantize_float8)
+def _make_block_call(*, x, fmt="fp8_e4m3", block=(1, 128), rowwise=True, columnwise=False, act=None, grad=None,
+                     power_of_2_scales=False, amax_epsilon=0.0, dbias=False) -> BlockCastCall:
+    x, g, _, _, _ = _prologue("block_cast_float8", x, rowwise, columnwise, act, grad)
+    return BlockCastCall(x, g if grad is not None else None, fp8_format_name(fmt), block, rowwise, columnwise, act,
+                         power_of_2_scales, amax_epsilon, dbias)
+
+
+registry.define(registry.Operation("float8_block_cast", _make_block_call, BlockCastCall.key, backend_policy="ignore"))
+registry.register("float8_block_cast", "triton", _triton_block_cast)
+registry.register("float8_quantize", "triton", _triton_quantize_float8, supports=_supports)
+if torch.cuda.is_available():
+    registry.register("float8_block_cast", "cuda", _cuda_block_cast, supports=_cuda_block_supports)
+    registry.register("float8_quantize", "cuda", _cuda_quantize_float8, supports=_cuda_supports)

@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 from mxtrain import config
-from mxtrain.kernels.dispatch import reference_gemm, register_float8_gemm
+from mxtrain.kernels import registry
+from mxtrain.kernels.calls import GemmCall
+from mxtrain.kernels.dispatch import reference_gemm
 from mxtrain.quantization.float8 import Float8Plane, Float8Tensor
 
 __all__ = ["float8_gemm", "scaled_mm_gemm", "block_fp8_gemm", "cublas_block_gemm", "fallback_gemm", "pad_plane"]
@@ -202,40 +204,110 @@ def _padded(gemm, pa, pb, m_mult: int, n_mult: int, k_mult: int, out_dtype, bias
     return out[:M, :N].contiguous() if (Mp, Np) != (M, N) else out
 
 
-def _block_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias=None) -> torch.Tensor:
-    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    pa, pb = a.plane(a_axis), b.plane(b_axis)
+def float8_gemm(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dtype = torch.float32,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``A @ Bᵀ (+ bias)`` for FP8 operands on CUDA: the registry walked from the CUDA GEMMs on, i.e. the
+    path their scaling calls for (see module doc)."""
+    call = GemmCall(a, b, a_axis, b_axis, out_dtype, bias)
+    return registry.run_from("float8_gemm", call, call.device, "cuda")
+
+
+def _planes(call: GemmCall):
+    """The two operands' planes for their reduction axes, or a sentence why they are not two FP8 operands."""
+    a, b = call.a, call.b
+    if not (isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor)):
+        return f"operands {type(a).__name__} x {type(b).__name__} (both must be Float8Tensors)"
+    if a.device.type != "cuda":
+        return f"operands on {a.device}"
+    return a.plane(call.a_axis), b.plane(call.b_axis)
+
+
+def _tensorwise_supports(call: GemmCall) -> str | None:
+    planes = _planes(call)
+    if isinstance(planes, str):
+        return planes
+    pa, pb = planes
+    if pa.block is not None or pb.block is not None:
+        return "block-scaled operands (this GEMM takes per-tensor scales)"
+    if call.a.fmt == call.b.fmt == "fp8_e5m2":
+        return "e5m2 x e5m2 (torch._scaled_mm has no such kernel)"
+    if pa.data.shape[1] != pb.data.shape[1]:
+        return f"reduction sizes differ: {pa.data.shape[1]} vs {pb.data.shape[1]}"
+    return None
+
+
+def _tensorwise(call: GemmCall) -> torch.Tensor:
+    # torch._scaled_mm takes K, N % 16 == 0: other sizes are zero-padded
+    pa, pb = call.a.plane(call.a_axis), call.b.plane(call.b_axis)
+    return _padded(_scaled_mm_planes, pa, pb, 1, 16, 16, call.out_dtype, call.bias,
+                   fast=_fast_accum(call.a_axis, call.b_axis))
+
+
+def _block_supports(call: GemmCall) -> str | None:
+    planes = _planes(call)
+    if isinstance(planes, str):
+        return planes
+    pa, pb = planes
+    if pa.block is None or pb.block is None or pa.block[0] != 1:
+        return f"blocks {pa.block} x {pb.block} (A needs 1xN blocks, B blocks)"
+    return None
+
+
+def _block_gemm_mode() -> str:
     want = config.current().fp8_block_gemm
     if want not in ("auto", "triton", "cublas"):
         raise ValueError(f"MXTRAIN_FP8_BLOCK_GEMM must be auto, triton or cublas, got {want!r}")
-    if (want != "triton" and dev not in _CUBLAS_BLOCK_BROKEN and hasattr(torch.nn.functional, "scaled_mm")
-            and torch.cuda.get_device_capability(dev) == (9, 0) and pa.block == (1, 128)):
-        # ragged sizes too, on zero-padded copies: the masked Triton kernel ran MoE expert GEMMs of ragged token
-        # counts 5x slower than cuBLAS on padded ones (bench_moe, H100, 2026-11-25: 203 ms against 41 ms)
-        try:
-            return _padded(_cublas_block_planes, pa, pb, 16, 16, 128, out_dtype, bias)
-        except torch.OutOfMemoryError:
+    return want
+
+
+def _cublas_block_supports(call: GemmCall) -> str | None:
+    reason = _block_supports(call)
+    if reason is not None:
+        return reason
+    want = _block_gemm_mode()
+    if want == "triton":
+        return "off (MXTRAIN_FP8_BLOCK_GEMM=triton)"
+    if not hasattr(torch.nn.functional, "scaled_mm"):
+        return "this torch has no torch.nn.functional.scaled_mm"
+    dev = call.a.device.index if call.a.device.index is not None else torch.cuda.current_device()
+    if dev in _CUBLAS_BLOCK_BROKEN:
+        return f"cuBLAS block scaling failed on this device before: {_CUBLAS_BLOCK_BROKEN[dev]}"
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        return "cuBLAS block-scaled FP8 GEMMs run on sm_90"
+    pa, pb = call.a.plane(call.a_axis), call.b.plane(call.b_axis)
+    if pa.block != (1, 128):
+        return f"A blocks {pa.block} (cuBLAS takes 1x128)"
+    # ragged sizes too, on zero-padded copies: the masked Triton kernel ran MoE expert GEMMs of ragged token
+    # counts 5x slower than cuBLAS on padded ones (bench_moe, H100, 2026-11-25: 203 ms against 41 ms)
+    return None
+
+
+def _cublas_block(call: GemmCall) -> torch.Tensor:
+    pa, pb = call.a.plane(call.a_axis), call.b.plane(call.b_axis)
+    try:
+        return _padded(_cublas_block_planes, pa, pb, 16, 16, 128, call.out_dtype, call.bias)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, NotImplementedError, ValueError) as e:  # no cuBLAS kernel here: remember, walk on
+        if _block_gemm_mode() == "cublas":
             raise
-        except (RuntimeError, NotImplementedError, ValueError) as e:  # no cuBLAS kernel here: remember, use Triton
-            if want == "cublas":
-                raise
-            _CUBLAS_BLOCK_BROKEN[dev] = f"{type(e).__name__}: {e}"
-    return _block_fp8_planes(pa, pb, out_dtype=out_dtype, bias=bias)
+        dev = call.a.device.index if call.a.device.index is not None else torch.cuda.current_device()
+        _CUBLAS_BLOCK_BROKEN[dev] = f"{type(e).__name__}: {e}"
+        raise registry.KernelUnavailable(f"cuBLAS block scaling: {type(e).__name__}: {e}") from e
 
 
-def float8_gemm(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dtype = torch.float32,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``A @ Bᵀ (+ bias)`` for FP8 operands on CUDA: the path their scaling calls for (see module doc)."""
-    if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
-        pa, pb = a.plane(a_axis), b.plane(b_axis)
-        if pa.block is None and pb.block is None:
-            if not (a.fmt == b.fmt == "fp8_e5m2") and pa.data.shape[1] == pb.data.shape[1]:
-                # torch._scaled_mm takes K, N % 16 == 0: other sizes are zero-padded
-                return _padded(_scaled_mm_planes, pa, pb, 1, 16, 16, out_dtype, bias, fast=_fast_accum(a_axis, b_axis))
-        elif pa.block is not None and pb.block is not None and pa.block[0] == 1:
-            return _block_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
-    return fallback_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+def _triton_block(call: GemmCall) -> torch.Tensor:
+    pa, pb = call.a.plane(call.a_axis), call.b.plane(call.b_axis)
+    return _block_fp8_planes(pa, pb, out_dtype=call.out_dtype, bias=call.bias)
+
+
+def _fallback(call: GemmCall) -> torch.Tensor:
+    """The reference of the FP8 GEMMs (``fallback_gemm``, looked up when called)."""
+    return fallback_gemm(call.a, call.b, **call.kwargs())
 
 
 if torch.cuda.is_available():
-    register_float8_gemm("cuda", float8_gemm)
+    registry.register("float8_gemm", "cuda", _tensorwise, supports=_tensorwise_supports, name="cublas_tensorwise")
+    registry.register("float8_gemm", "cuda", _cublas_block, supports=_cublas_block_supports, name="cublas_blockwise")
+    registry.register("float8_gemm", "triton", _triton_block, supports=_block_supports, name="triton_blockwise")
+    registry.register("float8_gemm", "reference", _fallback)

@@ -13,7 +13,9 @@ import functools
 import torch
 
 from mxtrain import config
-from mxtrain.kernels.dispatch import dequantize, register_gemm
+from mxtrain.kernels import registry
+from mxtrain.kernels.calls import GemmCall
+from mxtrain.kernels.dispatch import dequantize
 from mxtrain.quantization import MXTensor
 
 
@@ -138,16 +140,38 @@ def scaled_mm_mx_gemm(a: MXTensor, b: MXTensor, *, a_axis: int = 1, b_axis: int 
 
 def mx_gemm_cuda(a, b, *, a_axis: int = 1, b_axis: int = 1, out_dtype: torch.dtype = torch.float32,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The CUDA MX GEMM: block-scaled tensor cores where the device has them (sm_100+) and the
-    operands are MXFP8 codes, else exact bf16 operands into cuBLAS (:func:`cublas_mx_gemm`)."""
-    device = a.device
-    if native_mx_gemm(device) and scaled_mm_unsupported(a, b, a_axis, b_axis) is None:
-        try:
-            return scaled_mm_mx_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
-        except (RuntimeError, NotImplementedError) as e:  # no kernel for this case here: remember, fall back
-            _SCALED_MM_BROKEN[device.index if device.index is not None else torch.cuda.current_device()] = \
-                f"{type(e).__name__}: {e}"
-    return cublas_mx_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+    """The CUDA MX GEMM: the registry walked from the CUDA GEMMs on: block-scaled tensor cores where the
+    device has them (sm_100+) and the operands are MXFP8 codes, else exact bf16 operands into cuBLAS."""
+    call = GemmCall(a, b, a_axis, b_axis, out_dtype, bias)
+    return registry.run_from("gemm", call, call.device, "cuda")
 
 
-register_gemm("cuda", mx_gemm_cuda)
+def _scaled_mm_supports(call: GemmCall) -> str | None:
+    if not native_mx_gemm(call.device):
+        return "no block-scaled MX tensor cores here (sm_100+ with torch._scaled_mm; MXTRAIN_MX_SCALED_MM=0 " \
+               "turns them off)"
+    return scaled_mm_unsupported(call.a, call.b, call.a_axis, call.b_axis)
+
+
+def _scaled_mm(call: GemmCall) -> torch.Tensor:
+    try:
+        return scaled_mm_mx_gemm(call.a, call.b, **call.kwargs())
+    except (RuntimeError, NotImplementedError) as e:  # no kernel for this case here: remember, walk on
+        device = call.device
+        _SCALED_MM_BROKEN[device.index if device.index is not None else torch.cuda.current_device()] = \
+            f"{type(e).__name__}: {e}"
+        raise registry.KernelUnavailable(f"torch._scaled_mm: {type(e).__name__}: {e}") from e
+
+
+def _cublas_supports(call: GemmCall) -> str | None:
+    if call.device.type != "cuda":
+        return f"operands on {call.device}"
+    return None
+
+
+def _cublas(call: GemmCall) -> torch.Tensor:
+    return cublas_mx_gemm(call.a, call.b, **call.kwargs())
+
+
+registry.register("gemm", "cuda", _scaled_mm, supports=_scaled_mm_supports, name="scaled_mm")
+registry.register("gemm", "cuda", _cublas, supports=_cublas_supports, name="cublas_bf16")

@@ -50,7 +50,7 @@ def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = No
     use not an FP8 role with per-tensor or 128-block scales, no Triton backend for the
     device, an activation the prologue lacks); the caller then runs the unfused ops.
     """
-    from mxtrain.kernels import dispatch
+    from mxtrain.kernels import registry
 
     uses = [(i, spec, axis) for i, (spec, axis) in enumerate(specs_axes) if spec is not None]
     if not config.current().fp8_fused_casts or not uses or src.ndim != 2 or src.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -60,7 +60,7 @@ def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = No
            or (spec.scaling == "delayed" and spec.state is None) for _, spec, _ in uses):
         return None
     try:
-        if dispatch._resolve(None, src.device, dispatch._FLOAT8_QUANTIZE_IMPLS) != "triton":
+        if not registry.walks("float8_quantize", src.device, "triton"):  # the fused casts are Triton's
             return None
         from mxtrain.kernels.float8_cast import (
             FUSED_ACTIVATION_GRADS, FUSED_ACTIVATIONS, block_cast_float8, tensor_cast_float8,
