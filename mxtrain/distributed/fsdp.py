@@ -469,7 +469,7 @@ class MXAllGatherWeight(torch.Tensor):
         fmt, fmax = spec.fmt, FP8_MAX[spec.fmt]
         if spec.block is None:
             if spec.scaling == "delayed":
-                scale = spec.state.scale_for(spec.slot, fmt, x.device)
+                scale = spec.state.scale_for(spec.slot, fmt, x.device, amax=amax)
             else:
                 scale = compute_scale(amax, fmax, power_of_2=spec.power_of_2_scales, epsilon=spec.amax_epsilon)
             q = quantize_float8(x, fmt, axes=(1,), scale=scale)

@@ -29,7 +29,7 @@ def quantize_float8_operand(t2d: torch.Tensor, spec, axes: tuple[int, ...]) -> F
             raise RuntimeError(
                 "DelayedScaling keeps amax histories per module: run it through mxtrain modules (Linear, "
                 "LayerNormLinear, LayerNormMLP), not the functional mx_linear, or use Float8CurrentScaling")
-        scale = state.scale_for(spec.slot, spec.fmt, t2d.device)
+        scale = state.scale_for(spec.slot, spec.fmt, t2d.device, source=t2d)
         q = quantize_float8(t2d, spec.fmt, axes=axes, scale=scale)
         state.record(spec.slot, q.amax)
         return q
@@ -57,7 +57,8 @@ def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = No
         return None
     if any(not isinstance(spec, Float8RoleSpec) or spec.fmt is None
            or (spec.block is not None and spec.block not in ((1, 128), (128, 128)))
-           or (spec.scaling == "delayed" and spec.state is None) for _, spec, _ in uses):
+           or (spec.scaling == "delayed" and (spec.state is None or spec.state.fresh(spec.slot)))
+           for _, spec, _ in uses):  # a fresh delayed slot's scale needs the cast tensor's amax first
         return None
     try:
         if not registry.walks("float8_quantize", src.device, "triton"):  # the fused casts are Triton's

@@ -209,9 +209,14 @@ class FrozenState:
     def __init__(self, state, scales: torch.Tensor | None = None) -> None:
         self.state, self.scales = state, scales
 
-    def scale_for(self, slot: str, fmt: str, device: torch.device) -> torch.Tensor:
-        if self.scales is None:
-            return self.state.scale_for(slot, fmt, device)
+    def fresh(self, slot: str) -> bool:
+        return self.state.fresh(slot)
+
+    def scale_for(self, slot: str, fmt: str, device: torch.device, **tensor) -> torch.Tensor:
+        # a fresh slot's scale comes from the tensor cast (``source`` / ``amax``): a recompute sees the same
+        # tensor as its forward, so it gets the same scale
+        if self.scales is None or (tensor and self.state.fresh(slot)):
+            return self.state.scale_for(slot, fmt, device, **tensor)
         i = self.state.index(slot, fmt, device)
         return self.scales[i].to(device) if i < self.scales.numel() else torch.ones((), device=device)
 

@@ -498,6 +498,11 @@ class DelayedScalingState:
         self._updates = 0  # gen on the host, while only eager updates ran (no device read for `updates`)
         self._dirty = False  # an eager record since the last eager update (then gen moves)
         self._compiled_updates = False
+        # host-side: slots whose recorded amax has entered the history (an eager update found it); the others
+        # are "fresh" and their casts take the scale from the tensor itself (see scale_for)
+        self._seasoned: set[str] = set()
+        self._recorded_host: set[str] = set()
+        self._margin, self._power_of_2 = 0, False  # the recipe's, as of the last update
 
     # -- slots
 
@@ -564,9 +569,26 @@ class DelayedScalingState:
             self.fp8_max[i] = FP8_MAX[fmt]
         return i
 
-    def scale_for(self, slot: str, fmt: str, device: torch.device) -> torch.Tensor:
-        """The scale a cast of ``slot`` uses now (0-d fp32 view)."""
+    def fresh(self, slot: str) -> bool:
+        """Whether ``slot`` has no history yet: no eager update has taken an amax recorded for it. Never
+        while compiling (a compiled graph casts every slot with its delayed scale)."""
+        return slot not in self._seasoned and not torch.compiler.is_compiling()
+
+    def scale_for(self, slot: str, fmt: str, device: torch.device, *, source: torch.Tensor | None = None,
+                  amax: torch.Tensor | None = None) -> torch.Tensor:
+        """The scale a cast of ``slot`` uses now (0-d fp32).
+
+        A fresh slot (no history yet) given the tensor to cast (``source``, or its ``amax``) takes the scale
+        from that amax, as current scaling does. With Transformer Engine's scale of 1 there, gradients of a
+        large model underflow in E5M2, the zero gradient flows down to the layers below, whose recorded amax
+        is then 0 too, and each step brings back only one more layer (a 16-layer model trained on its top
+        layers alone for 16 steps, 2026-11-25)."""
         i = self.index(slot, fmt, device)
+        if (source is not None or amax is not None) and self.fresh(slot):
+            if amax is None:
+                amax = tensor_amax(source.detach())
+            return compute_delayed_scale(amax.float().reshape(()), self.scale[i], self.fp8_max[i],
+                                         margin=self._margin, power_of_2=self._power_of_2)
         return self.scale[i].clone()  # a copy: the next update writes self.scale in place
 
     @staticmethod
@@ -583,6 +605,7 @@ class DelayedScalingState:
         else:
             delayed_scaling_record_(buf, stamp, self.gen, i, amax)
             self._dirty = True
+            self._recorded_host.add(slot)
 
     # -- the step
 
@@ -616,7 +639,11 @@ class DelayedScalingState:
                     "inside a compiled function (the history is reallocated); run one step eagerly after the change")
             _DELAYED_OPS["update"](*args)
             self._compiled_updates = True  # `updates` must read gen from now on
+            self._seasoned |= set(self.slots)
             return
+        self._margin, self._power_of_2 = recipe.margin, bool(recipe.power_of_2_scales)
+        self._seasoned |= self._recorded_host
+        self._recorded_host.clear()
         self.resize_history(recipe.amax_history_len)
         self._updates += self._dirty
         self._dirty = False
@@ -653,6 +680,7 @@ class DelayedScalingState:
             "amax_history": self.amax_history.detach().clone(), "scale": self.scale.detach().clone(),
             "pending_amax": self.pending_amax.detach().clone(),
             "recorded": sorted(self.recorded, key=self.slots.get), "updates": self.updates,
+            "seasoned": sorted(self._seasoned & set(self.slots), key=self.slots.get),
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -678,6 +706,12 @@ class DelayedScalingState:
         self.grad_amax = torch.where(rec & grad, pending, 0.0)
         self.fwd_stamp = torch.where(rec & ~grad, self.gen, never)
         self.grad_stamp = torch.where(rec & grad, self.gen, never)
+        if "seasoned" in d:
+            self._seasoned = set(d["seasoned"])
+        else:  # saved before the key existed: the slots with a history
+            had = (self.amax_history != 0).any(0).tolist()
+            self._seasoned = {name for name, i in self.slots.items() if had[i]}
+        self._recorded_host = set(recorded)
 
     @classmethod
     def from_state_dict(cls, d: dict) -> "DelayedScalingState":

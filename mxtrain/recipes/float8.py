@@ -261,8 +261,12 @@ class DelayedScaling(Float8Recipe):
     the amaxes are all-reduced (MAX) over ``amax_reduction_group`` if one is given,
     and each scale becomes ``max_fp8 / amax / 2**margin`` with
     ``amax = max(history)`` (``"max"``) or the newest entry (``"most_recent"``). An
-    amax of 0 or a non-finite one keeps the previous scale; a tensor's first step
-    uses scale 1, as in Transformer Engine.
+    amax of 0 or a non-finite one keeps the previous scale. A tensor's first cast
+    (no history yet) takes its scale from its own amax, as current scaling does;
+    Transformer Engine casts with 1 there, so that small gradients underflow in
+    E5M2 and the layers below get zeros, one more layer recovering per step.
+    Under ``torch.compile`` a graph casts with the delayed scale from the first
+    step (scale 1, as in TE): run one step eagerly first.
 
     The state (histories, scales, amaxes recorded since the last update) lives on
     each module: created by :meth:`make_state` on the first forward under this

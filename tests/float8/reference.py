@@ -93,6 +93,14 @@ class RefDelayed:
         self.fmax, self.len, self.algo, self.margin, self.pow2 = fmax, history_len, algo, margin, pow2
         self.amaxes, self.scale, self.pending = [], 1.0, None
 
+    def first_scale(self, amax: float) -> float:
+        """mxtrain's departure from Transformer Engine: before any amax has entered the history, the scale comes
+        from the tensor cast (TE casts with 1 there)."""
+        if amax == 0 or not math.isfinite(amax):
+            return self.scale
+        s = _quotient(self.fmax, amax, self.margin)
+        return ref_pow2_floor(s) if self.pow2 else s
+
     def record(self, amax: float) -> None:
         self.pending = amax if self.pending is None else max(self.pending, amax)
 
@@ -136,8 +144,9 @@ class RefQuantizer:
         if ref is None:
             ref = self.delayed[slot] = RefDelayed(FMAX[fmt], r.amax_history_len, r.amax_compute_algo, r.margin,
                                                   r.power_of_2_scales)
-        ref.record(f32(t.abs().max().item()))
-        return fq_tensor(t, fmt, ref.scale)
+        amax = f32(t.abs().max().item())
+        ref.record(amax)
+        return fq_tensor(t, fmt, ref.first_scale(amax) if not ref.amaxes else ref.scale)
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

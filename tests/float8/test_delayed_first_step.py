@@ -1,0 +1,66 @@
+"""DelayedScaling's first step: a slot without history takes its scale from the tensor it casts.
+
+With a scale of 1 there (Transformer Engine's start), small gradients underflow in E5M2; the zero gradient
+then flows to the layers below, which record an amax of 0, and only one more layer trains per step."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mxtrain
+from mxtrain.modules._recipe_state import recipe_states
+
+
+def _stack(depth=5, width=64, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[mxtrain.Linear(width, width, bias=False) for _ in range(depth)])
+
+
+def _step(model, recipe, x, scale=1e-7):
+    with mxtrain.mx_autocast(recipe=recipe):
+        y = model(x)
+    (y.float().sum() * scale).backward()  # gradients far below E5M2's smallest subnormal at scale 1
+
+
+@pytest.mark.parametrize("module", ["Linear", "LayerNormMLP"])
+def test_every_layer_gets_a_gradient_on_the_first_step(module):
+    torch.manual_seed(0)
+    if module == "Linear":
+        model = _stack()
+    else:
+        model = nn.Sequential(*[mxtrain.LayerNormMLP(64, 128, normalization="RMSNorm") for _ in range(4)])
+    x = torch.randn(32, 64, requires_grad=True)
+    _step(model, mxtrain.DelayedScaling(), x)
+    grads = [p.grad for p in model.parameters() if p.dim() == 2]
+    assert all(g is not None and g.abs().max() > 0 for g in grads), [float(g.abs().max()) for g in grads]
+    assert x.grad.abs().max() > 0
+
+
+def test_first_step_scales_equal_current_scaling_and_later_steps_are_delayed():
+    recipe = mxtrain.DelayedScaling(amax_history_len=4)
+    m_d, m_c = _stack(depth=2), _stack(depth=2)
+    x = torch.randn(16, 64)
+    _step(m_d, recipe, x.clone().requires_grad_(True))
+    _step(m_c, mxtrain.Float8CurrentScaling(), x.clone().requires_grad_(True))
+    for pd, pc in zip(m_d.parameters(), m_c.parameters()):  # step 0: the same casts as current scaling
+        torch.testing.assert_close(pd.grad, pc.grad, rtol=0, atol=0)
+    state = m_d[0].recipe_state
+    # the second forward updates the histories: now every slot has one and casts with its delayed scale
+    with mxtrain.mx_autocast(recipe=recipe):
+        m_d(x)
+    assert not any(state.fresh(s) for s in state.slots)
+    states = recipe_states(m_d)
+    assert all(d["seasoned"] == d["slots"] for d in states.values())
+
+
+def test_seasoned_slots_survive_a_checkpoint_and_old_checkpoints_load():
+    recipe = mxtrain.DelayedScaling(amax_history_len=4)
+    model, x = _stack(depth=2), torch.randn(8, 64, requires_grad=True)
+    for _ in range(2):
+        _step(model, recipe, x)
+    d = model[0].recipe_state.state_dict()
+    fresh = type(model[0].recipe_state).from_state_dict(d)
+    assert fresh._seasoned == model[0].recipe_state._seasoned == set(d["slots"])
+    d.pop("seasoned")  # a checkpoint from before the key: the slots with a history count as seasoned
+    old = type(model[0].recipe_state).from_state_dict(d)
+    assert old._seasoned == set(d["slots"])
