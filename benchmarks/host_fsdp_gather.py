@@ -2,9 +2,11 @@
 
 bench_fsdp.py's model (a stack of ``LayerNormMLP`` blocks, each its own ``fully_shard`` unit, bf16
 params, fp32 master weights and reduce-scatter, AdamW) at a size where compute is negligible, so a
-step's time is the host's. Per mode, the median over steps of:
+step's time is the host's. Times are the calling thread's CPU time (``time.thread_time``, one intra-op
+thread), which other processes on a busy machine move much less than wall time. Per mode, the median over
+steps of:
 
-* ``step ms``: a whole training step (forward, backward, optimizer);
+* ``step ms`` / ``step CPU ms``: a whole training step (forward, backward, optimizer), wall and CPU time;
 * ``pre`` / ``post`` / ``fill``: microseconds per all-gather spent in ``MXAllGatherWeight.fsdp_pre_all_gather``
   (the shard's cast, FP8 amax all-reduce included), ``fsdp_post_all_gather`` and its ``_GatheredState.fill``
   (part of ``post``);
@@ -14,7 +16,7 @@ step's time is the host's. Per mode, the median over steps of:
   kernel launch or host-side op, a figure the machine's load does not move;
 * ``disp`` : microseconds per gather in the two subclasses' ``__torch_dispatch__`` (FSDP's views, the
   optimizer's ops on the sharded weights, module reads of the gathered weight);
-* ``vs hp``: the step's extra time over the same recipe with FSDP's own high-precision all-gathers
+* ``vs hp``: the step's extra CPU time over the same recipe with FSDP's own high-precision all-gathers
   (the ``+bf16ag`` mode of the recipe, run in the same call), per quantized all-gather.
 
     torchrun --nproc_per_node=2 benchmarks/host_fsdp_gather.py             # every recipe, both gathers
@@ -109,11 +111,11 @@ class HookTimer:
             if self.count_ops and key in ("pre", "post"):
                 with OpCounter(self.ops, key, self.syncs):
                     return fn(*a, **k)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
-                seconds[key] += time.perf_counter() - t0
+                seconds[key] += time.thread_time() - t0
 
         setattr(cls, name, classmethod(timed) if classmethod_ else timed)
         self._undo.append((cls, name, orig))
@@ -138,18 +140,18 @@ def run_mode(mode, args, device, rank, profile: bool):
             dist.barrier()
             if prof is not None and timed:
                 prof.enable()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
                 y = model(x)
             loss = y.float().pow(2).mean()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.thread_time() - c0
             if prof is not None and timed:
                 prof.disable()
             if timed:
-                rows.append({"step": dt, "gathers": all_gather_stats()["gathers"], **timer.seconds})
+                rows.append({"step": dt, "step_cpu": dc, "gathers": all_gather_stats()["gathers"], **timer.seconds})
         # one more step counting the hooks' aten ops
         reset_all_gather_stats()
         timer.count_ops = True
@@ -162,7 +164,8 @@ def run_mode(mode, args, device, rank, profile: bool):
     finally:
         timer.close()
     med = lambda k: statistics.median(r.get(k, 0.0) for r in rows)  # noqa: E731
-    res = {"mode": mode, "step_ms": 1e3 * med("step"), "gathers": rows[-1]["gathers"]}
+    res = {"mode": mode, "step_ms": 1e3 * med("step"), "step_cpu_ms": 1e3 * med("step_cpu"),
+           "gathers": rows[-1]["gathers"]}
     n = max(1, res["gathers"])
     for k in ("pre", "post", "fill", "disp", "allreduce"):
         res[k + "_us"] = 1e6 * med(k) / n
@@ -199,6 +202,7 @@ def main():
     if unknown:
         raise SystemExit(f"unknown mode(s) {', '.join(map(repr, unknown))}; choose from {', '.join(MODES)}")
     device = init_distributed()
+    torch.set_num_threads(1)  # the ops' work on this thread, where thread_time sees it
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
     for rnd in range(args.rounds):
@@ -210,18 +214,18 @@ def main():
         print(f"host_fsdp_gather.py: {args.layers} x LayerNormMLP({args.hidden}, {args.ffn}), FSDP2 over {world} "
               f"{device.type} ranks ({dist.get_backend()}), {args.batch} x {args.seq} tokens per rank, median of "
               f"{args.steps} steps after {args.warmup}; torch {torch.__version__}; {datetime.date.today()}\n")
-        print(f"| {'mode':<20} | round | step ms | gathers | pre us | amax AR us | post us | fill us | disp us | "
+        print(f"| {'mode':<20} | round | step ms | step CPU ms | gathers | pre us | amax AR us | post us | fill us | disp us | "
               "vs hp us | pre ops | post ops |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         hp = {}
         for r in results:
             recipe, _, ag = r["mode"].partition("+")
             if ag == "bf16ag":
-                hp[(recipe, r["round"])] = r["step_ms"]
+                hp[(recipe, r["round"])] = r["step_cpu_ms"]
             base = hp.get((recipe, r["round"]))
-            extra = (f"{1e3 * (r['step_ms'] - base) / r['gathers']:.0f}"
+            extra = (f"{1e3 * (r['step_cpu_ms'] - base) / r['gathers']:.0f}"
                      if ag not in ("", "bf16ag") and base is not None and r["gathers"] else "")
-            print(f"| {r['mode']:<20} | {r['round']} | {r['step_ms']:.1f} | {r['gathers']} | {r['pre_us']:.0f} | "
+            print(f"| {r['mode']:<20} | {r['round']} | {r['step_ms']:.1f} | {r['step_cpu_ms']:.1f} | {r['gathers']} | {r['pre_us']:.0f} | "
                   f"{r['allreduce_us']:.0f} | {r['post_us']:.0f} | {r['fill_us']:.0f} | {r['disp_us']:.0f} | {extra} | "
                   f"{r['pre_ops']:.1f} | {r['post_ops']:.1f} |")
         syncs = {(r["mode"], k): v for r in results if r["round"] == 0 for k, v in r["syncs"].items()}

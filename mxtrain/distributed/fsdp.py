@@ -174,12 +174,18 @@ def _triton_float8_casts(device: torch.device, dtype: torch.dtype):
     calls the kernels itself: the per-tensor cast takes the all-reduced amax (scale and scale_inv made in the
     kernel, as ``compute_scale`` and ``reciprocal`` make them) and skips the local amax pass that
     ``quantize_float8`` would make."""
+    return _triton_float8_casts_for(device, dtype, config.current().backend)
+
+
+@functools.cache
+def _triton_float8_casts_for(device: torch.device, dtype: torch.dtype, backend: str):
+    # cached per backend setting: resolving costs tens of microseconds, and every FP8 gather asks
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     from mxtrain.kernels import dispatch
 
     try:
-        if dispatch._resolve(None, device, dispatch._FLOAT8_QUANTIZE_IMPLS) != "triton":
+        if dispatch._resolve(backend, device, dispatch._FLOAT8_QUANTIZE_IMPLS) != "triton":
             return None
         from mxtrain.kernels.float8_cast import block_cast_float8, tensor_cast_float8
     except (ImportError, RuntimeError):
@@ -212,9 +218,15 @@ _PRESERVE = {
 }
 
 
+_MUTATES_FIRST_ARG: dict = {}
+
+
 def _mutates_first_arg(func) -> bool:
-    args = func._schema.arguments
-    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    m = _MUTATES_FIRST_ARG.get(func)
+    if m is None:  # reading an op's schema costs microseconds; the optimizer sends a few ops per weight per step
+        args = func._schema.arguments
+        m = _MUTATES_FIRST_ARG[func] = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    return m
 
 
 class MXAllGatherWeight(torch.Tensor):
@@ -259,7 +271,8 @@ class MXAllGatherWeight(torch.Tensor):
             info = info or t._info
             return t._data
 
-        out = func(*pytree.tree_map_only(cls, unwrap, args), **pytree.tree_map_only(cls, unwrap, kwargs))
+        plain_args, plain_kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
         if args and isinstance(args[0], cls) and _mutates_first_arg(func):
             return args[0]
         if func in _PRESERVE:
@@ -426,15 +439,15 @@ class MXAllGatherWeight(torch.Tensor):
             return None
         return uses
 
-    def _local_amax(self, block, orig_size, rank: int, world: int, out: torch.Tensor) -> torch.Tensor | None:
+    def _local_amax(self, block, orig_size, rank: int, world: int, out: torch.Tensor | None):
         """This shard's part of the weight's amax, not yet rounded to the param dtype (NaN kept).
 
-        Per-tensor: ``aminmax`` of the shard as a ``[2]`` (min, max) tensor. 128 x 128 blocks: the block
-        amaxes of this rank's rows written into ``out``, the full weight's ``[ceil(N/128), ceil(K/128)]`` grid
-        (zeros elsewhere, for an all-reduce MAX); returns None."""
+        Per-tensor: the shard's ``(min, max)`` (zeros when it is empty). 128 x 128 blocks: the block amaxes of
+        this rank's rows written into ``out``, the full weight's ``[ceil(N/128), ceil(K/128)]`` grid (zeros
+        elsewhere, for an all-reduce MAX); returns None."""
         x = self._data
         if block is None:
-            return torch.stack(torch.aminmax(x)) if x.numel() else x.new_zeros(2)
+            return torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
         n = orig_size[0]
         r0 = rank * (-(-n // world))
         if x.shape[0]:
@@ -467,10 +480,10 @@ class MXAllGatherWeight(torch.Tensor):
         weights = [self if fp is fsdp_param else fp._sharded_local_tensor for fp in members]
         sizes = [tuple(fp._orig_size) for fp in members]
         if spec.block is None:
-            shapes = [()] * len(members)
-            lohi = torch.stack([w._local_amax(None, size, rank, world, None)
-                                for w, size in zip(weights, sizes)]).float()
-            flat = torch.maximum(lohi[:, 1], -lohi[:, 0]).abs()  # abs: +0, never -0
+            shapes = None
+            lo, hi = zip(*(w._local_amax(None, size, rank, world, None) for w, size in zip(weights, sizes)))
+            # max(|min|, |max|) of each weight: its max |x| (+0 for zeros), NaN kept
+            flat = torch.stack(lo + hi).abs().view(2, -1).amax(0).float()
         else:
             shapes = [(-(-n // BLOCK_LEN), -(-k // BLOCK_LEN)) for n, k in sizes]
             flat = torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.float32, device=self.device)
@@ -491,11 +504,14 @@ class MXAllGatherWeight(torch.Tensor):
             scale = compute_scale(flat, FP8_MAX[spec.fmt], power_of_2=spec.power_of_2_scales,
                                   epsilon=spec.amax_epsilon)
             scale_inv = torch.reciprocal(scale)
-        mine, off = None, 0
-        for fp, w, shape in zip(members, weights, shapes):
-            numel = math.prod(shape)
-            res = tuple(None if t is None else t[off:off + numel].view(shape) for t in (flat, scale, scale_inv))
-            off += numel
+        if shapes is None:  # one 0-d view per weight
+            parts = [((None,) * len(members)) if t is None else t.unbind() for t in (flat, scale, scale_inv)]
+        else:
+            numels = [math.prod(shape) for shape in shapes]
+            parts = [((None,) * len(members)) if t is None else
+                     [p.view(shape) for p, shape in zip(t.split(numels), shapes)] for t in (flat, scale, scale_inv)]
+        mine = None
+        for fp, w, res in zip(members, weights, zip(*parts)):
             if fp is fsdp_param:
                 mine = res
             else:
