@@ -296,7 +296,10 @@ class MXAllGatherWeight(torch.Tensor):
         TrainingState = _fsdp_training_state_enum()
         fsdp_param, group = _find_fsdp_param(self)
         param_dtype = mp_policy.param_dtype or self.dtype
-        world = mesh.size()
+        cached = getattr(self, "_mx_mesh_size", None)
+        if cached is None or cached[0] is not mesh:  # DeviceMesh.size() walks its layout: ask once per mesh
+            cached = self._mx_mesh_size = (mesh, mesh.size())
+        world = cached[1]
         phase = group._training_state
         info = self._info
         if phase == TrainingState.FORWARD:
@@ -431,10 +434,9 @@ class MXAllGatherWeight(torch.Tensor):
             if recipe is None:
                 return None
         uses = [(recipe.role(role), axis) for role, axis in roles]
-        specs = {spec for spec, _ in uses}
-        if len(specs) != 1:
+        spec = uses[0][0]
+        if any(s is not spec and s != spec for s, _ in uses[1:]):  # (hashing a spec costs more than comparing)
             return None
-        (spec,) = specs
         if not isinstance(spec, Float8RoleSpec) or spec.fmt is None or spec.block not in (None, (BLOCK_LEN, BLOCK_LEN)):
             return None
         return uses
