@@ -68,11 +68,10 @@ from mxtrain.recipes.float8 import BLOCK_LEN, Float8Recipe, Float8RoleSpec
 from mxtrain.autocast import get_recipe
 from mxtrain.formats import parse_format
 from mxtrain.kernels.cuda_cast import cast_planes_into
-from mxtrain.kernels.dispatch import quantize, quantize_float8
+from mxtrain.kernels.dispatch import quantize
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import (
-    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, block_amax, cast_to_fp8, compute_scale,
-    tensor_amax,
+    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, cast_to_fp8, compute_scale,
 )
 from mxtrain.quantization.mxtensor import MXPlane
 
@@ -169,6 +168,31 @@ def _find_fsdp_param(local: torch.Tensor):
         f"(torch {torch.__version__}); this torch version's FSDP2 internals are not supported")
 
 
+def _triton_float8_casts(device: torch.device, dtype: torch.dtype):
+    """``(tensor_cast_float8, block_cast_float8)`` where FP8 casts of ``dtype`` data on ``device`` run on the
+    Triton backend (as ``quantize_float8`` would choose), else None (the reference ops). The pre-all-gather
+    calls the kernels itself: the per-tensor cast takes the all-reduced amax (scale and scale_inv made in the
+    kernel, as ``compute_scale`` and ``reciprocal`` make them) and skips the local amax pass that
+    ``quantize_float8`` would make."""
+    return _triton_float8_casts_for(device, dtype, config.current().backend)
+
+
+@functools.cache
+def _triton_float8_casts_for(device: torch.device, dtype: torch.dtype, backend: str):
+    # cached per backend setting: resolving costs tens of microseconds, and every FP8 gather asks
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    from mxtrain.kernels import dispatch
+
+    try:
+        if dispatch._resolve(backend, device, dispatch._FLOAT8_QUANTIZE_IMPLS) != "triton":
+            return None
+        from mxtrain.kernels.float8_cast import block_cast_float8, tensor_cast_float8
+    except (ImportError, RuntimeError):
+        return None
+    return tensor_cast_float8, block_cast_float8
+
+
 # --------------------------------------------------------------------------- the sharded master weight
 
 @dataclass
@@ -194,9 +218,15 @@ _PRESERVE = {
 }
 
 
+_MUTATES_FIRST_ARG: dict = {}
+
+
 def _mutates_first_arg(func) -> bool:
-    args = func._schema.arguments
-    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    m = _MUTATES_FIRST_ARG.get(func)
+    if m is None:  # reading an op's schema costs microseconds; the optimizer sends a few ops per weight per step
+        args = func._schema.arguments
+        m = _MUTATES_FIRST_ARG[func] = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+    return m
 
 
 class MXAllGatherWeight(torch.Tensor):
@@ -241,7 +271,8 @@ class MXAllGatherWeight(torch.Tensor):
             info = info or t._info
             return t._data
 
-        out = func(*pytree.tree_map_only(cls, unwrap, args), **pytree.tree_map_only(cls, unwrap, kwargs))
+        plain_args, plain_kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs))
+        out = func(*plain_args, **plain_kwargs)
         if args and isinstance(args[0], cls) and _mutates_first_arg(func):
             return args[0]
         if func in _PRESERVE:
@@ -265,7 +296,10 @@ class MXAllGatherWeight(torch.Tensor):
         TrainingState = _fsdp_training_state_enum()
         fsdp_param, group = _find_fsdp_param(self)
         param_dtype = mp_policy.param_dtype or self.dtype
-        world = mesh.size()
+        cached = getattr(self, "_mx_mesh_size", None)
+        if cached is None or cached[0] is not mesh:  # DeviceMesh.size() walks its layout: ask once per mesh
+            cached = self._mx_mesh_size = (mesh, mesh.size())
+        world = cached[1]
         phase = group._training_state
         info = self._info
         if phase == TrainingState.FORWARD:
@@ -400,38 +434,43 @@ class MXAllGatherWeight(torch.Tensor):
             if recipe is None:
                 return None
         uses = [(recipe.role(role), axis) for role, axis in roles]
-        specs = {spec for spec, _ in uses}
-        if len(specs) != 1:
+        spec = uses[0][0]
+        if any(s is not spec and s != spec for s, _ in uses[1:]):  # (hashing a spec costs more than comparing)
             return None
-        (spec,) = specs
         if not isinstance(spec, Float8RoleSpec) or spec.fmt is None or spec.block not in (None, (BLOCK_LEN, BLOCK_LEN)):
             return None
         return uses
 
-    def _local_amax(self, block, orig_size, rank: int, world: int, param_dtype) -> torch.Tensor:
-        """This shard's part of the weight's amax: a 0-d amax, or for 128 x 128 blocks the full weight's
-        ``[ceil(N/128), ceil(K/128)]`` grid with this rank's rows filled in (0 elsewhere), for an all-reduce MAX."""
+    def _local_amax(self, block, orig_size, rank: int, world: int, out: torch.Tensor | None):
+        """This shard's part of the weight's amax, not yet rounded to the param dtype (NaN kept).
+
+        Per-tensor: the shard's ``(min, max)`` (zeros when it is empty). 128 x 128 blocks: the block amaxes of
+        this rank's rows written into ``out``, the full weight's ``[ceil(N/128), ceil(K/128)]`` grid (zeros
+        elsewhere, for an all-reduce MAX); returns None."""
         x = self._data
         if block is None:
-            a = tensor_amax(x)
-        else:
-            n, k = orig_size
-            r0 = rank * (-(-n // world))
-            a = torch.zeros((-(-n // BLOCK_LEN), -(-k // BLOCK_LEN)), dtype=torch.float32, device=x.device)
-            if x.shape[0]:
-                top = r0 % BLOCK_LEN  # the shard starts inside a block: align it (the pad rows are zeros)
-                part = block_amax(torch.nn.functional.pad(x, (0, 0, top, 0)) if top else x, block)
-                a[r0 // BLOCK_LEN:r0 // BLOCK_LEN + part.shape[0]] = part
-        # the cast sees the weight in param_dtype; rounding is monotonic and symmetric, so the amax of
-        # the rounded weight is the rounded amax
-        return a.to(param_dtype).float()
+            return torch.aminmax(x) if x.numel() else (x.new_zeros(()), x.new_zeros(()))
+        n = orig_size[0]
+        r0 = rank * (-(-n // world))
+        if x.shape[0]:
+            top, k = r0 % BLOCK_LEN, x.shape[1]  # the shard starts inside a block: align it (pad rows are zeros)
+            bottom, right = -(top + x.shape[0]) % BLOCK_LEN, -k % BLOCK_LEN
+            if top or bottom or right:
+                x = torch.nn.functional.pad(x, (0, right, top, bottom))
+            part = x.reshape(x.shape[0] // BLOCK_LEN, BLOCK_LEN, -1, BLOCK_LEN).abs().amax(dim=(1, 3))
+            out[r0 // BLOCK_LEN:r0 // BLOCK_LEN + part.shape[0]] = part
+        return None
 
-    def _global_amax(self, spec, fsdp_param, group, pg, param_dtype) -> torch.Tensor:
-        """The full weight's amax (or block-amax grid), from one all-reduce for every weight of the FSDP group.
+    def _fp8_scales(self, spec, fsdp_param, group, pg, param_dtype):
+        """``(amax, scale, scale_inv)`` of the full weight (per tensor, or per 128 x 128 block), the same on
+        every rank: one all-reduce, and one pass of the scale math, for every weight of the FSDP group.
 
-        The first weight of a group to be gathered reduces the amaxes of all of them and leaves each
-        its result; the others take theirs (if their data has not changed since)."""
-        key = (spec.block, param_dtype)
+        The first weight of a group to be gathered does it for all of them and leaves each its result; the
+        others take theirs (if their data has not changed since). scale and scale_inv are None where the
+        cast does not need them: delayed scaling (the module's scale) and per-tensor casts on the Triton
+        backend (the kernel makes them from the amax). The amax is of the weight in ``param_dtype``:
+        rounding is monotonic and symmetric, so it is the rounded amax of the master weight."""
+        key = (spec.block, param_dtype, spec.fmt, spec.scaling, spec.power_of_2_scales, spec.amax_epsilon)
         hit = getattr(fsdp_param, "_mxtrain_fp8_amax", None)
         fsdp_param._mxtrain_fp8_amax = None
         if hit is not None and hit[0] == key and hit[1] == self._data._version:
@@ -440,19 +479,45 @@ class MXAllGatherWeight(torch.Tensor):
         if not any(fp is fsdp_param for fp in members):
             members.append(fsdp_param)
         rank, world = pg.rank(), pg.size()
-        pieces = [(self if fp is fsdp_param else fp._sharded_local_tensor)._local_amax(
-            spec.block, tuple(fp._orig_size), rank, world, param_dtype) for fp in members]
-        flat = torch.cat([p.reshape(-1) for p in pieces])
+        weights = [self if fp is fsdp_param else fp._sharded_local_tensor for fp in members]
+        sizes = [tuple(fp._orig_size) for fp in members]
+        if spec.block is None:
+            shapes = None
+            lo, hi = zip(*(w._local_amax(None, size, rank, world, None) for w, size in zip(weights, sizes)))
+            # max(|min|, |max|) of each weight: its max |x| (+0 for zeros), NaN kept
+            flat = torch.stack(lo + hi).abs().view(2, -1).amax(0).float()
+        else:
+            shapes = [(-(-n // BLOCK_LEN), -(-k // BLOCK_LEN)) for n, k in sizes]
+            flat = torch.zeros(sum(math.prod(s) for s in shapes), dtype=torch.float32, device=self.device)
+            off = 0
+            for w, size, shape in zip(weights, sizes, shapes):
+                w._local_amax(spec.block, size, rank, world, flat[off:off + math.prod(shape)].view(shape))
+                off += math.prod(shape)
+        inf = float("inf")
+        flat = torch.nan_to_num(flat, nan=inf, posinf=inf)  # a NaN makes the amax +Inf
+        if param_dtype != torch.float32:
+            flat = flat.to(param_dtype).float()
         all_reduce_amax(flat, pg)
         _STATS.amax_reductions += 1
         _STATS.amax_bytes += flat.numel() * flat.element_size()
+        scale = scale_inv = None
+        if spec.block is not None or (spec.scaling != "delayed"
+                                      and _triton_float8_casts(self.device, param_dtype) is None):
+            scale = compute_scale(flat, FP8_MAX[spec.fmt], power_of_2=spec.power_of_2_scales,
+                                  epsilon=spec.amax_epsilon)
+            scale_inv = torch.reciprocal(scale)
+        if shapes is None:  # one 0-d view per weight
+            parts = [((None,) * len(members)) if t is None else t.unbind() for t in (flat, scale, scale_inv)]
+        else:
+            numels = [math.prod(shape) for shape in shapes]
+            parts = [((None,) * len(members)) if t is None else
+                     [p.view(shape) for p, shape in zip(t.split(numels), shapes)] for t in (flat, scale, scale_inv)]
         mine = None
-        for fp, piece, red in zip(members, pieces, flat.split([p.numel() for p in pieces])):
-            red = red.view(piece.shape)
+        for fp, w, res in zip(members, weights, zip(*parts)):
             if fp is fsdp_param:
-                mine = red
+                mine = res
             else:
-                fp._mxtrain_fp8_amax = (key, fp._sharded_local_tensor._data._version, red)
+                fp._mxtrain_fp8_amax = (key, w._data._version, res)
         return mine
 
     def _fp8_input(self, uses, fsdp_param, group, orig_size, world, param_dtype):
@@ -464,34 +529,45 @@ class MXAllGatherWeight(torch.Tensor):
         n, k = orig_size
         rows = self._local_rows(orig_size, world)
         pg = fsdp_param.mesh_info.shard_process_group
-        amax = self._global_amax(spec, fsdp_param, group, pg, param_dtype)
-        x = self._data.to(param_dtype)
-        fmt, fmax = spec.fmt, FP8_MAX[spec.fmt]
+        amax, scale, scale_inv = self._fp8_scales(spec, fsdp_param, group, pg, param_dtype)
+        x = self._data.to(param_dtype).contiguous()
+        fmt = spec.fmt
+        kernels = _triton_float8_casts(x.device, x.dtype) if x.numel() else None
         if spec.block is None:
             if spec.scaling == "delayed":
                 scale = spec.state.scale_for(spec.slot, fmt, x.device, amax=amax)
+            if kernels is not None:  # one kernel: the codes and scale_inv (from the given scale, or the amax)
+                q, _ = kernels[0](x, fmt, scale=scale, amax=None if scale is not None else amax,
+                                  power_of_2_scales=spec.power_of_2_scales, amax_epsilon=spec.amax_epsilon)
+                codes, scale_inv = q.planes[0].data, q.scale_inv
             else:
-                scale = compute_scale(amax, fmax, power_of_2=spec.power_of_2_scales, epsilon=spec.amax_epsilon)
-            q = quantize_float8(x, fmt, axes=(1,), scale=scale)
-            codes, scale_inv = q.planes[0].data, q.scale_inv
+                if scale is None:  # an empty shard on the Triton backend
+                    scale = compute_scale(amax, FP8_MAX[fmt], power_of_2=spec.power_of_2_scales,
+                                          epsilon=spec.amax_epsilon)
+                codes = cast_to_fp8(x, scale, fmt)
+                if scale_inv is None:
+                    scale_inv = torch.reciprocal(scale)
         else:
-            scale = compute_scale(amax, fmax, power_of_2=spec.power_of_2_scales, epsilon=spec.amax_epsilon)
-            scale_inv, amax = torch.reciprocal(scale), None
+            amax = None
             r0, length = pg.rank() * rows, x.shape[0]
-            if r0 % BLOCK_LEN == 0 and (length % BLOCK_LEN == 0 or r0 + length == n):
+            if length == 0:
+                codes = torch.empty((0, k), dtype=FP8_DTYPES[fmt], device=x.device)
+            elif kernels is not None and r0 % BLOCK_LEN == 0 and (length % BLOCK_LEN == 0 or r0 + length == n):
                 # whole blocks: their scales from this shard are the full weight's (the fast cast)
-                codes = quantize_float8(x, fmt, axes=(1,), block=spec.block, power_of_2_scales=spec.power_of_2_scales,
-                                        amax_epsilon=spec.amax_epsilon).planes[0].data
-            else:  # a block spans two ranks: cast with the global block scales
-                s = scale[torch.arange(r0, r0 + length, device=x.device) // BLOCK_LEN]
-                codes = cast_to_fp8(x, s.repeat_interleave(BLOCK_LEN, dim=1)[:, :k], fmt)
+                codes = kernels[1](x, fmt, spec.block, rowwise=True, power_of_2_scales=spec.power_of_2_scales,
+                                   amax_epsilon=spec.amax_epsilon)[0].planes[0].data
+            else:  # the global block scales of this shard's rows, element by element
+                top = r0 % BLOCK_LEN
+                s = scale[r0 // BLOCK_LEN:(r0 + length - 1) // BLOCK_LEN + 1]
+                s = s.repeat_interleave(BLOCK_LEN, dim=0)[top:top + length].repeat_interleave(BLOCK_LEN, dim=1)
+                codes = cast_to_fp8(x, s[:, :k], fmt)
         buf = codes.view(torch.uint8)
         if buf.shape[0] != rows:  # uneven sharding: FSDP wants every rank's input padded to the same rows
             buf = torch.cat([buf, buf.new_zeros((rows - buf.shape[0], k))])
         axes = {axis for _, axis in uses}
         what = "both" if len(axes) > 1 else ("rowwise" if 1 in axes else "columnwise")
         updates = spec.state.updates if spec.scaling == "delayed" else None
-        return (buf.contiguous(),), {
+        return (buf,), {
             "kind": "fp8", "what": what, "shape": tuple(orig_size), "dtype": param_dtype, "world": world,
             "fmt": fmt, "block": spec.block, "scale_inv": scale_inv, "amax": amax,
             "specs": {axis: spec for spec, axis in uses}, "updates": updates}
