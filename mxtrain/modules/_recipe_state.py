@@ -73,13 +73,13 @@ class RecipeStateMixin:
         replay = _REPLAY.get()
         if replay is not None or not torch.is_grad_enabled() or in_backward():
             # evaluation or a recompute: cast with the scales of now (or of the forward being recomputed)
-            scales = replay.popleft() if replay else None
-            return recipe.bind(FrozenState(state if state is not None else make_state(), scales))
+            scales, fresh = replay.popleft() if replay else (None, None)
+            return recipe.bind(FrozenState(state if state is not None else make_state(), scales, fresh))
         state = self._prepare_state(recipe)
         state.update(recipe)  # the previous step's amaxes enter the histories; new scales
         capture = _CAPTURE.get()
         if capture is not None:
-            capture.append(state.scale.clone())
+            capture.append((state.scale.clone(), frozenset(s for s in state.slots if state.fresh(s))))
         return recipe.bind(state)
 
     def _traced_forward_recipe(self, recipe):
@@ -204,21 +204,23 @@ def in_backward() -> bool:
 
 class FrozenState:
     """A recipe state as a forward sees it that must not change it: casts read its scales (``scales``, a
-    snapshot, when given: slots created after it have scale 1, as every new slot does) and record nothing."""
+    snapshot, when given: slots created after it have scale 1, as every new slot does) and record nothing.
+    ``fresh``: the slots that had no history when the snapshot was taken (default: the state's now); their
+    casts take the scale from the tensor cast, and a recompute sees the tensor its forward saw."""
 
-    def __init__(self, state, scales: torch.Tensor | None = None) -> None:
-        self.state, self.scales = state, scales
+    def __init__(self, state, scales: torch.Tensor | None = None, fresh: frozenset | None = None) -> None:
+        self.state, self.scales, self.fresh_slots = state, scales, fresh
 
     def fresh(self, slot: str) -> bool:
-        return self.state.fresh(slot)
+        return self.state.fresh(slot) if self.fresh_slots is None else slot in self.fresh_slots
 
     def scale_for(self, slot: str, fmt: str, device: torch.device, **tensor) -> torch.Tensor:
-        # a fresh slot's scale comes from the tensor cast (``source`` / ``amax``): a recompute sees the same
-        # tensor as its forward, so it gets the same scale
-        if self.scales is None or (tensor and self.state.fresh(slot)):
-            return self.state.scale_for(slot, fmt, device, **tensor)
         i = self.state.index(slot, fmt, device)
-        return self.scales[i].to(device) if i < self.scales.numel() else torch.ones((), device=device)
+        snap = None if self.scales is None else (
+            self.scales[i].to(device) if i < self.scales.numel() else torch.ones((), device=device))
+        if tensor and self.fresh(slot):
+            return self.state.first_scale(slot, fmt, device, previous=snap, **tensor)
+        return self.state.scale_for(slot, fmt, device) if snap is None else snap
 
     def record(self, slot: str, amax: torch.Tensor) -> None:
         pass

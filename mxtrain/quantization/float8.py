@@ -585,11 +585,18 @@ class DelayedScalingState:
         layers alone for 16 steps, 2026-11-25)."""
         i = self.index(slot, fmt, device)
         if (source is not None or amax is not None) and self.fresh(slot):
-            if amax is None:
-                amax = tensor_amax(source.detach())
-            return compute_delayed_scale(amax.float().reshape(()), self.scale[i], self.fp8_max[i],
-                                         margin=self._margin, power_of_2=self._power_of_2)
+            return self.first_scale(slot, fmt, device, source=source, amax=amax)
         return self.scale[i].clone()  # a copy: the next update writes self.scale in place
+
+    def first_scale(self, slot: str, fmt: str, device: torch.device, *, source: torch.Tensor | None = None,
+                    amax: torch.Tensor | None = None, previous: torch.Tensor | None = None) -> torch.Tensor:
+        """The scale of a fresh slot's cast of ``source`` (or of a tensor whose amax is ``amax``): the delayed
+        formula on that amax; ``previous`` (default: the slot's scale now) where the amax is 0 or non-finite."""
+        i = self.index(slot, fmt, device)
+        if amax is None:
+            amax = tensor_amax(source.detach())
+        return compute_delayed_scale(amax.float().reshape(()), self.scale[i] if previous is None else previous,
+                                     self.fp8_max[i], margin=self._margin, power_of_2=self._power_of_2)
 
     @staticmethod
     def is_gradient_slot(slot: str) -> bool:
