@@ -47,23 +47,27 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # this checkout's mxtrain,
 log_dir=$(mktemp -d)
 start=$(date +%s)
 
-# The CUDA C++ extension is built once here, not by every worker at once.
-echo "== building the CUDA extension (cached after the first build)"
+# The CUDA C++ extension is built once, here, while the tests start (its build takes about a minute on a
+# fresh machine): a worker that needs it waits on the build's lock file instead of building it again.
+echo "== building the CUDA extension in the background (cached after the first build)"
 python3 -c "
 from mxtrain.kernels import cuda_cast
 print('CUDA extension:', 'ready' if cuda_cast.library() is not None else 'unavailable: %s' % cuda_cast.extension_error())
-" 2>&1 | tail -3
+" > "$log_dir/build.log" 2>&1 &
+build_pid=$!
+sleep 5  # the build takes its lock before any worker asks for the extension
 
+# worksteal: a worker that runs out of tests takes queued ones from the others (a few tests take 30-40 s)
 common=(-p no:cacheprovider -q -rfE --durations=15 -n "$workers")
 status=0
 if [[ "$tier" == quick ]]; then
     echo "== quick tier: tests -m gpu, $workers workers, OMP_NUM_THREADS=$OMP_NUM_THREADS"
-    python3 -m pytest "${common[@]}" --dist load -m gpu tests "${args[@]}" 2>&1 | tee "$log_dir/main.log"
+    python3 -m pytest "${common[@]}" --dist worksteal -m gpu tests "${args[@]}" 2>&1 | tee "$log_dir/main.log"
     status=${PIPESTATUS[0]}
     parts=(main)
 else
     echo "== whole suite: tests (tests/distributed apart), $workers workers, OMP_NUM_THREADS=$OMP_NUM_THREADS"
-    python3 -m pytest "${common[@]}" --dist load --ignore=tests/distributed tests "${args[@]}" 2>&1 \
+    python3 -m pytest "${common[@]}" --dist worksteal --ignore=tests/distributed tests "${args[@]}" 2>&1 \
         | tee "$log_dir/main.log"
     status=${PIPESTATUS[0]}
     # one torchrun per module fixture: keep each file on one worker
@@ -81,6 +85,7 @@ else
     parts=(main distributed)
 fi
 [[ $status -eq 5 ]] && status=0
+wait "$build_pid"
 end=$(date +%s)
 
 # ---------------------------------------------------------------------------------------- summary
@@ -99,6 +104,7 @@ echo
 echo "================================ run_gpu_tests.sh summary ================================"
 echo "tier: $tier; commit $commit; $gpus x $gpu_name; $versions"
 echo "xdist workers: $workers, OMP_NUM_THREADS=$OMP_NUM_THREADS; wall time: $(( (end - start) / 60 )) min $(( (end - start) % 60 )) s"
+echo "$(tail -1 "$log_dir/build.log")"
 for p in "${parts[@]}"; do
     # pytest's last line: "N passed, M failed, K skipped ... in T s"
     echo "$p: $(grep -E '(passed|failed|error|skipped|no tests ran)' "$log_dir/$p.log" | tail -1 | tr -d '=' | sed 's/^ *//')"
