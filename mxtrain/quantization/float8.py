@@ -502,7 +502,7 @@ class DelayedScalingState:
         # are "fresh" and their casts take the scale from the tensor itself (see scale_for)
         self._seasoned: set[str] = set()
         self._recorded_host: set[str] = set()
-        self._margin, self._power_of_2 = 0, False  # the recipe's, as of the last update
+        self._margin, self._power_of_2, self._group = 0, False, None  # the recipe's, as of the last update
 
     # -- slots
 
@@ -591,10 +591,11 @@ class DelayedScalingState:
     def first_scale(self, slot: str, fmt: str, device: torch.device, *, source: torch.Tensor | None = None,
                     amax: torch.Tensor | None = None, previous: torch.Tensor | None = None) -> torch.Tensor:
         """The scale of a fresh slot's cast of ``source`` (or of a tensor whose amax is ``amax``): the delayed
-        formula on that amax; ``previous`` (default: the slot's scale now) where the amax is 0 or non-finite."""
+        formula on that amax; ``previous`` (default: the slot's scale now) where the amax is 0 or non-finite.
+        The amax of ``source`` is all-reduced over the recipe's ``amax_reduction_group``, as its update would."""
         i = self.index(slot, fmt, device)
         if amax is None:
-            amax = tensor_amax(source.detach())
+            amax = all_reduce_amax(tensor_amax(source.detach()), self._group)
         return compute_delayed_scale(amax.float().reshape(()), self.scale[i] if previous is None else previous,
                                      self.fp8_max[i], margin=self._margin, power_of_2=self._power_of_2)
 
@@ -648,7 +649,7 @@ class DelayedScalingState:
             self._compiled_updates = True  # `updates` must read gen from now on
             self._seasoned |= set(self.slots)
             return
-        self._margin, self._power_of_2 = recipe.margin, bool(recipe.power_of_2_scales)
+        self._margin, self._power_of_2, self._group = recipe.margin, bool(recipe.power_of_2_scales), group
         self._seasoned |= self._recorded_host
         self._recorded_host.clear()
         self.resize_history(recipe.amax_history_len)
