@@ -121,3 +121,21 @@ def test_layernorm_mlp_fullgraph_matches_eager_bitwise(recipe, normalization, ac
     _randomize_(m)
     x, dy = torch.randn(2, 16, 64, dtype=dtype), torch.randn(2, 16, 64, dtype=dtype)
     _assert_same(*_compiled_then_eager(_RECIPES[recipe](), m, x, dy))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", list(_RECIPES))
+@pytest.mark.parametrize("module", ["LayerNormLinear", "LayerNormMLP"])
+def test_fused_modules_fullgraph_matches_eager_bitwise_on_cuda(module, recipe):
+    """On CUDA the norm, the activation and their gradients run inside the fused cast kernels (bf16, RMSNorm,
+    swiglu: a Llama block's shapes); compiled still equals eager bit for bit."""
+    torch.manual_seed(0)
+    f = {"device": "cuda", "dtype": torch.bfloat16}
+    if module == "LayerNormLinear":
+        m, out = mxtrain.LayerNormLinear(256, 384, bias=False, normalization="RMSNorm", **f), 384
+    else:
+        m, out = mxtrain.LayerNormMLP(256, 512, bias=False, normalization="RMSNorm", activation="swiglu", **f), 256
+    _randomize_(m)
+    x, dy = torch.randn(4, 64, 256, **f), torch.randn(4, 64, out, **f)
+    _assert_same(*_compiled_then_eager(_RECIPES[recipe](), m, x, dy))
