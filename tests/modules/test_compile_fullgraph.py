@@ -23,7 +23,8 @@ def _run(fn, module, x, dy):
     return y.detach(), xx.grad, {k: p.grad.clone() for k, p in module.named_parameters()}
 
 
-@pytest.mark.parametrize("recipe", [mxtrain.MXFP8Recipe(), mxtrain.Float8CurrentScaling()], ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("recipe", [mxtrain.MXFP8Recipe(), mxtrain.Float8CurrentScaling(), mxtrain.Float8BlockScaling()],
+                         ids=lambda r: type(r).__name__)
 def test_linear_fullgraph_matches_eager_bitwise(recipe):
     torch.manual_seed(0)
     m, x = mxtrain.Linear(64, 40), torch.randn(2, 16, 64)
