@@ -4,8 +4,9 @@ The fused modules reuse :func:`norm_forward_stats` / :func:`norm_backward`: back
 needs the saved input and the per-row statistics (mean and rstd, 8 bytes a row), not
 the norm output, which is what lets the fused modules save only MX bytes. Given the
 statistics, backward runs torch's native norm backward and recomputes nothing; without
-them (RMSNorm where torch has no fused backward kernel for the device) it recomputes the
-(cheap, memory-bound) forward from the input.
+them (RMSNorm where torch has no fused backward kernel for the device) it runs the backward
+formulas of torch's composite RMSNorm from the input. No autograd graph is built in backward,
+and under torch.compile both directions are opaque ops (the compiled bits are eager's).
 """
 
 from __future__ import annotations
@@ -78,7 +79,18 @@ def _fused_rms_backward(device: torch.device) -> bool:
 def norm_forward_stats(x, weight, bias, normalization: str, eps: float, zero_centered_gamma: bool):
     """``(output, stats)``: the norm of ``x`` (the same bits as :func:`norm_forward`) and the row statistics
     :func:`norm_backward` takes, ``(mean, rstd)`` as torch's native forward returns them (``mean`` None for
-    RMSNorm). ``stats`` is None where backward would recompute anyway (RMSNorm without a fused backward)."""
+    RMSNorm). ``stats`` is None where backward recomputes them (RMSNorm without a fused backward).
+    While compiling it is one opaque op, so the compiled forward computes eager's bits."""
+    if torch.compiler.is_compiling():
+        out, mean, rstd = torch.ops.mxtrain.norm_forward_stats(x, weight, bias, normalization, eps,
+                                                               zero_centered_gamma)
+        if normalization == "LayerNorm":
+            return out, (mean, rstd)
+        return out, ((None, rstd) if _fused_rms_backward(x.device) else None)
+    return _norm_forward_stats(x, weight, bias, normalization, eps, zero_centered_gamma)
+
+
+def _norm_forward_stats(x, weight, bias, normalization, eps, zero_centered_gamma):
     gamma = _gamma(weight, zero_centered_gamma)
     if normalization == "LayerNorm":
         out, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), gamma, bias, eps)
@@ -90,21 +102,30 @@ def norm_forward_stats(x, weight, bias, normalization: str, eps: float, zero_cen
 
 
 def norm_backward(x, weight, bias, grad, normalization, eps, zero_centered_gamma, needs, stats=None):
-    """Gradients (dx, dweight, dbias) of the norm at ``x`` for output gradient ``grad``.
+    """Gradients (dx, dweight, dbias) of the norm at ``x`` for output gradient ``grad``: the bits autograd
+    of :func:`norm_forward` gives, with no graph built.
 
     ``stats``: the forward's ``(mean, rstd)`` (:func:`norm_forward_stats`, or a fused norm + cast kernel's,
-    fp32 per row); then torch's native backward runs on them and nothing is recomputed. Without them the
-    forward is recomputed from ``x`` under autograd."""
-    if stats is not None and (normalization == "LayerNorm" or _fused_rms_backward(x.device)):
+    fp32 per row); torch's native backward runs on them. Without them a device with native kernels recomputes
+    the statistics with its forward kernel; RMSNorm where torch has no fused backward (the CPU) runs the
+    backward formulas of torch's composite forward (:func:`_rms_norm_backward`). While compiling it is one
+    opaque op, so the compiled backward computes eager's bits."""
+    needs = tuple(bool(n) for n in needs)
+    if torch.compiler.is_compiling():
+        mean, rstd = stats if stats is not None else (None, None)
+        grads = torch.ops.mxtrain.norm_backward(x, weight, bias, grad, normalization, eps, zero_centered_gamma,
+                                                list(needs), mean, rstd)
+        return tuple(g if (n and t is not None) else None for g, t, n in zip(grads, (x, weight, bias), needs))
+    return _norm_backward(x, weight, bias, grad, normalization, eps, zero_centered_gamma, needs, stats)
+
+
+def _norm_backward(x, weight, bias, grad, normalization, eps, zero_centered_gamma, needs, stats):
+    if normalization == "LayerNorm" or _fused_rms_backward(x.device):
+        if stats is None:
+            stats = _norm_forward_stats(x, weight, bias, normalization, eps, zero_centered_gamma)[1]
         return _native_norm_backward(x, weight, bias, grad, normalization, zero_centered_gamma, needs, stats)
-    with torch.enable_grad():
-        leaves = [x.detach().requires_grad_(needs[0])]
-        w = weight.detach().requires_grad_(needs[1]) if weight is not None else None
-        b = bias.detach().requires_grad_(needs[2]) if bias is not None else None
-        out = norm_forward(leaves[0], w, b, normalization, eps, zero_centered_gamma)
-        inputs = [t for t, n in zip((leaves[0], w, b), needs) if t is not None and n]
-        grads = iter(torch.autograd.grad(out, inputs, grad)) if inputs else iter(())
-    return tuple(next(grads) if (t is not None and n) else None for t, n in zip((x, weight, bias), needs))
+    dx, dw = _rms_norm_backward(x, weight, grad, eps, zero_centered_gamma, needs[0], needs[1] and weight is not None)
+    return dx, dw, None
 
 
 def _native_norm_backward(x, weight, bias, grad, normalization, zero_centered_gamma, needs, stats):
@@ -112,13 +133,62 @@ def _native_norm_backward(x, weight, bias, grad, normalization, zero_centered_ga
     k, stat_shape = x.shape[-1], (*x.shape[:-1], 1)
     gamma = _gamma(weight, zero_centered_gamma)
     need_w, need_b = needs[1] and weight is not None, needs[2] and bias is not None
-    x, grad, rstd = x.contiguous(), grad.contiguous(), rstd.reshape(stat_shape)
+    x, grad, rstd = x.contiguous(), grad.to(x.dtype).contiguous(), rstd.reshape(stat_shape)
     if normalization == "LayerNorm":
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
             grad, x, [k], mean.reshape(stat_shape), rstd, gamma, bias, [needs[0], need_w, need_b])
     else:
         (dx, dw), db = torch.ops.aten._fused_rms_norm_backward(grad, x, [k], rstd, gamma, [needs[0], need_w]), None
     return (dx if needs[0] else None), (dw if need_w else None), (db if need_b else None)
+
+
+def _rms_norm_backward(x, weight, grad, eps, zero_centered_gamma, need_x: bool, need_w: bool):
+    """``(dx, dweight)`` of torch's composite RMSNorm (the CPU's) with the backward formulas autograd runs
+    through it. That forward, in fp32 (``xf``, x upcast): ``r = rsqrt(mean(xf ** 2) + eps)``, ``n = xf * r``,
+    ``out = (n * gamma).to(x.dtype)``; each line below is the derivative torch's autograd takes of one of those
+    ops, in its order, so the result has autograd's bits (tests/modules/test_norm_activation_backward.py)."""
+    k = x.shape[-1]
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # upcast as torch's opmath type
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
+    g = grad.to(xf.dtype)  # the output cast's backward
+    gamma = _gamma(weight, zero_centered_gamma)
+    dw = dx = None
+    if need_w:  # mul's backward for gamma, then summed to gamma's shape and cast to its dtype
+        lead = list(range(x.ndim - 1))
+        dw = (g * (xf * r)).sum(lead, keepdim=True).reshape(gamma.shape) if lead else g * (xf * r)
+        dw = dw.to(weight.dtype)
+    if need_x:
+        dn = g * gamma if gamma is not None else g
+        dr = (dn * xf).sum(-1, keepdim=True)
+        da = -0.5 * dr * r.pow(3)  # rsqrt's backward: -0.5 * grad * result ** 3
+        dp = da.expand(xf.shape) / k  # mean's backward
+        dx = (dn * r + dp * (2.0 * xf)).to(x.dtype)  # n's and pow(., 2)'s contributions to xf
+    return dx, dw
+
+
+def _norm_forward_stats_parts(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                              normalization: str, eps: float, zero_centered_gamma: bool) -> list[torch.Tensor]:
+    """``[out, mean, rstd]``; absent statistics come as empty tensors (an op returns no None)."""
+    out, stats = _norm_forward_stats(x, weight, bias, normalization, eps, zero_centered_gamma)
+    mean, rstd = stats if stats is not None else (None, None)
+    return [out, *(t if t is not None else x.new_empty(0) for t in (mean, rstd))]
+
+
+def _norm_backward_parts(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                         grad: torch.Tensor, normalization: str, eps: float, zero_centered_gamma: bool,
+                         needs: list[bool], mean: torch.Tensor | None, rstd: torch.Tensor | None) -> list[torch.Tensor]:
+    """``[dx, dweight, dbias]``; a gradient not asked for comes as an empty tensor (an op returns no None)."""
+    stats = None if rstd is None else (mean, rstd)
+    grads = _norm_backward(x, weight, bias, grad, normalization, eps, zero_centered_gamma, tuple(needs), stats)
+    return [g if g is not None else x.new_empty(0) for g in grads]
+
+
+# The fakes are the implementations run on fake tensors (each op in them has a meta kernel), so shapes,
+# dtypes and strides are the real ones on every device (CPU LayerNorm keeps bf16 statistics, CUDA fp32).
+torch.library.custom_op("mxtrain::norm_forward_stats", _norm_forward_stats_parts,
+                        mutates_args=()).register_fake(_norm_forward_stats_parts)
+torch.library.custom_op("mxtrain::norm_backward", _norm_backward_parts,
+                        mutates_args=()).register_fake(_norm_backward_parts)
 
 
 class _NormFn(torch.autograd.Function):

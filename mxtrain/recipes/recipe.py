@@ -435,6 +435,9 @@ class Recipe:
 
     def __post_init__(self) -> None:
         _run_field_checks(self)
+        # built now, not on first use: a first use inside torch.compile would trace cached_property's
+        # RLock (Python 3.11), which dynamo cannot enter (a graph break under fullgraph=True)
+        self._role_specs
 
     # -- the interface the modules consume --
 

@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) on the CPU of a module with mx_autocast inside the compiled function: no graph
-break, and the output and every gradient equal eager's bit for bit (the quantizers are registered ops)."""
+break, and the output and every gradient equal eager's bit for bit (the quantizers, GEMMs, norms and activations
+are registered ops). Every norm and activation backward against torch's autograd: test_norm_activation_backward.py."""
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ def _run(fn, module, x, dy):
     return y.detach(), xx.grad, {k: p.grad.clone() for k, p in module.named_parameters()}
 
 
-@pytest.mark.parametrize("recipe", [mxtrain.MXFP8Recipe(), mxtrain.Float8CurrentScaling()], ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("recipe", [mxtrain.MXFP8Recipe(), mxtrain.Float8CurrentScaling(), mxtrain.Float8BlockScaling()],
+                         ids=lambda r: type(r).__name__)
 def test_linear_fullgraph_matches_eager_bitwise(recipe):
     torch.manual_seed(0)
     m, x = mxtrain.Linear(64, 40), torch.randn(2, 16, 64)
@@ -50,3 +52,92 @@ def test_delayed_scaling_reduction_group_names_what_cannot_compile():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="DelayedScaling with an amax_reduction_group .* cannot be compiled"):
         torch.compile(_step(mxtrain.DelayedScaling(amax_reduction_group=object())), fullgraph=True)(m, torch.randn(4, 32))
+
+
+def _compiled_then_eager(recipe, module, x, dy):
+    """The compiled run first (a recipe first used inside the compiled function must trace), then eager."""
+    torch._dynamo.reset()
+    compiled = _run(torch.compile(_step(recipe), fullgraph=True), module, x, dy)
+    return compiled, _run(_step(recipe), module, x, dy)
+
+
+def _assert_same(compiled, eager):
+    (y_c, dx_c, g_c), (y_e, dx_e, g_e) = compiled, eager
+    assert torch.equal(y_c, y_e) and torch.equal(dx_c, dx_e)
+    assert g_c.keys() == g_e.keys()
+    assert all(torch.equal(g_c[k], g_e[k]) for k in g_e), [k for k in g_e if not torch.equal(g_c[k], g_e[k])]
+
+
+def _randomize_(module):
+    # norm scales of ones and zero biases would hide a swapped or missing gradient term
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+
+
+_RECIPES = {"MXFP8": mxtrain.MXFP8Recipe, "Float8Current": mxtrain.Float8CurrentScaling,
+            "Float8Block": mxtrain.Float8BlockScaling}
+
+
+@pytest.mark.parametrize("recipe,normalization,zero_centered,dtype", [
+    ("MXFP8", "RMSNorm", True, torch.float32),
+    ("Float8Current", "LayerNorm", False, torch.bfloat16),
+    ("Float8Block", "RMSNorm", False, torch.bfloat16),
+])
+def test_layernorm_linear_fullgraph_matches_eager_bitwise(recipe, normalization, zero_centered, dtype):
+    torch.manual_seed(0)
+    m = mxtrain.LayerNormLinear(64, 40, normalization=normalization, zero_centered_gamma=zero_centered, dtype=dtype)
+    _randomize_(m)
+    x, dy = torch.randn(2, 16, 64, dtype=dtype), torch.randn(2, 16, 40, dtype=dtype)
+    _assert_same(*_compiled_then_eager(_RECIPES[recipe](), m, x, dy))
+
+
+def test_layernorm_linear_returning_norm_output_fullgraph_matches_eager_bitwise():
+    """The norm output returned too (a residual): its gradient joins the GEMM's in the norm's backward."""
+    torch.manual_seed(0)
+    m = mxtrain.LayerNormLinear(64, 40, normalization="RMSNorm", return_layernorm_output=True)
+    _randomize_(m)
+    x, dy, dln = torch.randn(32, 64), torch.randn(32, 40), torch.randn(32, 64)
+
+    def run(fn):
+        xx = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y, ln = fn(m, xx)
+        torch.autograd.backward((y, ln), (dy, dln))
+        return y.detach(), ln.detach(), xx.grad, [p.grad.clone() for p in m.parameters()]
+    torch._dynamo.reset()
+    compiled = run(torch.compile(_step(mxtrain.MXFP8Recipe()), fullgraph=True))
+    eager = run(_step(mxtrain.MXFP8Recipe()))
+    for c, e in zip(compiled[:3] + tuple(compiled[3]), eager[:3] + tuple(eager[3])):
+        assert torch.equal(c, e)
+
+
+@pytest.mark.parametrize("recipe,normalization,act,bias,dtype", [
+    ("MXFP8", "RMSNorm", "swiglu", False, torch.float32),
+    ("Float8Current", "LayerNorm", "gelu", True, torch.bfloat16),
+    ("Float8Block", "RMSNorm", "squared_relu", True, torch.float32),
+])
+def test_layernorm_mlp_fullgraph_matches_eager_bitwise(recipe, normalization, act, bias, dtype):
+    torch.manual_seed(0)
+    m = mxtrain.LayerNormMLP(64, 96, bias=bias, normalization=normalization, activation=act, dtype=dtype)
+    _randomize_(m)
+    x, dy = torch.randn(2, 16, 64, dtype=dtype), torch.randn(2, 16, 64, dtype=dtype)
+    _assert_same(*_compiled_then_eager(_RECIPES[recipe](), m, x, dy))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", list(_RECIPES))
+@pytest.mark.parametrize("module", ["LayerNormLinear", "LayerNormMLP"])
+def test_fused_modules_fullgraph_matches_eager_bitwise_on_cuda(module, recipe):
+    """On CUDA the norm, the activation and their gradients run inside the fused cast kernels (bf16, RMSNorm,
+    swiglu: a Llama block's shapes); compiled still equals eager bit for bit."""
+    torch.manual_seed(0)
+    f = {"device": "cuda", "dtype": torch.bfloat16}
+    if module == "LayerNormLinear":
+        m, out = mxtrain.LayerNormLinear(256, 384, bias=False, normalization="RMSNorm", **f), 384
+    else:
+        m, out = mxtrain.LayerNormMLP(256, 512, bias=False, normalization="RMSNorm", activation="swiglu", **f), 256
+    _randomize_(m)
+    x, dy = torch.randn(4, 64, 256, **f), torch.randn(4, 64, out, **f)
+    _assert_same(*_compiled_then_eager(_RECIPES[recipe](), m, x, dy))
