@@ -93,13 +93,16 @@ def quantize_operand(t2d: torch.Tensor, specs_axes, generator,
 
 def _quantize_operand(t2d: torch.Tensor, specs_axes, generator, at_once: bool) -> list:
     out: list = [None] * len(specs_axes)
-    groups: dict = {}
+    groups: list = []  # [(spec, uses)], grouped by identity: a spec holding a recipe state is not hashed (dynamo)
     for i, (spec, axis) in enumerate(specs_axes):
         if spec is None or spec.fmt is None:
             out[i] = t2d
         else:
-            groups.setdefault(spec, []).append((i, axis))
-    for spec, uses in groups.items():
+            group = next((g for g in groups if g[0] is spec), None)
+            if group is None:
+                groups.append(group := (spec, []))
+            group[1].append((i, axis))
+    for spec, uses in groups:
         axes = tuple(dict.fromkeys(axis for _, axis in uses))
         if isinstance(spec, Float8RoleSpec):  # FP8 recipes: a Float8Tensor (data + scale_inv) per use
             fp8 = quantize_float8_operand(t2d, spec, axes)
@@ -208,7 +211,8 @@ def source_operands(like: torch.Tensor, specs_axes, cast, recipe, at_once: bool 
     (the reference path stays as it is), under an elementwise-precision recipe (the output
     is rounded before the cast), or unless every use is one MX spec.
     """
-    if not config.current().fuse_sources or not like.is_cuda or getattr(recipe, "elemwise_format", None) is not None:
+    if (not config.current().fuse_sources or not like.is_cuda or getattr(recipe, "elemwise_format", None) is not None
+            or torch.compiler.is_compiling()):  # compiled: the norm / activation op, then the cast op (same bits)
         return None
     used = [(spec, axis) for spec, axis in specs_axes if spec is not None]
     specs = {spec for spec, _ in used}
@@ -419,6 +423,8 @@ def once_differentiable(module: str):
 
 
 def check_mx_operands(ctx, module: str) -> None:
+    if torch.compiler.is_compiling():  # a compiled backward frees nothing (free_operand), and is traced once
+        return
     if getattr(ctx, "mx_operands_released", False):
         raise RuntimeError(
             f"Trying to backward through an mxtrain {module} a second time (retain_graph=True): its MX "

@@ -53,7 +53,9 @@ def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = No
     from mxtrain.kernels import registry
 
     uses = [(i, spec, axis) for i, (spec, axis) in enumerate(specs_axes) if spec is not None]
-    if not config.current().fp8_fused_casts or not uses or src.ndim != 2 or src.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if (not config.current().fp8_fused_casts or not uses or src.ndim != 2
+            or src.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or torch.compiler.is_compiling()):  # compiled: the activation op, then the cast op (same bits)
         return None
     if any(not isinstance(spec, Float8RoleSpec) or spec.fmt is None
            or (spec.block is not None and spec.block not in ((1, 128), (128, 128)))

@@ -541,7 +541,7 @@ def test_cuda_dequantize_layouts_it_leaves_to_triton(monkeypatch, mx_config):
     for t, axis, dtype in ((odd, 0, torch.bfloat16), (mxt, 1, torch.float16), (mxt, 1, torch.bfloat16),
                            (mxt, 0, torch.bfloat16)):
         assert helpers.values_equal(dq.triton_dequantize(t, dtype, axis), t.dequantize(dtype, axis))
-    assert taken == [False, False, True, True]
+    assert taken == [True, True]  # the CUDA kernel's supports() refuses the first two: never launched
     x = adversarial(200, 1024, torch.bfloat16, seed=4)
     fp6 = quantize_mx(x, "fp6_e2m3", axis=-1)
     assert helpers.values_equal(dq.triton_dequantize(fp6, torch.bfloat16, 1), fp6.dequantize(torch.bfloat16, 1))

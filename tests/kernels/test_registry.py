@@ -151,7 +151,7 @@ def test_a_fake_quantize_backend_is_picked_or_refused_as_its_supports_says():
 
 
 def test_explain_on_the_real_cast_gives_the_kernels_reason():
-    x = torch.randn(8, 48)
+    x = torch.randn(8, 48, device="cuda" if torch.cuda.is_available() else "cpu")
     triton_registered = any(k.backend == "triton" for k in registry.kernels("quantize"))
     got = dict(explain("quantize", x=x, fmt="fp8_e4m3", block_size=24, backend="triton" if triton_registered
                        else "reference"))
