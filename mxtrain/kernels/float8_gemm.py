@@ -44,9 +44,15 @@ def scaled_mm_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: int
     return _scaled_mm_planes(a.plane(a_axis), b.plane(b_axis), fast=fast, out_dtype=out_dtype, bias=bias)
 
 
+def _aligned_scale(s: torch.Tensor) -> torch.Tensor:
+    """``s`` where cuBLASLt can read it: a scale that is an element of a larger tensor (FSDP2's gathers compute
+    a unit's scales in one tensor) has an address cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED)."""
+    return s if s.data_ptr() % 16 == 0 else s.clone()
+
+
 def _scaled_mm_planes(pa, pb, *, fast: bool, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     epilogue_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
-    out = torch._scaled_mm(pa.data, pb.data.t(), pa.scale_inv, pb.scale_inv,
+    out = torch._scaled_mm(pa.data, pb.data.t(), _aligned_scale(pa.scale_inv), _aligned_scale(pb.scale_inv),
                            bias=bias if epilogue_bias else None,
                            out_dtype=out_dtype if (bias is None or epilogue_bias) else torch.float32,
                            use_fast_accum=fast)

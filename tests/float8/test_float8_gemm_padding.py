@@ -2,6 +2,7 @@
 scales): the operands are zero-padded and the output cut back, which must give the GEMM of the unpadded operands.
 On the CPU: torch._scaled_mm (which takes any size here) and the block kernel under the Triton interpreter."""
 
+import dataclasses
 import os
 
 import pytest
@@ -100,3 +101,21 @@ def test_cuda_gemm_of_ragged_sizes_runs_on_the_tensor_cores(monkeypatch, block):
     got = fg.float8_gemm(a, b, a_axis=1, b_axis=1, out_dtype=torch.float32)
     # axes (1, 1) take cuBLAS's fast accumulation (the fprop setting): test_float8_gpu's bound for it
     assert got.shape == (200, 1000) and _rel(got, want) <= FAST_TOL, _rel(got, want)
+
+
+def test_scale_that_is_an_element_of_a_larger_tensor():
+    """FSDP2's FP8 gathers compute a unit's scales in one tensor and hand each weight an element of it: an
+    address cuBLASLt refuses unless 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED on an H100). The GEMM gives
+    what it gives with a scale of its own."""
+    if DEVICE == "cpu" and not hasattr(torch, "_scaled_mm"):
+        pytest.skip("torch._scaled_mm is missing")
+    g = torch.Generator().manual_seed(3)
+    a = quantize_float8(torch.randn(64, 64, generator=g), "fp8_e4m3", axes=(1,))
+    b = quantize_float8(torch.randn(32, 64, generator=g), "fp8_e4m3", axes=(1,))
+    pa, pb = (t.plane(1).to(DEVICE) for t in (a, b))
+    unit = torch.stack([pa.scale_inv, pb.scale_inv]).reshape(2)
+    shifted = dataclasses.replace(pb, scale_inv=unit[1])  # 4 bytes into the unit's tensor
+    assert shifted.scale_inv.data_ptr() % 16 == 4
+    want = fg._scaled_mm_planes(pa, pb, fast=False, out_dtype=torch.float32, bias=None)
+    got = fg._scaled_mm_planes(pa, shifted, fast=False, out_dtype=torch.float32, bias=None)
+    assert torch.equal(got, want)
