@@ -11,7 +11,9 @@ alternated round by round in one process on one GPU. Sides:
 * ``mx:<recipe>``: ``mxtrain.integrations.convert_llama`` of the same model, eager, under ``mx_autocast``
   (``<recipe>`` as ``recipe_from_string`` reads it; ``none`` runs the mxtrain model without a recipe);
   ``mx:<recipe>+graph``: the whole step (forward, backward, optimizer) captured once in a CUDA graph and
-  replayed (``mxtrain.make_graphed_step``); ``mx:<recipe>+compile``: the model under ``torch.compile``.
+  replayed (``mxtrain.make_graphed_step``); ``mx:<recipe>+compile``: the model under ``torch.compile``
+  (fullgraph-safe: the norm / activation ops, then the cast ops); ``+fused`` with ``+compile``: the fused
+  norm / activation casts under compile as in eager (``MXTRAIN_COMPILE_FUSED_SOURCES``; graph breaks around them).
 
 Throughput is timed with CUDA events over ``--steps`` steps after ``--warmup`` steps (compiling and capturing
 happen in the warm-up); ``vs hf`` divides by the ``hf`` side of the same round. ``issue ms`` is the host's
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import gc
 import json
@@ -54,6 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import mxtrain
+from mxtrain import config as mx_config
 
 MODELS = {
     # name: (LlamaConfig fields, batch, sequence length)
@@ -89,9 +93,11 @@ def hf_config(name: str, layers: int | None):
 def parse_side(side: str) -> tuple[str, str | None, frozenset]:
     """``side`` -> (kind, recipe spec, modes): kind in hf / ao / mx, modes a subset of {compile, graph}."""
     base, *modes = side.split("+")
-    bad = set(modes) - {"compile", "graph", "bf16ag"}
+    bad = set(modes) - {"compile", "graph", "bf16ag", "fused"}
     if bad or len(set(modes)) != len(modes):
-        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph or bf16ag, got {modes}")
+        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph, fused or bf16ag, got {modes}")
+    if "fused" in modes and not (base.startswith("mx:") and "compile" in modes):
+        raise ValueError(f"side {side!r}: +fused applies to mx:<recipe>+compile sides (fused casts under compile)")
     modes = frozenset(modes)
     if base == "hf":
         return "hf", None, modes
@@ -136,8 +142,12 @@ def build(side: str, cfg, device, seed: int):
     recipe = mxtrain.recipe_from_string(spec)
     fwd = torch.compile(model) if "compile" in modes else model
 
+    # +fused: the fused norm / activation casts under compile as in eager (graph breaks around them)
+    fused = "fused" in modes
+
     def step(ids, targets):
-        with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
+        settings = mx_config.override(compile_fused_sources=True) if fused else contextlib.nullcontext()
+        with settings, mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
             loss = fwd(ids, targets)
         loss.backward()
         return loss
@@ -153,6 +163,8 @@ def build_fsdp(side: str, cfg, device, seed: int):
     if "graph" in modes:
         raise ValueError(f"side {side!r}: +graph is not supported with --fsdp (FSDP2's collectives and streams "
                          "are not captured by make_graphed_step); use +compile or eager")
+    if "fused" in modes:
+        raise ValueError(f"side {side!r}: +fused is not supported with --fsdp (set MXTRAIN_COMPILE_FUSED_SOURCES=1)")
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it trains (a 1B model's CPU init takes seconds per side)
         hf = LlamaForCausalLM(cfg)  # fp32 master weights, as FSDP2 shards them

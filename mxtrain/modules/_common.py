@@ -211,9 +211,10 @@ def source_operands(like: torch.Tensor, specs_axes, cast, recipe, at_once: bool 
     (the reference path stays as it is), under an elementwise-precision recipe (the output
     is rounded before the cast), or unless every use is one MX spec.
     """
-    if (not config.current().fuse_sources or not like.is_cuda or getattr(recipe, "elemwise_format", None) is not None
-            or torch.compiler.is_compiling()):  # compiled: the norm / activation op, then the cast op (same bits)
-        return None
+    settings = config.current()
+    if (not settings.fuse_sources or not like.is_cuda or getattr(recipe, "elemwise_format", None) is not None
+            or (torch.compiler.is_compiling() and not settings.compile_fused_sources)):
+        return None  # compiled: the norm / activation op, then the cast op (fullgraph; see compile_fused_sources)
     used = [(spec, axis) for spec, axis in specs_axes if spec is not None]
     specs = {spec for spec, _ in used}
     if len(specs) != 1:

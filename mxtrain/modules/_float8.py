@@ -53,10 +53,11 @@ def fused_float8_operands(src: torch.Tensor, specs_axes, *, act: str | None = No
     from mxtrain.kernels import registry
 
     uses = [(i, spec, axis) for i, (spec, axis) in enumerate(specs_axes) if spec is not None]
-    if (not config.current().fp8_fused_casts or not uses or src.ndim != 2
+    settings = config.current()
+    if (not settings.fp8_fused_casts or not uses or src.ndim != 2
             or src.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-            or torch.compiler.is_compiling()):  # compiled: the activation op, then the cast op (same bits)
-        return None
+            or (torch.compiler.is_compiling() and not settings.compile_fused_sources)):
+        return None  # compiled: the activation op, then the cast op (fullgraph; see compile_fused_sources)
     if any(not isinstance(spec, Float8RoleSpec) or spec.fmt is None
            or (spec.block is not None and spec.block not in ((1, 128), (128, 128)))
            or (spec.scaling == "delayed" and (spec.state is None or spec.state.fresh(spec.slot)))
