@@ -1,0 +1,20 @@
+"""bench_e2e.py's side names: modes after '+' are checked before any side runs (no GPU needed)."""
+
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_e2e  # noqa: E402
+
+
+def test_fused_mode_needs_an_mx_compile_side():
+    assert bench_e2e.parse_side("mx:fp8_current+compile+graph+fused") == (
+        "mx", "fp8_current", frozenset({"compile", "graph", "fused"}))
+    for side in ("hf+fused", "mx:mxfp8+fused", "mx:mxfp8+graph+fused", "ao-tensorwise+fused"):
+        with pytest.raises(ValueError, match=r"\+fused applies to mx:<recipe>\+compile"):
+            bench_e2e.parse_side(side)
+    with pytest.raises(ValueError, match="modes after"):
+        bench_e2e.parse_side("mx:mxfp8+compile+compile")
