@@ -48,7 +48,11 @@ def _update_impl(history, scale, gen, fwd_amax, fwd_stamp, grad_amax, grad_stamp
 def delayed_scaling_update(history: torch.Tensor, scale: torch.Tensor, gen: torch.Tensor, fwd_amax: torch.Tensor,
                            fwd_stamp: torch.Tensor, grad_amax: torch.Tensor, grad_stamp: torch.Tensor,
                            fp8_max: torch.Tensor, margin: int, most_recent: bool, power_of_2: bool) -> None:
-    """In place: ``history`` [H, S], ``scale`` [S] of the recorded slots, and ``gen`` += 1 (see module doc)."""
+    """In place: ``history`` [H, S], ``scale`` [S] of the recorded slots, and ``gen`` += 1 (see module doc).
+    Nothing inside a backward: that is a forward recomputed by activation checkpointing, whose update ran in
+    the forward (checked when the op runs, so it holds in compiled graphs too)."""
+    if torch._C._current_graph_task_id() != -1:
+        return
     _update_impl(history, scale, gen, fwd_amax, fwd_stamp, grad_amax, grad_stamp, fp8_max, margin, most_recent,
                  power_of_2)
 

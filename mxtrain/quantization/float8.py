@@ -653,6 +653,7 @@ class DelayedScalingState:
         self._seasoned |= self._recorded_host
         self._recorded_host.clear()
         self.resize_history(recipe.amax_history_len)
+        args = (self.amax_history, *args[1:])  # a resized history is a new tensor
         self._updates += self._dirty
         self._dirty = False
         fused = _FUSED_DELAYED_UPDATES.get(self.scale.device.type)

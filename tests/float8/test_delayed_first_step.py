@@ -64,3 +64,45 @@ def test_seasoned_slots_survive_a_checkpoint_and_old_checkpoints_load():
     d.pop("seasoned")  # a checkpoint from before the key: the slots with a history count as seasoned
     old = type(model[0].recipe_state).from_state_dict(d)
     assert old._seasoned == set(d["slots"])
+
+
+def test_update_after_a_history_length_change_keeps_the_recorded_amax():
+    """The history is reallocated when amax_history_len changes; the update writes the new one."""
+    state = mxtrain.DelayedScaling(amax_history_len=2).make_state()
+    state.ensure_slots([("input", "fp8_e4m3")], torch.device("cpu"))
+    state.record("input", torch.tensor(3.0))
+    state.update(mxtrain.DelayedScaling(amax_history_len=2))
+    state.record("input", torch.tensor(5.0))
+    state.update(mxtrain.DelayedScaling(amax_history_len=8))
+    assert state.amax_history.shape[0] == 8
+    assert state.amax_history[:2, 0].tolist() == [5.0, 3.0]
+    assert torch.equal(state.scale, torch.tensor([448.0 / 5.0]))
+
+
+def test_compiled_module_under_torch_checkpoint_updates_once_per_step():
+    """torch.utils.checkpoint recomputes a compiled DelayedScaling module in backward: the recompute must not
+    run the state update again (one update a step, as eager)."""
+    from torch.utils.checkpoint import checkpoint
+
+    recipe = mxtrain.DelayedScaling(amax_history_len=4)
+
+    def run(compiled):
+        torch.manual_seed(0)
+        m = mxtrain.Linear(32, 16)
+        fn = torch.compile(m, backend="aot_eager") if compiled else m
+        counts = []
+        def block(f, x):  # mx_autocast inside the checkpointed function, so that the recompute has it too
+            with mxtrain.mx_autocast(recipe=recipe):
+                return f(x)
+        for step in range(3):
+            x = torch.randn(8, 32, requires_grad=True)
+            # the first step eager, as compiled DelayedScaling wants
+            y = checkpoint(block, fn if step else m, x, use_reentrant=False)
+            y.sum().backward()
+            counts.append(m.recipe_state.updates)
+        return counts, m.recipe_state.amax_history.clone()
+
+    torch._dynamo.reset()
+    eager, compiled = run(False), run(True)
+    assert compiled[0] == eager[0] == [0, 1, 2]
+    assert torch.equal(compiled[1], eager[1])
