@@ -10,8 +10,8 @@ steps (``--stat``, min by default: the least disturbed step) of:
 * ``pre`` / ``post`` / ``fill``: microseconds per all-gather spent in ``MXAllGatherWeight.fsdp_pre_all_gather``
   (the shard's cast, FP8 amax all-reduce included), ``fsdp_post_all_gather`` and its ``_GatheredState.fill``
   (part of ``post``);
-* ``amax AR``: the part of ``pre`` in the FP8 amax all-reduce (on gloo it also waits for the other rank;
-  under NCCL it is only issued);
+* ``amax AR us``: the part of ``pre`` in the FP8 amax all-reduce (on gloo it also waits for the other rank;
+  under NCCL it is only issued); ``amax ARs``: those all-reduces in a step (``all_gather_stats()``);
 * ``pre ops`` / ``post ops``: aten ops per gather in the hooks, views included (counted in one extra step): a
   figure the machine's load does not move. On a GPU each non-view op is a kernel launch, except that there
   the FP8 and MX casts are one kernel each where the CPU runs the reference's few ops;
@@ -152,7 +152,9 @@ def run_mode(mode, args, device, rank, profile: bool):
             if prof is not None and timed:
                 prof.disable()
             if timed:
-                rows.append({"step": dt, "step_cpu": dc, "gathers": all_gather_stats()["gathers"], **timer.seconds})
+                st = all_gather_stats()
+                rows.append({"step": dt, "step_cpu": dc, "gathers": st["gathers"], "ars": st["amax_reductions"],
+                             **timer.seconds})
         # one more step counting the hooks' aten ops
         reset_all_gather_stats()
         timer.count_ops = True
@@ -167,7 +169,7 @@ def run_mode(mode, args, device, rank, profile: bool):
     # the least disturbed step: other work on the machine only adds time
     med = lambda k: (min if args.stat == "min" else statistics.median)(r.get(k, 0.0) for r in rows)  # noqa: E731
     res = {"mode": mode, "step_ms": 1e3 * med("step"), "step_cpu_ms": 1e3 * med("step_cpu"),
-           "gathers": rows[-1]["gathers"]}
+           "gathers": rows[-1]["gathers"], "ars": rows[-1]["ars"]}
     n = max(1, res["gathers"])
     for k in ("pre", "post", "fill", "disp", "allreduce"):
         res[k + "_us"] = 1e6 * med(k) / n
@@ -217,9 +219,9 @@ def main():
         print(f"host_fsdp_gather.py: {args.layers} x LayerNormMLP({args.hidden}, {args.ffn}), FSDP2 over {world} "
               f"{device.type} ranks ({dist.get_backend()}), {args.batch} x {args.seq} tokens per rank, {args.stat} of "
               f"{args.steps} steps after {args.warmup} (thread CPU time); torch {torch.__version__}; {datetime.date.today()}\n")
-        print(f"| {'mode':<20} | round | step ms | step CPU ms | gathers | pre us | amax AR us | post us | fill us | disp us | "
+        print(f"| {'mode':<20} | round | step ms | step CPU ms | gathers | amax ARs | pre us | amax AR us | post us | fill us | disp us | "
               "vs hp us | pre ops | post ops |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         hp = {}
         for r in results:
             recipe, _, ag = r["mode"].partition("+")
@@ -228,7 +230,7 @@ def main():
             base = hp.get((recipe, r["round"]))
             extra = (f"{1e3 * (r['step_cpu_ms'] - base) / r['gathers']:.0f}"
                      if ag not in ("", "bf16ag") and base is not None and r["gathers"] else "")
-            print(f"| {r['mode']:<20} | {r['round']} | {r['step_ms']:.1f} | {r['step_cpu_ms']:.1f} | {r['gathers']} | {r['pre_us']:.0f} | "
+            print(f"| {r['mode']:<20} | {r['round']} | {r['step_ms']:.1f} | {r['step_cpu_ms']:.1f} | {r['gathers']} | {r['ars']} | {r['pre_us']:.0f} | "
                   f"{r['allreduce_us']:.0f} | {r['post_us']:.0f} | {r['fill_us']:.0f} | {r['disp_us']:.0f} | {extra} | "
                   f"{r['pre_ops']:.1f} | {r['post_ops']:.1f} |")
         syncs = {(r["mode"], k): v for r in results if r["round"] == 0 for k, v in r["syncs"].items()}

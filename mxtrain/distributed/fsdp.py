@@ -222,11 +222,55 @@ _MUTATES_FIRST_ARG: dict = {}
 
 
 def _mutates_first_arg(func) -> bool:
+    return _written_args(func)[0]
+
+
+def _written_args(func) -> tuple:
+    """``(whether the op writes its first argument, ((position, name) of every argument it writes)))``."""
     m = _MUTATES_FIRST_ARG.get(func)
     if m is None:  # reading an op's schema costs microseconds; the optimizer sends a few ops per weight per step
         args = func._schema.arguments
-        m = _MUTATES_FIRST_ARG[func] = bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+        written = tuple((i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write)
+        m = _MUTATES_FIRST_ARG[func] = (bool(written) and written[0][0] == 0, written)
     return m
+
+
+def _bump_written(cls, func, args, kwargs) -> None:
+    # An op on the wrapper runs on ``_data`` below autograd, where in-place ops leave the version counter
+    # alone; the FP8 amax reuse (``_fp8_cached``) reads ``_data._version``, so count the write here.
+    for i, name in _written_args(func)[1]:
+        a = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(a, cls):
+            torch.autograd.graph.increment_version(a._data)
+        elif isinstance(a, (list, tuple)):
+            datas = [t._data for t in a if isinstance(t, cls)]
+            if datas:
+                torch.autograd.graph.increment_version(datas)
+
+
+def _fp8_cached(group, key, fsdp_param):
+    """The ``(amax, scale, scale_inv)`` the group's last FP8 amax all-reduce made for ``fsdp_param``, if it
+    still holds: the same key (spec fields and param dtype) and, for **every** member of the group, the same
+    sharded tensor, data tensor and data version (``_version``: any in-place write bumps it, an optimizer
+    step, ``copy_`` from a checkpoint, an edit under ``no_grad``). Else None: the caller all-reduces anew.
+
+    Every rank must decide alike, or one would all-reduce while the other all-gathers (a hang). The
+    decision reads only what every rank has alike: the key comes from the recipe, which every rank runs;
+    the members are the group's parameters, in FSDP's order on every rank; and a version moves with the
+    writes to a parameter, which every rank makes to its own shard of it (the same optimizer step, load or
+    edit of the whole parameter; an in-place op bumps the version even on an empty shard). Checking every
+    member, not just the one gathered, keeps a group's weights on one decision. Writing to one rank's shard
+    alone (outside the DTensor) breaks that, as it breaks FSDP training anyway."""
+    hit = getattr(group, "_mxtrain_fp8_amax", None)
+    if hit is None or hit[0] != key:
+        return None
+    mine = None
+    for (fp, w, data, version), res in zip(hit[1], hit[2]):
+        if fp._sharded_local_tensor is not w or w._data is not data or data._version != version:
+            return None
+        if fp is fsdp_param:
+            mine = res
+    return mine
 
 
 class MXAllGatherWeight(torch.Tensor):
@@ -273,7 +317,10 @@ class MXAllGatherWeight(torch.Tensor):
 
         plain_args, plain_kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
-        if args and isinstance(args[0], cls) and _mutates_first_arg(func):
+        mutates_first, written = _written_args(func)
+        if written:
+            _bump_written(cls, func, args, kwargs)
+        if args and isinstance(args[0], cls) and mutates_first:
             return args[0]
         if func in _PRESERVE:
             return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, info), out)
@@ -465,16 +512,17 @@ class MXAllGatherWeight(torch.Tensor):
         """``(amax, scale, scale_inv)`` of the full weight (per tensor, or per 128 x 128 block), the same on
         every rank: one all-reduce, and one pass of the scale math, for every weight of the FSDP group.
 
-        The first weight of a group to be gathered does it for all of them and leaves each its result; the
-        others take theirs (if their data has not changed since). scale and scale_inv are None where the
-        cast does not need them: delayed scaling (the module's scale) and per-tensor casts on the Triton
-        backend (the kernel makes them from the amax). The amax is of the weight in ``param_dtype``:
-        rounding is monotonic and symmetric, so it is the rounded amax of the master weight."""
+        The first weight of a group to be gathered does it for all of them and keeps the results on the
+        group; later gathers of the group (its other weights in the same all-gather, and the backward
+        all-gather after a reshard) take theirs without an amax pass or all-reduce while no member's data
+        has changed since (see ``_fp8_cached``). scale and scale_inv are None where the cast does not need
+        them: delayed scaling (the module's scale) and per-tensor casts on the Triton backend (the kernel
+        makes them from the amax). The amax is of the weight in ``param_dtype``: rounding is monotonic and
+        symmetric, so it is the rounded amax of the master weight."""
         key = (spec.block, param_dtype, spec.fmt, spec.scaling, spec.power_of_2_scales, spec.amax_epsilon)
-        hit = getattr(fsdp_param, "_mxtrain_fp8_amax", None)
-        fsdp_param._mxtrain_fp8_amax = None
-        if hit is not None and hit[0] == key and hit[1] == self._data._version:
-            return hit[2]
+        hit = _fp8_cached(group, key, fsdp_param)
+        if hit is not None:
+            return hit
         members = [fp for fp in group.fsdp_params if isinstance(fp._sharded_local_tensor, MXAllGatherWeight)]
         if not any(fp is fsdp_param for fp in members):
             members.append(fsdp_param)
@@ -512,13 +560,11 @@ class MXAllGatherWeight(torch.Tensor):
             numels = [math.prod(shape) for shape in shapes]
             parts = [((None,) * len(members)) if t is None else
                      [p.view(shape) for p, shape in zip(t.split(numels), shapes)] for t in (flat, scale, scale_inv)]
-        mine = None
-        for fp, w, res in zip(members, weights, zip(*parts)):
-            if fp is fsdp_param:
-                mine = res
-            else:
-                fp._mxtrain_fp8_amax = (key, w._data._version, res)
-        return mine
+        # what the reuse check compares: each member's sharded tensor, its data and that data's version
+        seen = tuple((fp, w, w._data, w._data._version) for fp, w in zip(members, weights))
+        results = tuple(zip(*parts))
+        group._mxtrain_fp8_amax = (key, seen, results)
+        return results[[fp is fsdp_param for fp in members].index(True)]
 
     def _fp8_input(self, uses, fsdp_param, group, orig_size, world, param_dtype):
         """This rank's rows as FP8 codes (uint8, padded to FSDP's shard rows); the scale(s) in the metadata.

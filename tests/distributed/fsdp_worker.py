@@ -314,6 +314,48 @@ def count_all_gather_bytes(rank, world, device, recipe, mx: bool, mp):
             "bytes_per_element": sent["bytes"] / (weight_elems_per_rank * gathers / len(model))}
 
 
+def fp8_edit_between_passes(rank, world, device, recipe, mp=torch.bfloat16):
+    """3 mxtrain Linears (each its own FSDP unit), one forward; then one weight is edited in place under
+    no_grad; then backward. The backward gathers of the unchanged weights reuse their forward amaxes (no
+    all-reduce); the edited one's must not: its dgrad plane must equal casting the edited full weight."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(mxtrain.Linear(128, 128, bias=False) for _ in range(3))).to(device)
+    mxdist.enable_mx_all_gather(model, recipe=recipe)
+    for m in model:
+        fully_shard(m, mp_policy=MixedPrecisionPolicy(param_dtype=mp))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=mp))
+    x = torch.randn(32, 128, device=device)
+    rec = PlaneRecorder()
+    mxdist.reset_all_gather_stats()
+    try:
+        with mxtrain.mx_autocast(recipe=recipe):
+            y = model(x)
+        after_forward = mxdist.all_gather_stats()["amax_reductions"]
+        with torch.no_grad():
+            model[1].weight.mul_(3.0)  # every rank edits its shard: all decide to recompute this unit's amax
+        y.float().pow(2).mean().backward()
+    finally:
+        rec.close()
+    spec, q, data, scale_inv, now = rec.planes["1.weight:0"]
+    full = model[1].weight.full_tensor().to(mp)
+    if spec.scaling == "delayed":  # a slot with no history yet casts at the scale of the weight's own amax
+        now = spec.state.scale_for(spec.slot, spec.fmt, full.device, amax=full.abs().amax().float())
+    kw = (dict(scale=now) if spec.scaling == "delayed" else
+          dict(block=spec.block, power_of_2_scales=spec.power_of_2_scales, amax_epsilon=spec.amax_epsilon))
+    ref = quantize_float8(full, spec.fmt, axes=0, **kw)
+    p = ref.plane(0)
+    same = (torch.equal(p.data.view(torch.uint8), data.view(torch.uint8)) and torch.equal(p.scale_inv, scale_inv)
+            and (ref.amax is None) == (q.amax is None) and (ref.amax is None or torch.equal(ref.amax, q.amax)))
+    # the forward's rowwise plane of the same weight: a reused (stale) scale would equal its scale
+    fwd_scale_inv = rec.planes["1.weight:1"][3]
+    stats = mxdist.all_gather_stats()
+    return {"after_forward": after_forward, "amax_reductions": stats["amax_reductions"],
+            "fp8_gathers": stats["fp8_gathers"], "edited_plane_matches": same,
+            "scale_changed": not torch.equal(fwd_scale_inv if spec.block is None else fwd_scale_inv.t(), scale_inv)}
+
+
 def parity(rank, world, device, recipe, *, steps=4, micro=1, reshard_after_forward=True, mixed=False, ac=False,
            no_sync=False, prefetch=0, ref_recipe=None, fp8_shapes=False, b=B, sum_grads=False, vs_plain=False):
     """FSDP2 losses against one process (rank 0) on the whole batch; ``ref_recipe``: the one-process
@@ -430,12 +472,13 @@ def scenario_fp8(rank, world, device, out):
     res = {"world": world, "device": str(device)}
     t0 = time.time()
     pairs = fp8_recipe_pairs()
-    res["planes"], res["bytes"], res["parity"], res["ckpt"] = {}, {}, {}, {}
+    res["planes"], res["bytes"], res["parity"], res["ckpt"], res["edit"] = {}, {}, {}, {}, {}
     for name, (recipe, ref) in pairs.items():
         res["planes"][name] = check_fp8_planes(rank, world, device, recipe, None)
         res["planes"][name + "_bf16_params"] = check_fp8_planes(rank, world, device, recipe, torch.bfloat16)
         res["bytes"][name] = count_all_gather_bytes(rank, world, device, recipe, True, torch.bfloat16)
         res["bytes"][name + "_fp32_params"] = count_all_gather_bytes(rank, world, device, recipe, True, None)
+        res["edit"][name] = fp8_edit_between_passes(rank, world, device, recipe)
         # 128 tokens per rank: Float8BlockScaling's wgrad blocks (128 tokens) then never straddle ranks
         kw = dict(ref_recipe=ref, b=8, sum_grads=True, vs_plain=True)
         res["parity"][name] = parity(rank, world, device, recipe, steps=3, **kw)
