@@ -170,7 +170,8 @@ def _find_fsdp_param(local: torch.Tensor):
 
 def _triton_float8_casts(device: torch.device, dtype: torch.dtype):
     """``(tensor_cast_float8, block_cast_float8)`` where FP8 casts of ``dtype`` data on ``device`` run on the
-    Triton backend (as ``quantize_float8`` would choose), else None (the reference ops). The pre-all-gather
+    Triton backend (wherever a ``float8_quantize`` call may reach Triton's kernel: on CUDA, or with
+    MXTRAIN_BACKEND=triton under the interpreter), else None (the reference ops). The pre-all-gather
     calls the kernels itself: the per-tensor cast takes the all-reduced amax (scale and scale_inv made in the
     kernel, as ``compute_scale`` and ``reciprocal`` make them) and skips the local amax pass that
     ``quantize_float8`` would make."""
@@ -182,10 +183,12 @@ def _triton_float8_casts_for(device: torch.device, dtype: torch.dtype, backend: 
     # cached per backend setting: resolving costs tens of microseconds, and every FP8 gather asks
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    from mxtrain.kernels import dispatch
+    from mxtrain.kernels import registry
 
     try:
-        if dispatch._resolve(backend, device, dispatch._FLOAT8_QUANTIZE_IMPLS) != "triton":
+        # the casts that take a given amax are Triton's (the CUDA block cast is reached through them): they run
+        # where a float8_quantize call may reach Triton, as the modules' fused casts do (modules/_float8.py)
+        if not registry.walks("float8_quantize", device, "triton"):
             return None
         from mxtrain.kernels.float8_cast import block_cast_float8, tensor_cast_float8
     except (ImportError, RuntimeError):
