@@ -240,7 +240,7 @@ def _cuda_dequantize(call: DequantizeCall) -> torch.Tensor:
     data, scale = _plane_2d(plane, rows)
     if not cuda_cast.dequantize_fp8(data, scale, out, mxt.format, mxt.block_size, rows, length, out_stride_r,
                                     out_stride_l):
-        raise registry.KernelUnavailable("the CUDA dequantize refused a call its supports() accepted")
+        raise registry.KernelDeclined("the CUDA dequantize refused a call its supports() accepted")
     return out
 
 
@@ -330,7 +330,7 @@ def _cuda_shards(call: DequantizeShardsCall) -> torch.Tensor:
     data, scale = _plane_2d(plane, rows)
     if not cuda_cast.dequantize_fp8(data, scale, call.out, call.shard.format, call.shard.block_size, rows, length,
                                     sr, sl, call.count, call.data_step, call.scale_step, out_step):
-        raise registry.KernelUnavailable("the CUDA dequantize refused a call its supports() accepted")
+        raise registry.KernelDeclined("the CUDA dequantize refused a call its supports() accepted")
     return call.out
 
 

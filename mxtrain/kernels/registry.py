@@ -18,7 +18,7 @@ import torch
 
 from mxtrain import config
 
-__all__ = ["Kernel", "Operation", "KernelUnavailable", "BACKENDS", "ORDER", "define", "undefine", "register", "unregister",
+__all__ = ["Kernel", "Operation", "KernelUnavailable", "KernelDeclined", "BACKENDS", "ORDER", "define", "undefine", "register", "unregister",
            "kernels", "chain", "select", "run", "run_from", "explain", "preferred_backend", "walks",
            "set_kernel_loader"]
 
@@ -28,6 +28,11 @@ BACKENDS = ("auto", "reference", "triton", "cuda")
 ORDER = ("cuda", "triton", "reference")
 _AUTO = {"cuda": ORDER}
 _MAX_CACHED = 4096
+
+
+class KernelDeclined(RuntimeError):
+    """Raised by an implementation that refuses one call its ``supports()`` let through: the walk goes on to
+    the next implementation for this call only (the kernel stays in use for every other call)."""
 
 
 class KernelUnavailable(RuntimeError):
@@ -223,6 +228,12 @@ def run(op: str, call, device: torch.device, backend: str | None = None, start: 
         _BROKEN[(kernel, device)] = str(e)
         _changed()
         return run(op, call, device, backend, start)
+    except KernelDeclined:
+        found = chain(op, device, backend, start)
+        for later in found[found.index(kernel) + 1:]:
+            if _reason(later, call, device) is None:
+                return later.fn(call)
+        raise
 
 
 def run_from(op: str, call, device: torch.device, start: str):

@@ -124,6 +124,22 @@ def test_a_kernel_that_fails_at_run_time_is_skipped_after_once(fake_op):
     assert dict(explain("fake", rows=8, device=CUDA))["cuda:broken"].startswith("failed here before: no kernel")
 
 
+def test_a_kernel_that_declines_one_call_stays_in_use_for_the_others(fake_op):
+    """KernelDeclined (one call refused after supports() let it through) walks on for that call only;
+    KernelUnavailable would turn the kernel off for the device."""
+    def picky(call):
+        fake_op["ran"].append("picky")
+        if call.rows == 8:
+            raise registry.KernelDeclined("not this one")
+        return "picky"
+    registry.register("fake", "cuda", picky, name="picky", first=True)
+    assert registry.run("fake", _Call(8, CUDA), CUDA) == "cuda-kernel"
+    assert registry.run("fake", _Call(6, CUDA), CUDA) == "picky"
+    assert registry.run("fake", _Call(8, CUDA), CUDA) == "cuda-kernel"
+    assert fake_op["ran"].count("picky") == 3
+    assert dict(explain("fake", rows=6, device=CUDA))["cuda:picky"] is None
+
+
 def test_a_fake_quantize_backend_is_picked_or_refused_as_its_supports_says():
     """A kernel registered for the real MX cast: taken where it says so, refused (with its reason) elsewhere."""
     ran = []
