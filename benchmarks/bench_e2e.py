@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -143,10 +144,11 @@ def build(side: str, cfg, device, seed: int):
     fwd = torch.compile(model) if "compile" in modes else model
 
     # +fused: the fused norm / activation casts under compile as in eager (graph breaks around them)
-    fused = "fused" in modes
+    # one settings object for every step: the kernel registry caches its decisions per settings object
+    fused = dataclasses.replace(mx_config.current(), compile_fused_sources=True) if "fused" in modes else None
 
     def step(ids, targets):
-        settings = mx_config.override(compile_fused_sources=True) if fused else contextlib.nullcontext()
+        settings = mx_config.use(fused) if fused is not None else contextlib.nullcontext()
         with settings, mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
             loss = fwd(ids, targets)
         loss.backward()

@@ -27,7 +27,7 @@ import dataclasses
 import os
 from typing import Iterator, Mapping
 
-__all__ = ["Settings", "current", "override", "from_environ", "reload"]
+__all__ = ["Settings", "current", "override", "use", "from_environ", "reload"]
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -187,5 +187,21 @@ def override(**values) -> Iterator[Settings]:
     _current = dataclasses.replace(saved, **values)
     try:
         yield _current
+    finally:
+        _current = saved
+
+
+@contextlib.contextmanager
+def use(settings: Settings) -> Iterator[Settings]:
+    """Make ``settings`` (e.g. ``dataclasses.replace(current(), ...)``, built once) the active settings for the
+    ``with`` block. Unlike :func:`override`, entering it again makes no new object, so what is cached per
+    settings object (the kernel registry's decisions) stays cached from one entry to the next."""
+    global _current
+    if not isinstance(settings, Settings):
+        raise TypeError(f"mxtrain.config.use takes a Settings, got {type(settings).__name__}")
+    saved = _current
+    _current = settings
+    try:
+        yield settings
     finally:
         _current = saved

@@ -54,3 +54,19 @@ def test_only_config_reads_the_environment():
                  for p in (root / folder).rglob("*.py")
                  if p.name != "config.py" and pattern.search(p.read_text())]
     assert not offenders
+
+
+def test_use_keeps_one_settings_object_across_entries():
+    import dataclasses
+
+    from mxtrain import config
+
+    before = config.current()
+    mine = dataclasses.replace(before, compile_fused_sources=True)
+    for _ in range(2):
+        with config.use(mine) as active:
+            assert active is mine and config.current() is mine
+        assert config.current() is before
+    with pytest.raises(TypeError, match="takes a Settings"):
+        with config.use({"compile_fused_sources": True}):
+            pass
