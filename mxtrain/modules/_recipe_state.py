@@ -74,7 +74,10 @@ class RecipeStateMixin:
         if replay is not None or not torch.is_grad_enabled() or in_backward():
             # evaluation or a recompute: cast with the scales of now (or of the forward being recomputed)
             scales, fresh = replay.popleft() if replay else (None, None)
-            return recipe.bind(FrozenState(state if state is not None else make_state(), scales, fresh))
+            state = state if state is not None else make_state()
+            if hasattr(state, "follow_recipe"):
+                state.follow_recipe(recipe)
+            return recipe.bind(FrozenState(state, scales, fresh))
         state = self._prepare_state(recipe)
         state.update(recipe)  # the previous step's amaxes enter the histories; new scales
         capture = _CAPTURE.get()
@@ -90,8 +93,9 @@ class RecipeStateMixin:
                 f"{type(recipe).__name__} under torch.compile inside mxtrain.checkpoint (its recompute replays the "
                 "scales of the forward, kept on the host) cannot be compiled yet; compile the checkpointed function's "
                 "callers without mxtrain.checkpoint, or run it eagerly")
-        if not self._state_ready(recipe):  # a state from an eager step needs nothing (and no guard on ids)
-            _prepare_state_while_tracing(self, recipe)
+        # always, even for a state an eager step made: reading the module's __dict__ in the trace before this
+        # runs leaves dynamo a view of it without the state (a KeyError). Its id guards recompile per module.
+        _prepare_state_while_tracing(self, recipe)
         state = self.__dict__[_ATTR]
         if not torch.is_grad_enabled():  # evaluation: cast with the scales of now, record nothing
             return recipe.bind(FrozenState(state))
@@ -133,19 +137,6 @@ class RecipeStateMixin:
         if hasattr(self, "fc1_weight") and hasattr(self, "fc2_weight"):
             return ("fc1", "fc2")
         return ("",)
-
-    def _state_ready(self, recipe) -> bool:
-        """Whether this module's state already is what :meth:`_prepare_state` would make of it (an eager step
-        ran): placed, of the recipe's history length, with the slots of all its GEMMs."""
-        state = self.__dict__.get(_ATTR)
-        if state is None or self.__dict__.get(_UNPLACED) or state.history_len != recipe.amax_history_len:
-            return False
-        p = next(self.parameters(), None)
-        if p is not None and p.device.type != "meta" and state.scale.device != p.device:
-            return False
-        bound = recipe.bind(state)
-        return all(state.slots.get(name) is not None and state.formats[state.slots[name]] == fmt
-                   for gemm in self.recipe_state_gemms() for name, fmt in gemm_recipe(bound, gemm).slot_formats())
 
     def _prepare_state(self, recipe):
         """This module's state for a training forward under ``recipe``: made if it has none (on the parameters'

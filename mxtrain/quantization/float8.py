@@ -569,6 +569,12 @@ class DelayedScalingState:
             self.fp8_max[i] = FP8_MAX[fmt]
         return i
 
+    def follow_recipe(self, recipe) -> None:
+        """Take the recipe's margin, power-of-2 rule and amax group for the first-step scales (an update does
+        this; an evaluation before any update must too)."""
+        self._margin, self._power_of_2 = recipe.margin, bool(recipe.power_of_2_scales)
+        self._group = getattr(recipe, "amax_reduction_group", None)
+
     def fresh(self, slot: str) -> bool:
         """Whether ``slot`` has no history yet: no eager update has taken an amax recorded for it. Never
         while compiling (a compiled graph casts every slot with its delayed scale)."""
@@ -649,7 +655,7 @@ class DelayedScalingState:
             self._compiled_updates = True  # `updates` must read gen from now on
             self._seasoned |= set(self.slots)
             return
-        self._margin, self._power_of_2, self._group = recipe.margin, bool(recipe.power_of_2_scales), group
+        self.follow_recipe(recipe)
         self._seasoned |= self._recorded_host
         self._recorded_host.clear()
         self.resize_history(recipe.amax_history_len)

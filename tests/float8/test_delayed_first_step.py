@@ -106,3 +106,15 @@ def test_compiled_module_under_torch_checkpoint_updates_once_per_step():
     eager, compiled = run(False), run(True)
     assert compiled[0] == eager[0] == [0, 1, 2]
     assert torch.equal(compiled[1], eager[1])
+
+
+def test_evaluation_before_any_update_takes_the_recipes_margin():
+    """A fresh slot's scale follows the recipe (margin, power-of-2) also in an evaluation before training."""
+    recipe = mxtrain.DelayedScaling(margin=2)
+    torch.manual_seed(0)
+    m, x = mxtrain.Linear(32, 16), torch.randn(8, 32)
+    with torch.no_grad(), mxtrain.mx_autocast(recipe=recipe):
+        y = m(x)
+    with mxtrain.mx_autocast(recipe=recipe):
+        y_train = m(x)  # the training forward's first step casts with the same first-step scales
+    assert torch.equal(y, y_train.detach())
