@@ -46,14 +46,6 @@ def test_generator_seed_names_what_cannot_compile():
         torch.compile(_step(recipe), fullgraph=True)(m, torch.randn(4, 32))
 
 
-def test_delayed_scaling_reduction_group_names_what_cannot_compile():
-    # DelayedScaling itself compiles (tests/modules/test_compile_delayed.py); its cross-rank amax all-reduce does not
-    m = mxtrain.Linear(32, 16)
-    torch._dynamo.reset()
-    with pytest.raises(Exception, match="DelayedScaling with an amax_reduction_group .* cannot be compiled"):
-        torch.compile(_step(mxtrain.DelayedScaling(amax_reduction_group=object())), fullgraph=True)(m, torch.randn(4, 32))
-
-
 def _compiled_then_eager(recipe, module, x, dy):
     """The compiled run first (a recipe first used inside the compiled function must trace), then eager."""
     torch._dynamo.reset()
