@@ -463,3 +463,18 @@ def check_input(x: torch.Tensor, features: int, name: str, what: str = "last dim
     if x.ndim < 1 or x.shape[-1] != features:
         raise ValueError(f"{name} expects inputs of shape [..., {features}], got {list(x.shape)} "
                          f"({what} must be {features})")
+
+
+@torch.compiler.disable
+def _apply_eagerly(fn, *args):
+    return fn.apply(*args)
+
+
+def apply_module_fn(fn, weights, *args):
+    """``fn.apply(*args)`` for a module's autograd function; under ``torch.compile``, run eagerly (one graph
+    break) when one of ``weights`` arrived from an FSDP2 quantized all-gather: traced, the gradient of that
+    gathered-weight tensor subclass never reached FSDP's parameter (the GEMM weights of a compiled layer got
+    no gradient at all), so such modules stay out of the graph until the subclass can be traced."""
+    if torch.compiler.is_compiling() and any(hasattr(w, "mx_gathered_plane") for w in weights):
+        return _apply_eagerly(fn, *args)
+    return fn.apply(*args)

@@ -122,9 +122,9 @@ class RecipeStateMixin:
             return None if state is None else gemm_recipe(recipe.bind(state), gemm)
         if _REPLAY.get() is not None or in_backward():
             return gemm_recipe(recipe.bind(FrozenState(state if state is not None else recipe.make_state())), gemm)
-        if state is None:
-            state = self.__dict__[_ATTR] = recipe.make_state()
-        self._place_loaded_state(state)
+        # made (on the parameters' device: NCCL all-reduces no CPU tensor), placed, and its slots made, as a
+        # training forward does
+        state = self._prepare_state(recipe)
         state.update(recipe)
         return gemm_recipe(recipe.bind(state), gemm)
 

@@ -35,7 +35,7 @@ from mxtrain import config
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import dequantize
 from mxtrain.modules._common import (
-    check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, weight_uses,
+    apply_module_fn, check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, weight_uses,
 )
 from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
 from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
@@ -408,8 +408,8 @@ class GroupedLinear(RecipeStateMixin, nn.Module):
         recipe = get_recipe()
         if recipe is None:
             return mx_grouped_linear(x, splits, self.weights, self.biases)
-        return _GroupedLinearFn.apply(x, splits, self.forward_recipe(recipe), self.num_gemms, *self.weights,
-                                      *(self.biases or ()))
+        return apply_module_fn(_GroupedLinearFn, self.weights, x, splits, self.forward_recipe(recipe), self.num_gemms,
+                               *self.weights, *(self.biases or ()))
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "

@@ -14,7 +14,7 @@ from torch import nn
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
-    autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
+    apply_module_fn, autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
     once_differentiable, recipe_generator, release_mx_operands, round_elemwise, save_for_backward, saved_tensors,
     source_cast_args, source_operands,
 )
@@ -127,8 +127,8 @@ class LayerNormLinear(RecipeStateMixin, nn.Module):
         cfg = (self.normalization, self.eps, self.zero_centered_gamma, self.return_layernorm_output)
         x, no_autocast = autocast_boundary(x)
         with no_autocast:
-            return _LayerNormLinearFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.weight,
-                                            self.bias, cfg, self.forward_recipe(recipe))
+            return apply_module_fn(_LayerNormLinearFn, (self.weight,), x, self.layer_norm_weight,
+                                   self.layer_norm_bias, self.weight, self.bias, cfg, self.forward_recipe(recipe))
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, "

@@ -31,7 +31,7 @@ from mxtrain.kernels.activation_cast import activation_backward_cast, activation
 from mxtrain.kernels.dispatch import bias_grad, mx_gemm
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
-    autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward, free_operand,
+    apply_module_fn, autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward, free_operand,
     free_saved, once_differentiable, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
     save_for_backward, saved_tensors, source_cast_args, source_operands, weight_planes,
 )
@@ -266,9 +266,9 @@ class LayerNormMLP(RecipeStateMixin, nn.Module):
             cfg = (self.normalization, self.eps, self.zero_centered_gamma, self.activation)
             x, no_autocast = autocast_boundary(x)
             with no_autocast:
-                y = _LayerNormMLPFn.apply(x, self.layer_norm_weight, self.layer_norm_bias, self.fc1_weight,
-                                          self.fc1_bias, self.fc2_weight, fc2_bias, cfg,
-                                          self.forward_recipe(recipe))
+                y = apply_module_fn(_LayerNormMLPFn, (self.fc1_weight, self.fc2_weight), x, self.layer_norm_weight,
+                                    self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias,
+                                    cfg, self.forward_recipe(recipe))
         return (y, self.fc2_bias) if self.return_bias else y
 
     def extra_repr(self) -> str:

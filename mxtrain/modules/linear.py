@@ -17,7 +17,7 @@ from torch import nn
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import bias_grad, mx_gemm
 from mxtrain.modules._common import (
-    autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
+    apply_module_fn, autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
     once_differentiable, quantize_operand, recipe_generator, release_mx_operands, save_for_backward, saved_tensors,
     weight_planes,
 )
@@ -148,7 +148,8 @@ class Linear(RecipeStateMixin, nn.Linear):
             return F.linear(x, self.weight, self.bias)
         x, no_autocast = autocast_boundary(x)
         with no_autocast:
-            return _LinearFn.apply(x, self.weight, self.bias, self.forward_recipe(recipe))
+            return apply_module_fn(_LinearFn, (self.weight,), x, self.weight, self.bias,
+                                   self.forward_recipe(recipe))
 
 
 def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:

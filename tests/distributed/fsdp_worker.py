@@ -654,6 +654,10 @@ def main():
             res = scenario_core(rank, world, device, out)
         elif scenario == "fp8":
             res = scenario_fp8(rank, world, device, out)
+        elif scenario == "compile":
+            from compile_worker import scenario_compile
+
+            res = scenario_compile(rank, device)
         elif scenario == "ckpt":
             res = scenario_ckpt(rank, world, device, out)
             res["world"] = world
