@@ -162,8 +162,8 @@ class GroupedFloat8Tensor:
                 planes.append(Float8Plane(self.row[start:start + n], self.scale_inv[e], 1))
             elif self.col_layout == "expert":
                 planes.append(Float8Plane(self.col[K * start:K * (start + n)].view(K, n), self.scale_inv[e], 0))
-            else:
-                planes.append(Float8Plane(self.col[:, start:start + n], self.scale_inv[e], 0))
+            else:  # a copy: the per-expert GEMM reads [K, n] row-major
+                planes.append(Float8Plane(self.col[:, start:start + n].contiguous(), self.scale_inv[e], 0))
         return Float8Tensor(tuple(planes), self.fmt, (n, K), self.dtype, self.amax[e])
 
 

@@ -1,0 +1,117 @@
+"""GroupedLinear under per-tensor FP8 with the grouped cast (one amax pass and one cast launch over all experts
+for the input, the grad-output and the stacked weights): bit for bit a loop of per-expert mxtrain.Linear
+(Triton interpreter on CPU: MXTRAIN_BACKEND=triton), and the per-expert casts where the kernel does not run."""
+
+import importlib
+
+import pytest
+import torch
+
+import mxtrain
+from mxtrain.kernels import registry
+
+pytest.importorskip("triton", reason="triton is not installed")
+gl_module = importlib.import_module("mxtrain.modules.grouped_linear")
+
+RECIPES = {
+    "fp8_current": lambda: mxtrain.Float8CurrentScaling(),
+    "fp8_current_e4m3_pow2": lambda: mxtrain.Float8CurrentScaling(fp8_format="e4m3", power_of_2_scales=True),
+    "fp8_delayed": lambda: mxtrain.DelayedScaling(amax_history_len=4),
+}
+
+
+def _pair(num, in_f, out_f, bias, dtype):
+    torch.manual_seed(0)
+    grouped = mxtrain.GroupedLinear(num, in_f, out_f, bias=bias).to(dtype)
+    linears = [mxtrain.Linear(in_f, out_f, bias=bias).to(dtype) for _ in range(num)]
+    with torch.no_grad():
+        for e, lin in enumerate(linears):
+            lin.weight.copy_(getattr(grouped, f"weight{e}"))
+            if bias:
+                lin.bias.copy_(getattr(grouped, f"bias{e}"))
+    return grouped, linears
+
+
+@pytest.fixture
+def grouped_casts(monkeypatch):
+    """The backends that ran each grouped FP8 cast."""
+    ran, real = [], registry.run
+
+    def run(op, call, device, *args, **kwargs):
+        if op == "grouped_float8_cast":
+            ran.append((registry.select(op, call, device, *args, **kwargs).backend, tuple(call.x.shape)))
+        return real(op, call, device, *args, **kwargs)
+
+    monkeypatch.setattr(registry, "run", run)
+    return ran
+
+
+def _step(grouped, linears, recipe, splits, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(splits)
+    x = (torch.randn(tokens, grouped.in_features, generator=g) * 3).to(dtype)
+    x[:splits[0]] *= 1e-3  # experts of very different amaxes: one shared scale would give other codes
+    dy = torch.randn(tokens, grouped.out_features, generator=g).to(dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with mxtrain.mx_autocast(recipe=recipe):
+        y1 = grouped(x1, splits)
+        y2 = torch.cat([lin(xe) for lin, xe in zip(linears, x2.split(splits))])
+    y1.backward(dy)
+    y2.backward(dy)
+    assert torch.equal(y1, y2) and torch.equal(x1.grad, x2.grad)
+    for e, lin in enumerate(linears):
+        for name in ("weight", "bias"):
+            ref = getattr(lin, name)
+            if ref is not None:
+                want = ref.grad if ref.grad is not None else torch.zeros_like(ref)
+                got = getattr(grouped, f"{name}{e}").grad
+                if name == "bias":  # under the Triton backend mxtrain.Linear sums the bias gradient inside its
+                    # fused cast of dy (tile by tile), GroupedLinear over the tokens: another summation order
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                else:
+                    assert torch.equal(got, want), f"{name}{e}"
+    for p in [*grouped.parameters(), *(q for lin in linears for q in lin.parameters())]:
+        p.grad = None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_grouped_cast_matches_loop_of_linears(mx_config, grouped_casts, recipe, dtype):
+    mx_config(backend="triton")
+    recipe, splits = RECIPES[recipe](), [11, 0, 37, 5]
+    grouped, linears = _pair(len(splits), 40, 24, True, dtype)
+    steps = 3 if recipe.short_name == "fp8_delayed" else 1
+    for step in range(steps):
+        _step(grouped, linears, recipe, splits, dtype, seed=step)
+    # every step: x, the weights, dy in one grouped cast each (DelayedScaling: from its second step on, when
+    # every expert's slots have a history; its first step casts each expert alone, as the loop does)
+    grouped_steps = steps - 1 if recipe.short_name == "fp8_delayed" else steps
+    assert grouped_casts == [("triton", (53, 40)), ("triton", (96, 40)), ("triton", (53, 24))] * grouped_steps
+    if recipe.short_name == "fp8_delayed":
+        state = grouped.recipe_state
+        for e, lin in enumerate(linears):
+            if splits[e]:
+                for tensor in ("input", "weight", "grad_output"):
+                    i, j = state.slots[f"expert{e}.{tensor}"], lin.recipe_state.slots[tensor]
+                    assert torch.equal(state.amax_history[:, i], lin.recipe_state.amax_history[:, j])
+                    assert torch.equal(state.scale[i], lin.recipe_state.scale[j])
+
+
+def test_per_expert_casts_where_the_kernel_does_not_run(grouped_casts, mx_config):
+    """The CPU's default backend walks to the reference: the grouped cast declines, each expert is cast alone."""
+    grouped, linears = _pair(3, 32, 16, False, torch.float32)
+    _step(grouped, linears, mxtrain.Float8CurrentScaling(), [4, 9, 0], torch.float32, seed=0)
+    assert grouped_casts == []
+    mx_config(backend="triton", fp8_fused_casts=False)  # MXTRAIN_FP8_FUSED_CASTS=0: the unfused per-expert casts
+    _step(grouped, linears, mxtrain.Float8CurrentScaling(), [4, 9, 0], torch.float32, seed=1)
+    assert grouped_casts == []
+
+
+def test_weight_cast_cache_keeps_serving_the_weights(mx_config, grouped_casts):
+    """Inside weight_cast_cache the weights are cast per expert through its cache (reused across microbatches);
+    x and dy are still cast in one launch each."""
+    mx_config(backend="triton")
+    grouped, linears = _pair(2, 32, 16, False, torch.float32)
+    with mxtrain.weight_cast_cache():
+        _step(grouped, linears, mxtrain.Float8CurrentScaling(), [7, 9], torch.float32, seed=0)
+    assert grouped_casts == [("triton", (16, 32)), ("triton", (16, 16))]
