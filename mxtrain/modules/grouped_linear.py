@@ -10,16 +10,23 @@ experts in one quantize call (one launch writing all of its planes) and each exp
 the result: always the rowwise planes (blocks along K or N) of the input, the grad-output and the
 stacked weights; the columnwise planes (blocks along tokens) when every expert's token count is a
 multiple of the block (32 for MXFP8: pad each expert's tokens to it where the tokens are permuted, as
-Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Other counts, and
-per-tensor FP8 scaling (current, delayed: one scale per expert tensor), cast each expert alone, all
-its uses from one read, exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the stacked
-tensor would cost more passes over it than the per-expert casts.
+Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Per-tensor FP8
+scaling (current, delayed: one scale per expert tensor) casts each tensor for all experts in one
+grouped cast (:mod:`mxtrain.kernels.grouped_float8_cast`: an amax pass and one cast launch, each
+expert with its own scale, any token counts) where its Triton kernel runs. Other counts, and the
+per-tensor casts where the kernel does not run, cast each expert alone, all its uses from one read,
+exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the stacked tensor would cost more
+passes over it than the per-expert casts.
 
 GEMMs. MX recipes with bf16 activations on CUDA run each pass as one grouped bf16 GEMM
 (``torch.nn.functional.grouped_mm``) of the dequantized operands (written as bf16 values by the casts
 where the operand is used at once), as ``mx_gemm`` does on Hopper, where all experts were cast at
-once; everything else (CPU, ragged counts, FP8 recipes: ``scaled_mm`` / the 128-block kernel per
-expert) runs ``mx_linear_forward`` / ``mx_linear_backward`` per expert.
+once. Per-tensor FP8 on sm_90 runs a pass as one grouped FP8 GEMM (``torch._scaled_grouped_mm``, each
+expert's scales given as row-wise scales) where both operands are E4M3 and the activations bf16:
+fprop always, dgrad with E4M3 gradients (``fp8_format="e4m3"``), wgrad also only with token counts
+multiples of 16 (it groups along the tokens); see :func:`_float8_grouped_gemm_ok`. Everything else
+(CPU, ragged counts, ``scaled_mm`` / the 128-block kernel per expert) runs ``mx_linear_forward`` /
+``mx_linear_backward`` per expert.
 """
 
 from __future__ import annotations
@@ -136,8 +143,9 @@ def _float8_grouped_operands(stacked, parts, splits: list[int], uses_of, ends_t,
         return None
     layout = [(i, a) for i, _, a in quantized[0]]
     for q in quantized:
-        if ([(i, a) for i, _, a in q] != layout or any(not isinstance(s, Float8RoleSpec) or _float8_key(s) != _float8_key(spec0)
-                                                     or s.slot != q[0][1].slot for _, s, _ in q)):
+        if [(i, a) for i, _, a in q] != layout or any(
+                not isinstance(s, Float8RoleSpec) or _float8_key(s) != _float8_key(spec0) or s.slot != q[0][1].slot
+                for _, s, _ in q):
             return None
     settings = config.current()
     if (not settings.fp8_fused_casts or torch.compiler.is_compiling()
@@ -427,7 +435,8 @@ class _GroupedLinearFn(torch.autograd.Function):
         recipes = [gemm_recipe(recipe, f"expert{e}") for e in range(num_gemms)]
         n_out = weights[0].shape[0]
         # per-tensor FP8: the experts' end rows on the device, for the grouped casts and GEMMs
-        ctx.fp8_ends = _offsets(list(_cumsum(splits)), x.device) if _per_tensor_float8(recipe) else None
+        ctx.fp8_ends = (_offsets(list(_cumsum(splits)), x.device)
+                        if _per_tensor_float8(recipe) and not torch.compiler.is_compiling() else None)
         wgrad_grouped = needs_wgrad and ctx.fp8_ends is not None and _float8_grouped_gemm_ok(
             x, recipe.role("wgrad_grad_output"), recipe.role("wgrad_input"), (n_out, x.shape[1]), splits)
         x_ops = grouped_operands(lambda: x, x.split(splits), splits,

@@ -115,3 +115,59 @@ def test_weight_cast_cache_keeps_serving_the_weights(mx_config, grouped_casts):
     with mxtrain.weight_cast_cache():
         _step(grouped, linears, mxtrain.Float8CurrentScaling(), [7, 9], torch.float32, seed=0)
     assert grouped_casts == [("triton", (16, 32)), ("triton", (16, 16))]
+
+
+def _emulated_scaled_grouped_mm(a, b, scale_a, scale_b, offs=None, out_dtype=None, use_fast_accum=False):
+    """torch._scaled_grouped_mm's contract on the CPU: its own argument checks (run on meta copies of the
+    arguments, strides kept), then the row-wise-scaled products of each group in fp32, rounded to bf16."""
+    meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (a, b, scale_a, scale_b,
+                                                                                              offs)]
+    torch._scaled_grouped_mm(*meta[:4], offs=meta[4], out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    ends, start, outs = offs.tolist(), 0, []
+    for g, end in enumerate(ends):
+        if b.ndim == 3:  # 2d-3d: groups of rows of a
+            outs.append((a[start:end].float() * scale_a[start:end, None]) @ (b[g].float() * scale_b[g][None, :]))
+        else:  # 2d-2d: groups along the reduction axis, one [M, N] output each
+            m, n = a.shape[0], b.shape[1]
+            outs.append((a[:, start:end].float() * scale_a[g * m:(g + 1) * m, None])
+                        @ (b[start:end].float() * scale_b[g * n:(g + 1) * n][None, :]))
+        start = end
+    return (torch.cat(outs) if b.ndim == 3 else torch.stack(outs)).to(out_dtype)
+
+
+def test_grouped_fp8_gemm_operands(monkeypatch):
+    """The operands GroupedLinear gives torch._scaled_grouped_mm (CUDA only): accepted by its checks (meta) and,
+    under its contract, each expert's product of dequantized operands: fprop, dgrad and the wgrad over tokens."""
+    from mxtrain.kernels.grouped_float8_cast import grouped_cast_float8
+
+    monkeypatch.setattr(gl_module, "_scaled_grouped_mm_fn", _emulated_scaled_grouped_mm)
+    monkeypatch.setattr(gl_module, "_fast_accum", lambda a_axis, b_axis: False)
+    splits, num, n_out, n_in = [16, 0, 48, 32], 4, 32, 48
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(splits), n_in, generator=g).bfloat16() * torch.tensor([1.0] * 16 + [50.0] * 80)[:, None]
+    dy = torch.randn(sum(splits), n_out, generator=g).bfloat16()
+    w = torch.randn(num, n_out, n_in, generator=g).bfloat16()
+    ends = torch.tensor(splits).cumsum(0).to(torch.int32)
+    kw = dict(backend="triton", columnwise=True)
+    xq = grouped_cast_float8(x, ends=ends, col_layout="stacked", **kw)
+    dyq = grouped_cast_float8(dy, ends=ends, col_layout="stacked", **kw)
+    wq = grouped_cast_float8(w, **kw)
+    y = gl_module._float8_grouped_mm(xq.row, gl_module._expert_planes(wq, num, 1), xq.scale_inv, wq.scale_inv, ends,
+                                     False, rows=x.shape[0])
+    dx = gl_module._float8_grouped_mm(dyq.row, gl_module._expert_planes(wq, num, 0), dyq.scale_inv, wq.scale_inv,
+                                      ends, False, rows=x.shape[0])
+    dw = gl_module._float8_grouped_wgrad(dyq, xq, ends, num)
+    start = 0
+    for e, n in enumerate(splits):
+        xe = xq.expert(e, start, n, (1, 0))
+        de = dyq.expert(e, start, n, (1, 0))
+        we = wq.expert(e, e * n_out, n_out, (1, 0))
+        close = dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(y[start:start + n], (xe.dequantize(torch.float32, 1)
+                                                        @ we.dequantize(torch.float32, 1).t()).bfloat16(), **close)
+        torch.testing.assert_close(dx[start:start + n], (de.dequantize(torch.float32, 1)
+                                                         @ we.dequantize(torch.float32, 0)).bfloat16(), **close)
+        torch.testing.assert_close(dw[e].float(), de.dequantize(torch.float32, 0).t().float()
+                                   @ xe.dequantize(torch.float32, 0).float() if n else torch.zeros(n_out, n_in),
+                                   **close)
+        start += n
