@@ -32,7 +32,8 @@ from mxtrain.kernels.float8_cast import (
     _FP8_BITS, _bits_view, _block_scale, _bytes, _fp8_bytes, _load_f32, _scaled,
 )
 from mxtrain.quantization.float8 import (
-    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name, quantize_float8,
+    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
+    quantize_float8 as reference_quantize_float8,
 )
 
 __all__ = ["GroupedFloat8Tensor", "grouped_cast_float8", "MAX_EXPERTS", "COL_LAYOUTS"]
@@ -154,7 +155,8 @@ class GroupedFloat8Tensor:
 
     def expert(self, e: int, start: int, n: int, axes=(1,)) -> Float8Tensor:
         """Expert ``e``'s rows ``[start, start + n)`` (host ints) as a Float8Tensor with the planes of ``axes``
-        (1: rowwise, 0: columnwise, as ``quantize_float8``'s ``axes``), views of this cast's buffers."""
+        (1: rowwise, 0: columnwise, as ``quantize_float8``'s ``axes``): views of this cast's buffers (a copy
+        of the columns of a ``"stacked"`` columnwise plane)."""
         K = self.shape[1]
         planes = []
         for a in axes:
@@ -279,7 +281,8 @@ def _triton_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
 
 
 def _reference_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
-    """The reference: :func:`quantize_float8` of each expert's segment (reads the segment ends on the host)."""
+    """The reference: :func:`~mxtrain.quantization.float8.quantize_float8` of each expert's segment (reads the
+    segment ends on the host)."""
     x, E = call.x, call.num_experts
     T, K = x.shape
     if call.ends is None:
@@ -292,7 +295,7 @@ def _reference_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
     start = 0
     for e, end in enumerate(ends):
         seg = x[start:end]
-        q = quantize_float8(seg, call.fmt, axes=axes, scale=None if call.scale is None else call.scale[e],
+        q = reference_quantize_float8(seg, call.fmt, axes=axes, scale=None if call.scale is None else call.scale[e],
                             power_of_2_scales=call.power_of_2_scales, amax_epsilon=call.amax_epsilon,
                             amax_reduction_group=call.amax_reduction_group)
         sinv[e], amax[e] = q.scale_inv, q.amax
