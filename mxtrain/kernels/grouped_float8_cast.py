@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from mxtrain.kernels import registry
-from mxtrain.kernels._triton_utils import interpret_mode
+from mxtrain.kernels._triton_utils import device_supported, interpret_mode
 from mxtrain.kernels.calls import GroupedFloat8CastCall
 from mxtrain.kernels.float8_cast import (
     _FP8_BITS, _bits_view, _block_scale, _bytes, _fp8_bytes, _load_f32, _scaled,
@@ -231,6 +231,8 @@ def grouped_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, ends: torch.Tensor |
 
 def triton_supports(call: GroupedFloat8CastCall) -> str | None:
     x = call.x
+    if not device_supported(x.device):
+        return f"a tensor on {x.device} (Triton runs CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)"
     if x.numel() == 0:
         return f"an empty tensor {list(x.shape)} (nothing to launch)"
     if call.num_experts > MAX_EXPERTS:

@@ -164,9 +164,12 @@ def _float8_grouped_operands(stacked, parts, splits: list[int], uses_of, ends_t,
             return None
     axes = tuple(dict.fromkeys(a % 2 for _, a in layout))
     try:
-        from mxtrain.kernels import grouped_float8_cast as gfc
         from mxtrain.kernels import registry
-    except ImportError:
+
+        if not registry.walks("float8_quantize", x.device, "triton"):  # where the FP8 casts reach no Triton
+            return None  # kernel (a CPU without MXTRAIN_BACKEND=triton), Triton is not even imported
+        from mxtrain.kernels import grouped_float8_cast as gfc
+    except (ImportError, RuntimeError):
         return None
     if ends_t is None and any(n != splits[0] for n in splits):
         ends_t = _offsets(list(_cumsum(splits)), x.device)
