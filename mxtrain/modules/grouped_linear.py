@@ -24,7 +24,7 @@ where the operand is used at once), as ``mx_gemm`` does on Hopper, where all exp
 once. Per-tensor FP8 on sm_90 runs a pass as one grouped FP8 GEMM (``torch._scaled_grouped_mm``, each
 expert's scales given as row-wise scales) where both operands are E4M3 and the activations bf16:
 fprop always, dgrad with E4M3 gradients (``fp8_format="e4m3"``), wgrad also only with token counts
-multiples of 16 (it groups along the tokens); see :func:`_float8_grouped_gemm_ok`. Everything else
+multiples of 16 (it groups along the tokens) and bf16 weights; see :func:`_float8_grouped_gemm_ok`. Everything else
 (CPU, ragged counts, ``scaled_mm`` / the 128-block kernel per expert) runs ``mx_linear_forward`` /
 ``mx_linear_backward`` per expert.
 """
@@ -409,8 +409,9 @@ def _float8_grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, n
         dx = _float8_grouped_mm(dq.row, _expert_planes(wq, num_gemms, 0), dq.scale_inv, wq.scale_inv, ctx.fp8_ends,
                                 _fast_accum(1, 0), rows=dy.shape[0])
         dx = None if dx is None else dx.to(x_dtype)
+    # wgrad: bf16 weights only (the grouped GEMM writes bf16: fp32 master weights keep the per-expert GEMMs)
     if (any(need_w) and dq is not None and xq is not None and dq.col is not None and xq.col is not None
-            and dq.col_layout == xq.col_layout == "stacked"
+            and dq.col_layout == xq.col_layout == "stacked" and all(d == torch.bfloat16 for d in w_dtypes)
             and _float8_grouped_gemm_ok(dy, recipe.role("wgrad_grad_output"), recipe.role("wgrad_input"),
                                         (n_out, n_in), splits)):
         dw = _float8_grouped_wgrad(dq, xq, ctx.fp8_ends, num_gemms)
@@ -440,8 +441,9 @@ class _GroupedLinearFn(torch.autograd.Function):
         # per-tensor FP8: the experts' end rows on the device, for the grouped casts and GEMMs
         ctx.fp8_ends = (_offsets(list(_cumsum(splits)), x.device)
                         if _per_tensor_float8(recipe) and not torch.compiler.is_compiling() else None)
-        wgrad_grouped = needs_wgrad and ctx.fp8_ends is not None and _float8_grouped_gemm_ok(
-            x, recipe.role("wgrad_grad_output"), recipe.role("wgrad_input"), (n_out, x.shape[1]), splits)
+        wgrad_grouped = (needs_wgrad and ctx.fp8_ends is not None and all(w.dtype == torch.bfloat16 for w in weights)
+                         and _float8_grouped_gemm_ok(x, recipe.role("wgrad_grad_output"), recipe.role("wgrad_input"),
+                                                     (n_out, x.shape[1]), splits))
         x_ops = grouped_operands(lambda: x, x.split(splits), splits,
                                  lambda e: linear_input_specs(recipes[e], needs_wgrad), gen, ends_t=ctx.fp8_ends,
                                  col_layout="stacked" if wgrad_grouped else "expert")
