@@ -1,8 +1,10 @@
 """GroupedLinear under per-tensor FP8 with the grouped cast (one amax pass and one cast launch over all experts
 for the input, the grad-output and the stacked weights): bit for bit a loop of per-expert mxtrain.Linear
-(Triton interpreter on CPU: MXTRAIN_BACKEND=triton), and the per-expert casts where the kernel does not run."""
+(Triton interpreter on CPU: MXTRAIN_BACKEND=triton; on a GPU with per-expert GEMMs, MXTRAIN_GROUPED_MM=0),
+and the per-expert casts where the kernel does not run."""
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -12,6 +14,18 @@ from mxtrain.kernels import registry
 
 pytest.importorskip("triton", reason="triton is not installed")
 gl_module = importlib.import_module("mxtrain.modules.grouped_linear")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = torch.device("cpu") if INTERPRET else torch.device("cuda")
+
+
+@pytest.fixture
+def kernels_here(mx_config):
+    """The grouped cast runs: the interpreter under MXTRAIN_BACKEND=triton on CPU; on a GPU as it is, with
+    per-expert GEMMs (the grouped FP8 GEMM rounds otherwise than the loop's per-expert ones)."""
+    if INTERPRET:
+        mx_config(backend="triton")
+    else:
+        mx_config(grouped_mm="0")
 
 RECIPES = {
     "fp8_current": lambda: mxtrain.Float8CurrentScaling(),
@@ -22,8 +36,8 @@ RECIPES = {
 
 def _pair(num, in_f, out_f, bias, dtype):
     torch.manual_seed(0)
-    grouped = mxtrain.GroupedLinear(num, in_f, out_f, bias=bias).to(dtype)
-    linears = [mxtrain.Linear(in_f, out_f, bias=bias).to(dtype) for _ in range(num)]
+    grouped = mxtrain.GroupedLinear(num, in_f, out_f, bias=bias).to(DEVICE, dtype)
+    linears = [mxtrain.Linear(in_f, out_f, bias=bias).to(DEVICE, dtype) for _ in range(num)]
     with torch.no_grad():
         for e, lin in enumerate(linears):
             lin.weight.copy_(getattr(grouped, f"weight{e}"))
@@ -49,9 +63,9 @@ def grouped_casts(monkeypatch):
 def _step(grouped, linears, recipe, splits, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     tokens = sum(splits)
-    x = (torch.randn(tokens, grouped.in_features, generator=g) * 3).to(dtype)
+    x = (torch.randn(tokens, grouped.in_features, generator=g) * 3).to(DEVICE, dtype)
     x[:splits[0]] *= 1e-3  # experts of very different amaxes: one shared scale would give other codes
-    dy = torch.randn(tokens, grouped.out_features, generator=g).to(dtype)
+    dy = torch.randn(tokens, grouped.out_features, generator=g).to(DEVICE, dtype)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     with mxtrain.mx_autocast(recipe=recipe):
         y1 = grouped(x1, splits)
@@ -65,8 +79,8 @@ def _step(grouped, linears, recipe, splits, dtype, seed):
             if ref is not None:
                 want = ref.grad if ref.grad is not None else torch.zeros_like(ref)
                 got = getattr(grouped, f"{name}{e}").grad
-                if name == "bias":  # under the Triton backend mxtrain.Linear sums the bias gradient inside its
-                    # fused cast of dy (tile by tile), GroupedLinear over the tokens: another summation order
+                if name == "bias":  # where Triton runs mxtrain.Linear sums the bias gradient inside its fused
+                    # cast of dy (tile by tile), GroupedLinear over the tokens: another summation order
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
                 else:
                     assert torch.equal(got, want), f"{name}{e}"
@@ -76,8 +90,7 @@ def _step(grouped, linears, recipe, splits, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_grouped_cast_matches_loop_of_linears(mx_config, grouped_casts, recipe, dtype):
-    mx_config(backend="triton")
+def test_grouped_cast_matches_loop_of_linears(kernels_here, grouped_casts, recipe, dtype):
     recipe, splits = RECIPES[recipe](), [11, 0, 37, 5]
     grouped, linears = _pair(len(splits), 40, 24, True, dtype)
     steps = 3 if recipe.short_name == "fp8_delayed" else 1
@@ -97,6 +110,7 @@ def test_grouped_cast_matches_loop_of_linears(mx_config, grouped_casts, recipe, 
                     assert torch.equal(state.scale[i], lin.recipe_state.scale[j])
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the CPU's default walk (a GPU walks to Triton)")
 def test_per_expert_casts_where_the_kernel_does_not_run(grouped_casts, mx_config):
     """The CPU's default backend walks to the reference: the grouped cast declines, each expert is cast alone."""
     grouped, linears = _pair(3, 32, 16, False, torch.float32)
@@ -107,10 +121,9 @@ def test_per_expert_casts_where_the_kernel_does_not_run(grouped_casts, mx_config
     assert grouped_casts == []
 
 
-def test_weight_cast_cache_keeps_serving_the_weights(mx_config, grouped_casts):
+def test_weight_cast_cache_keeps_serving_the_weights(kernels_here, grouped_casts):
     """Inside weight_cast_cache the weights are cast per expert through its cache (reused across microbatches);
     x and dy are still cast in one launch each."""
-    mx_config(backend="triton")
     grouped, linears = _pair(2, 32, 16, False, torch.float32)
     with mxtrain.weight_cast_cache():
         _step(grouped, linears, mxtrain.Float8CurrentScaling(), [7, 9], torch.float32, seed=0)
@@ -144,10 +157,11 @@ def test_grouped_fp8_gemm_operands(monkeypatch):
     monkeypatch.setattr(gl_module, "_fast_accum", lambda a_axis, b_axis: False)
     splits, num, n_out, n_in = [16, 0, 48, 32], 4, 32, 48
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(sum(splits), n_in, generator=g).bfloat16() * torch.tensor([1.0] * 16 + [50.0] * 80)[:, None]
-    dy = torch.randn(sum(splits), n_out, generator=g).bfloat16()
-    w = torch.randn(num, n_out, n_in, generator=g).bfloat16()
-    ends = torch.tensor(splits).cumsum(0).to(torch.int32)
+    x = (torch.randn(sum(splits), n_in, generator=g).bfloat16()
+         * torch.tensor([1.0] * 16 + [50.0] * 80)[:, None]).to(DEVICE)
+    dy = torch.randn(sum(splits), n_out, generator=g).bfloat16().to(DEVICE)
+    w = torch.randn(num, n_out, n_in, generator=g).bfloat16().to(DEVICE)
+    ends = torch.tensor(splits).cumsum(0).to(torch.int32).to(DEVICE)
     kw = dict(backend="triton", columnwise=True)
     xq = grouped_cast_float8(x, ends=ends, col_layout="stacked", **kw)
     dyq = grouped_cast_float8(dy, ends=ends, col_layout="stacked", **kw)
@@ -168,6 +182,7 @@ def test_grouped_fp8_gemm_operands(monkeypatch):
         torch.testing.assert_close(dx[start:start + n], (de.dequantize(torch.float32, 1)
                                                          @ we.dequantize(torch.float32, 0)).bfloat16(), **close)
         torch.testing.assert_close(dw[e].float(), de.dequantize(torch.float32, 0).t().float()
-                                   @ xe.dequantize(torch.float32, 0).float() if n else torch.zeros(n_out, n_in),
+                                   @ xe.dequantize(torch.float32, 0).float() if n else torch.zeros(n_out, n_in,
+                                                                                                    device=DEVICE),
                                    **close)
         start += n
