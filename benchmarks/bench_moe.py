@@ -144,7 +144,10 @@ def aligned(x: torch.Tensor, dy: torch.Tensor, splits: list[int], align: int):
 
 
 RECIPES = {"mxfp8": mxtrain.MXFP8Recipe, "fp8_current": mxtrain.Float8CurrentScaling,
-           "fp8_delayed": mxtrain.DelayedScaling, "fp8_block": mxtrain.Float8BlockScaling}
+           "fp8_delayed": mxtrain.DelayedScaling, "fp8_block": mxtrain.Float8BlockScaling,
+           # E4M3 gradients too: on sm_90 dgrad and wgrad can then run as grouped FP8 GEMMs (E4M3 x E4M3 only)
+           "fp8_current_e4m3": lambda: mxtrain.Float8CurrentScaling(fp8_format="e4m3"),
+           "fp8_delayed_e4m3": lambda: mxtrain.DelayedScaling(fp8_format="e4m3")}
 
 
 def main(argv=None) -> list[dict]:

@@ -18,7 +18,7 @@ from mxtrain.quantization._validate import check_float_tensor, normalize_axes
 from mxtrain.quantization.mx import _check_common
 
 __all__ = ["CastSpec", "QuantizeCall", "DequantizeCall", "DequantizeShardsCall", "Float8QuantizeCall",
-           "BlockCastCall", "GemmCall", "values_request", "VALUES_DTYPES"]
+           "BlockCastCall", "GroupedFloat8CastCall", "GemmCall", "values_request", "VALUES_DTYPES"]
 
 VALUES_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
@@ -210,6 +210,30 @@ class BlockCastCall:
     def key(self):
         return (_meta(self.x), _meta(self.grad), self.fmt, self.block, self.rowwise, self.columnwise, self.act,
                 self.dbias)
+
+
+class GroupedFloat8CastCall:
+    """A per-tensor FP8 cast of the experts' row segments of one stacked 2-D tensor, each segment with its own
+    scale (``grouped_float8_cast.grouped_cast_float8``): ``x [T, K]`` with contiguous rows; the segments end at
+    the device tensor ``ends [E]`` or are ``rows_per_expert`` rows each; ``scale [E]`` given: delayed scaling."""
+
+    __slots__ = ("x", "ends", "rows_per_expert", "num_experts", "fmt", "rowwise", "columnwise", "col_layout",
+                 "scale", "power_of_2_scales", "amax_epsilon", "amax_reduction_group")
+
+    def __init__(self, x, ends, rows_per_expert, num_experts, fmt, rowwise, columnwise, col_layout, scale,
+                 power_of_2_scales, amax_epsilon, amax_reduction_group):
+        self.x, self.ends, self.rows_per_expert, self.num_experts = x, ends, rows_per_expert, num_experts
+        self.fmt, self.rowwise, self.columnwise, self.col_layout = fmt, rowwise, columnwise, col_layout
+        self.scale, self.power_of_2_scales, self.amax_epsilon = scale, power_of_2_scales, amax_epsilon
+        self.amax_reduction_group = amax_reduction_group
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def key(self):
+        return (_meta(self.x), _meta(self.ends), _meta(self.scale), self.rows_per_expert, self.num_experts, self.fmt,
+                self.rowwise, self.columnwise, self.col_layout)
 
 
 class GemmCall:

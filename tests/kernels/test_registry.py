@@ -217,7 +217,7 @@ def test_no_implementation_calls_another_or_walks_the_registry():
     another backend, nor an entry point that walks the registry (run / run_from and their callers)."""
     registry._load()
     ops = ("quantize", "dequantize", "dequantize_shards", "float8_quantize", "float8_block_cast", "gemm",
-           "float8_gemm")
+           "float8_gemm", "grouped_float8_cast")
     impls = [k for op in ops if op in registry._OPS for k in registry.kernels(op)]
     assert len(impls) >= 5
     walkers = {"run", "run_from", "select", "cuda_quantize", "triton_quantize", "triton_dequantize",

@@ -1,0 +1,137 @@
+"""The grouped per-tensor FP8 cast (one amax pass and one cast launch over all experts) against the reference
+per-expert cast, bit for bit: codes of both planes, scale_inv and amax of every expert (interpreter on CPU,
+compiled on a GPU). Shapes stay small: the interpreter is slow."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from mxtrain.kernels import grouped_float8_cast as gfc  # noqa: E402
+from mxtrain.kernels import registry  # noqa: E402
+from mxtrain.quantization.float8 import quantize_float8  # noqa: E402
+
+DEVICE = torch.device("cpu") if os.environ.get("TRITON_INTERPRET", "0") == "1" else torch.device("cuda")
+
+
+def _codes(t):
+    # any NaN code stands for NaN (GPU arithmetic does not keep the sign of a NaN)
+    nan = torch.isnan(t.float())
+    return torch.where(nan, torch.tensor(0x7F, dtype=torch.uint8, device=t.device), t.view(torch.uint8)).cpu()
+
+
+def _bits(t):
+    return t.float().contiguous().view(torch.int32).cpu()
+
+
+def _source(rows, cols, dtype, seed, nonfinite=False):
+    g = torch.Generator().manual_seed(seed)
+    # per-row magnitudes over 12 decades: every expert gets its own amax, and small rows go subnormal
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-6, 6, rows)[torch.randperm(rows, generator=g)][:, None]
+    if nonfinite and rows > 8:
+        x[3, 1] = float("nan")
+        x[rows - 2, 0] = float("inf")
+        x[rows - 1, cols - 1] = -float("inf")
+    return x.to(dtype)
+
+
+def _check_against_reference(x, splits, q, fmt, axes, scale=None, pow2=False, eps=0.0, what=""):
+    K = x.shape[1]
+    start = 0
+    for e, n in enumerate(splits):
+        seg = x[start:start + n]
+        want = quantize_float8(seg, fmt, axes=axes, scale=None if scale is None else scale[e], power_of_2_scales=pow2,
+                               amax_epsilon=eps)
+        got = q.expert(e, start, n, axes)
+        assert torch.equal(_bits(got.scale_inv), _bits(want.scale_inv)), f"{what} expert {e} scale_inv"
+        assert torch.equal(_bits(got.amax), _bits(want.amax)), f"{what} expert {e} amax"
+        for a in axes:
+            pg, pw = got.plane(a), want.plane(a)
+            assert pg.data.dtype == pw.data.dtype and pg.data.shape == pw.data.shape == ((n, K) if a else (K, n))
+            assert torch.equal(_codes(pg.data), _codes(pw.data)), f"{what} expert {e} axis {a} codes"
+        start += n
+
+
+def _ends(splits):
+    return torch.tensor(splits, dtype=torch.int32).cumsum(0).to(torch.int32).to(DEVICE)
+
+
+def _run(x, **kw):
+    return gfc.grouped_cast_float8(x.to(DEVICE), backend="triton", **kw)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_current_scaling_ragged_with_empty_experts(fmt, dtype):
+    splits = [0, 37, 5, 0, 70, 1]  # 113 rows: tiles straddle experts, two experts empty, odd K
+    x = _source(sum(splits), 67, dtype, seed=1, nonfinite=True)
+    q = _run(x, fmt=fmt, ends=_ends(splits), columnwise=True)
+    assert registry.select("grouped_float8_cast", gfc.GroupedFloat8CastCall(
+        x.to(DEVICE), _ends(splits), None, len(splits), fmt, True, True, "expert", None, False, 0.0, None),
+        DEVICE, "triton" if DEVICE.type == "cpu" else None).backend == "triton"
+    _check_against_reference(x, splits, q, fmt, (1, 0), what=f"{fmt} {dtype}")
+    for e in (0, 3):  # an expert without rows: amax 0, scale 1, as the reference cast of an empty tensor
+        assert q.amax[e].item() == 0.0 and q.scale_inv[e].item() == 1.0
+
+
+@pytest.mark.parametrize("pow2,eps", [(True, 0.0), (False, 1e-2)])
+def test_current_scaling_options_and_one_plane(pow2, eps):
+    splits = [20, 0, 33]
+    x = _source(sum(splits), 40, torch.bfloat16, seed=2)
+    x[:20] *= 1e-9  # expert 0's amax below the epsilon
+    for axes, kw in (((1,), dict(rowwise=True)), ((0,), dict(rowwise=False, columnwise=True))):
+        q = _run(x, fmt="fp8_e4m3", ends=_ends(splits), power_of_2_scales=pow2, amax_epsilon=eps, **kw)
+        assert (q.row is None) == (1 not in axes) and (q.col is None) == (0 not in axes)
+        _check_against_reference(x, splits, q, "fp8_e4m3", axes, pow2=pow2, eps=eps, what=f"axes {axes}")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_delayed_scaling_given_scales_record_amax(fmt):
+    splits = [9, 0, 50, 4]
+    x = _source(sum(splits), 33, torch.float32, seed=3, nonfinite=True)
+    # a strided view, as the per-expert slots of a DelayedScalingState lie
+    scale = torch.tensor([[0.5, 9.0], [3.0, 9.0], [2.0 ** 20, 9.0], [1e-3, 9.0]])[:, 0]
+    q = _run(x, fmt=fmt, ends=_ends(splits), columnwise=True, scale=scale.to(DEVICE))
+    _check_against_reference(x, splits, q, fmt, (1, 0), scale=scale, what="delayed")
+    assert q.amax[1].item() == 0.0 and q.scale_inv[1].item() == torch.tensor(3.0).reciprocal().item()
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_stacked_weights_and_stacked_column_layout(delayed):
+    E, N, K = 3, 24, 40
+    w = _source(E * N, K, torch.bfloat16, seed=4).view(E, N, K)
+    scale = torch.tensor([4.0, 0.25, 1.0]) if delayed else None
+    q = _run(w, fmt="fp8_e4m3", columnwise=True, scale=None if scale is None else scale.to(DEVICE))
+    _check_against_reference(w.view(-1, K), [N] * E, q, "fp8_e4m3", (1, 0), scale=scale, what="weights")
+    # the [K, T] transpose of the whole tensor: each expert's columns are its columnwise plane
+    splits = [7, 0, 41, 24]
+    x = _source(sum(splits), K, torch.float32, seed=5)
+    q = _run(x, fmt="fp8_e5m2", ends=_ends(splits), columnwise=True, col_layout="stacked")
+    assert q.col.shape == (K, sum(splits))
+    _check_against_reference(x, splits, q, "fp8_e5m2", (1, 0), what="stacked")
+
+
+def test_all_rows_in_one_expert_and_one_expert():
+    x = _source(19, 16, torch.bfloat16, seed=6)
+    for splits in ([0, 0, 19], [19]):
+        q = _run(x, fmt="fp8_e4m3", ends=_ends(splits), columnwise=True)
+        _check_against_reference(x, splits, q, "fp8_e4m3", (1, 0), what=str(splits))
+
+
+def test_reference_implementation_matches_and_bad_arguments_raise():
+    splits = [5, 0, 12]
+    x = _source(17, 24, torch.float32, seed=7)
+    q = gfc.grouped_cast_float8(x, "fp8_e4m3", ends=_ends(splits).cpu(), columnwise=True, backend="reference")
+    _check_against_reference(x, splits, q, "fp8_e4m3", (1, 0), what="reference")
+    with pytest.raises(ValueError, match="ends= .* or rows_per_expert="):
+        gfc.grouped_cast_float8(x, "fp8_e4m3", num_experts=3)
+    with pytest.raises(ValueError, match="int32/int64 tensor of 3 segment ends"):
+        gfc.grouped_cast_float8(x, "fp8_e4m3", ends=torch.tensor([5.0, 5.0, 17.0]))
+    with pytest.raises(ValueError, match="4 experts of 5 rows are not the 17 rows"):
+        gfc.grouped_cast_float8(x, "fp8_e4m3", rows_per_expert=5, num_experts=4)
+    with pytest.raises(ValueError, match="col_layout must be one of"):
+        gfc.grouped_cast_float8(x, "fp8_e4m3", ends=_ends(splits).cpu(), columnwise=True, col_layout="rows")
+    with pytest.raises(ValueError, match="2-D fp32/bf16/fp16"):
+        gfc.grouped_cast_float8(x.double(), "fp8_e4m3", ends=_ends(splits).cpu())
