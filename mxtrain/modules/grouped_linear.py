@@ -13,7 +13,8 @@ multiple of the block (32 for MXFP8: pad each expert's tokens to it where the to
 Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Per-tensor FP8
 scaling (current, delayed: one scale per expert tensor) casts each tensor for all experts in one
 grouped cast (:mod:`mxtrain.kernels.grouped_float8_cast`: an amax pass and one cast launch, each
-expert with its own scale, any token counts) where its Triton kernel runs. Other counts, and the
+expert with its own scale, any token counts) where its Triton kernel runs and ``MXTRAIN_GROUPED_FP8_CASTS=1``
+asks for it (off by default: slower than per-expert casts on an H100, see docs/modules.md). Other counts, and the
 per-tensor casts where the kernel does not run, cast each expert alone, all its uses from one read,
 exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the stacked tensor would cost more
 passes over it than the per-expert casts.
@@ -148,7 +149,7 @@ def _float8_grouped_operands(stacked, parts, splits: list[int], uses_of, ends_t,
                 for _, s, _ in q):
             return None
     settings = config.current()
-    if (not settings.fp8_fused_casts or torch.compiler.is_compiling()
+    if (not settings.grouped_fp8_casts or not settings.fp8_fused_casts or torch.compiler.is_compiling()
             or any(hasattr(p, "mx_gathered_plane") for p in parts)):
         return None
     cache = getattr(_common, "_WEIGHT_CASTS", None)

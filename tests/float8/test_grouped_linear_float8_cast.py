@@ -23,9 +23,9 @@ def kernels_here(mx_config):
     """The grouped cast runs: the interpreter under MXTRAIN_BACKEND=triton on CPU; on a GPU as it is, with
     per-expert GEMMs (the grouped FP8 GEMM rounds otherwise than the loop's per-expert ones)."""
     if INTERPRET:
-        mx_config(backend="triton")
+        mx_config(backend="triton", grouped_fp8_casts=True)
     else:
-        mx_config(grouped_mm="0")
+        mx_config(grouped_mm="0", grouped_fp8_casts=True)
 
 RECIPES = {
     "fp8_current": lambda: mxtrain.Float8CurrentScaling(),
@@ -116,7 +116,7 @@ def test_per_expert_casts_where_the_kernel_does_not_run(grouped_casts, mx_config
     grouped, linears = _pair(3, 32, 16, False, torch.float32)
     _step(grouped, linears, mxtrain.Float8CurrentScaling(), [4, 9, 0], torch.float32, seed=0)
     assert grouped_casts == []
-    mx_config(backend="triton", fp8_fused_casts=False)  # MXTRAIN_FP8_FUSED_CASTS=0: the unfused per-expert casts
+    mx_config(backend="triton", grouped_fp8_casts=True, fp8_fused_casts=False)  # MXTRAIN_FP8_FUSED_CASTS=0: the unfused per-expert casts
     _step(grouped, linears, mxtrain.Float8CurrentScaling(), [4, 9, 0], torch.float32, seed=1)
     assert grouped_casts == []
 

@@ -96,7 +96,7 @@ def test_float8_grouped_gemm_matches_per_expert_loop(recipe_name, fmt, splits, m
             xi = x.clone().requires_grad_()
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # the grouped FP8 GEMM must not fall back
-                with config.override(grouped_mm=grouped_mm), \
+                with config.override(grouped_mm=grouped_mm, grouped_fp8_casts=True), \
                         mxtrain.mx_autocast(recipe=make(fp8_format=fmt)):
                     y = module(xi, splits)
                     y.backward(dy)
