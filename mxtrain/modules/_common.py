@@ -465,8 +465,17 @@ def check_input(x: torch.Tensor, features: int, name: str, what: str = "last dim
                          f"({what} must be {features})")
 
 
+_WARNED_EAGER_GATHERED = []
+
+
 @torch.compiler.disable
 def _apply_eagerly(fn, *args):
+    if not _WARNED_EAGER_GATHERED:
+        _WARNED_EAGER_GATHERED.append(True)
+        warnings.warn("torch.compile with FSDP2 quantized all-gathers (mxtrain.distributed."
+                      "enable_quantized_all_gather): mxtrain's modules run their GEMM path eagerly, one graph break "
+                      "each (the gathered weights' gradient is lost when traced); the rest of the block stays compiled. "
+                      "FSDP2 with its own bf16 all-gathers compiles whole.", RuntimeWarning, stacklevel=2)
     return fn.apply(*args)
 
 
