@@ -131,7 +131,7 @@ def _block_fp8_planes(pa, pb, *, out_dtype: torch.dtype, bias: torch.Tensor | No
 # Block-scaled GEMMs through cuBLASLt (CUDA >= 12.9 on sm_90: DeepSeek-style 1x128 / 128x128 scales,
 # promoted inside cuBLAS) when torch exposes them (torch.nn.functional.scaled_mm), else the Triton
 # kernel above. MXTRAIN_FP8_BLOCK_GEMM=triton|cublas|auto (default auto: cuBLAS where it runs).
-_CUBLAS_BLOCK_BROKEN: dict[int, str] = {}  # device index -> why cuBLAS block scaling failed here once
+# (a failure at run time raises KernelUnavailable: the registry then walks past cuBLAS on that device)
 
 
 _BIAS_IN_EPILOGUE: dict[torch.dtype, bool] = {}  # output dtype -> whether scaled_mm took a blockwise bias
@@ -276,8 +276,6 @@ def _cublas_block_supports(call: GemmCall) -> str | None:
     if not hasattr(torch.nn.functional, "scaled_mm"):
         return "this torch has no torch.nn.functional.scaled_mm"
     dev = call.a.device.index if call.a.device.index is not None else torch.cuda.current_device()
-    if dev in _CUBLAS_BLOCK_BROKEN:
-        return f"cuBLAS block scaling failed on this device before: {_CUBLAS_BLOCK_BROKEN[dev]}"
     if torch.cuda.get_device_capability(dev) != (9, 0):
         return "cuBLAS block-scaled FP8 GEMMs run on sm_90"
     pa, pb = call.a.plane(call.a_axis), call.b.plane(call.b_axis)
@@ -297,8 +295,6 @@ def _cublas_block(call: GemmCall) -> torch.Tensor:
     except (RuntimeError, NotImplementedError, ValueError) as e:  # no cuBLAS kernel here: remember, walk on
         if _block_gemm_mode() == "cublas":
             raise
-        dev = call.a.device.index if call.a.device.index is not None else torch.cuda.current_device()
-        _CUBLAS_BLOCK_BROKEN[dev] = f"{type(e).__name__}: {e}"
         raise registry.KernelUnavailable(f"cuBLAS block scaling: {type(e).__name__}: {e}") from e
 
 
