@@ -108,15 +108,42 @@ def grouped_operands(stacked, parts, splits: list[int], uses_of, generator, at_o
     units = [_row_unit(spec, axis) for spec, axis in uses]
     if (None in units or any(n % unit for unit in units for n in splits)
             or any(hasattr(p, "mx_gathered_plane") for p in parts)):
-        # an expert without tokens casts nothing (as mxtrain.Linear given no tokens): its entry is None
-        return _Operands(splits=splits, per_expert=[quantize_operand(p, uses_of(e), generator, at_once) if n else None
-                                     for e, (p, n) in enumerate(zip(parts, splits))])
+        # an expert without tokens casts nothing (as mxtrain.Linear given no tokens): its entry is None; where its
+        # casts all-reduce their amax, it joins those collectives (another rank may have tokens for it: unmatched
+        # collectives would pair wrongly or hang)
+        per_expert = []
+        for e, (p, n) in enumerate(zip(parts, splits)):
+            if n:
+                per_expert.append(quantize_operand(p, uses_of(e), generator, at_once))
+            else:
+                if not hasattr(p, "mx_gathered_plane") and _reduces_amax(uses_of(e)):
+                    # the same casts, of one zero row: the same collectives as a rank with tokens for this expert
+                    # makes, in the same order; an amax of 0 changes no MAX (DelayedScaling records it)
+                    quantize_operand(p.new_zeros(1, p.shape[-1]), uses_of(e), generator, at_once)
+                per_expert.append(None)
+        return _Operands(splits=splits, per_expert=per_expert)
     starts = [0]
     for n in splits[:-1]:
         starts.append(starts[-1] + n)
     full = quantize_operand(stacked(), uses, generator, at_once)
     ends = [s + n for s, n in zip(starts, splits)]
     return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
+
+
+def _reduces_amax(uses) -> bool:
+    """Whether the per-tensor FP8 casts of ``uses`` take part in amax all-reduces across ranks (current scaling
+    with an ``amax_reduction_group``; DelayedScaling with one: a fresh slot's first cast, and the update that
+    follows what every rank recorded)."""
+    for spec, _ in uses:
+        if not isinstance(spec, Float8RoleSpec) or spec.fmt is None or spec.block is not None:
+            continue
+        if spec.scaling == "current" and spec.amax_reduction_group is not None:
+            return True
+        if spec.scaling == "delayed" and spec.state is not None:
+            state = getattr(spec.state, "state", spec.state)  # a FrozenState's underlying state
+            if getattr(state, "_group", None) is not None:
+                return True
+    return False
 
 
 def _float8_key(spec):

@@ -1,0 +1,76 @@
+"""GroupedLinear with an amax reduction group, two gloo ranks on the CPU: routing gives an expert tokens on one
+rank and none on the other. Both ranks must make the same amax all-reduces in the same order (the rank without
+tokens joins with an amax of 0), and each expert's casts use the amax of all ranks' tokens."""
+
+import datetime
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import mxtrain
+
+pytestmark = pytest.mark.slow  # spawns two processes
+
+SPLITS = {0: [4, 0, 5], 1: [3, 6, 0]}  # expert 1 has tokens on rank 1 only, expert 2 on rank 0 only
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, recipe_name: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        group = dist.group.WORLD
+        calls = []
+        real = dist.all_reduce
+
+        def counting(t, *args, **kwargs):
+            before = t.clone()
+            out = real(t, *args, **kwargs)
+            calls.append((before, t.clone()))
+            return out
+
+        dist.all_reduce = counting
+        torch.manual_seed(0)
+        layer = mxtrain.GroupedLinear(3, 32, 16, bias=False)
+        recipe = (mxtrain.Float8CurrentScaling(amax_reduction_group=group) if recipe_name == "current"
+                  else mxtrain.DelayedScaling(amax_history_len=2, amax_reduction_group=group))
+        g = torch.Generator().manual_seed(1 + rank)
+        outs = []
+        for step in range(2):
+            x = (torch.randn(sum(SPLITS[rank]), 32, generator=g) * (1 + 7 * rank)).requires_grad_()
+            with mxtrain.mx_autocast(recipe=recipe):
+                y = layer(x, SPLITS[rank])
+            y.backward(torch.randn(y.shape, generator=g))
+            outs.append((x.detach(), y.detach(), x.grad))
+        dist.all_reduce = real
+        torch.save({"calls": calls, "outs": outs, "wgrad": [w.grad for w in layer.weights]},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_ranks_with_different_experts_make_the_same_collectives(tmp_path, recipe_name):
+    mp.spawn(_worker, args=(2, _free_port(), recipe_name, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert len(r0["calls"]) == len(r1["calls"]) > 0
+    # paired: every all-reduce returns the same to both ranks
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(r0["calls"], r1["calls"]))
+    if recipe_name == "current":
+        # expert 2 has tokens on rank 0 only: its input cast's all-reduce must meet rank 1's join (amax 0) and
+        # return rank 0's own amax, not pair with another expert's amax from rank 1 (whose values are larger)
+        x0 = r0["outs"][0][0]
+        own = x0[4:9].abs().max()
+        hits = [after for before, after in r0["calls"] if torch.equal(before.reshape(()), own)]
+        assert hits and all(torch.equal(h.reshape(()), own) for h in hits), (own, hits)
+    for r in (r0, r1):
+        assert all(torch.isfinite(w).all() for w in r["wgrad"])
