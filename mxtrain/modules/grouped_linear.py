@@ -34,11 +34,9 @@ from torch import nn
 from mxtrain import config
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import dequantize
-from mxtrain.modules._common import (
-    check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, weight_uses,
-)
-from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
-from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
+from mxtrain.modules._common import check_input, check_mx_operands, release_mx_operands
+from mxtrain.modules._recipe_state import RecipeStateMixin
+from mxtrain.modules.linear import _functional_quantizers, init_linear_, mx_linear_backward, mx_linear_forward
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import Float8Tensor
 from mxtrain.recipes.float8 import Float8RoleSpec
@@ -66,7 +64,7 @@ class _Operands:
 
     ``full[u]``: use ``u``'s operand of the whole stacked (for padded uses: padded) tensor, and
     ``ends[u]`` the experts' end rows in it (for a grouped GEMM); None when cast per expert.
-    ``expert(e)``: expert ``e``'s own operands, as ``quantize_operand`` would make them of its rows.
+    ``expert(e)``: expert ``e``'s own operands, as its quantizer would make them of its rows.
     """
 
     def __init__(self, per_expert=None, full=None, starts=None, ends=None, splits=None):
@@ -78,26 +76,34 @@ class _Operands:
         return [_rows(op, self.starts[u][e], self.splits[e]) for u, op in enumerate(self.full)]
 
 
-def grouped_operands(stacked, parts, splits: list[int], uses_of, generator, at_once: bool = False) -> _Operands:
-    """Cast the experts' row blocks of a stacked 2-D tensor for their (spec, axis) uses.
+def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool,
+                     at_once: bool = False) -> _Operands:
+    """Cast the experts' row blocks of a stacked 2-D tensor for their rowwise / columnwise uses.
 
     ``stacked()`` returns the tensor with every expert's rows in order (``splits`` rows each),
-    ``parts`` each expert's rows alone, ``uses_of(e)`` expert ``e``'s uses. Where every block of
+    ``parts`` each expert's rows alone, ``quantizer_of(e)`` expert ``e``'s quantizer (None: high
+    precision, each use gets the tensor itself). Where every block of
     every use stays inside one expert's rows, one quantize call casts all experts (all uses from one
     read); else each expert is cast alone, all its uses in one call, as ``mxtrain.Linear`` casts it
     (a zero-padded copy would cost more passes over the tensor than the per-expert casts; see module doc).
     """
-    uses = uses_of(0)
+    def cast(e, t):
+        q = quantizer_of(e)
+        return [t, t] if q is None else list(q.quantize(t, rowwise, columnwise, at_once))
+
+    q0 = quantizer_of(0)
+    uses = [(None, 1), (None, 0)] if q0 is None else [(q0.row_spec if rowwise else None, 1),
+                                                     (q0.col_spec if columnwise else None, 0)]
     units = [_row_unit(spec, axis) for spec, axis in uses]
     if (None in units or any(n % unit for unit in units for n in splits)
             or any(hasattr(p, "mx_gathered_plane") for p in parts)):
         # an expert without tokens casts nothing (as mxtrain.Linear given no tokens): its entry is None
-        return _Operands(splits=splits, per_expert=[quantize_operand(p, uses_of(e), generator, at_once) if n else None
-                                     for e, (p, n) in enumerate(zip(parts, splits))])
+        return _Operands(splits=splits, per_expert=[cast(e, p) if n else None
+                                                    for e, (p, n) in enumerate(zip(parts, splits))])
     starts = [0]
     for n in splits[:-1]:
         starts.append(starts[-1] + n)
-    full = quantize_operand(stacked(), uses, generator, at_once)
+    full = cast(0, stacked())
     ends = [s + n for s, n in zip(starts, splits)]
     return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
 
@@ -105,6 +111,8 @@ def grouped_operands(stacked, parts, splits: list[int], uses_of, generator, at_o
 def _rows(op, start: int, n: int):
     """Rows ``[start, start + n)`` of an operand of a stacked tensor: the operand of those rows alone
     (``start`` is a multiple of every block length along the rows)."""
+    if op is None:  # a use not asked for
+        return None
     if isinstance(op, torch.Tensor):
         return op[start:start + n]
     if isinstance(op, MXTensor):
@@ -196,17 +204,16 @@ def _values(op, axis: int) -> torch.Tensor:
 
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, splits, recipe, num_gemms, *params):
+    def forward(ctx, x, splits, quantizers, num_gemms, *params):
         weights, biases = params[:num_gemms], (params[num_gemms:] or (None,) * num_gemms)
         needs_wgrad = any(ctx.needs_input_grad[4:4 + num_gemms])
         needs_dgrad = ctx.needs_input_grad[0]
-        gen = recipe_generator(recipe, x.device)
-        recipes = [gemm_recipe(recipe, f"expert{e}") for e in range(num_gemms)]
+        recipe = quantizers.recipe
+        recipes = [quantizers[f"expert{e}"] for e in range(num_gemms)]  # each expert's GemmQuantizers
         n_out = weights[0].shape[0]
-        x_ops = grouped_operands(lambda: x, x.split(splits), splits,
-                                 lambda e: linear_input_specs(recipes[e], needs_wgrad), gen)
+        x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: recipes[e].input, True, needs_wgrad)
         w_ops = grouped_operands(lambda: _stack_rows(list(weights)), weights, [n_out] * num_gemms,
-                                 lambda e: weight_uses(recipes[e].role, needs_dgrad), gen)
+                                 lambda e: recipes[e].weight, True, needs_dgrad and recipes[0].weight.keeps_dgrad_plane())
         y = None
         specs = [recipe.role("fprop_input"), recipe.role("fprop_weight")]
         if x_ops.full is not None and w_ops.full is not None and _grouped_gemm_ok(x, specs, (x.shape[1], n_out)):
@@ -220,7 +227,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                     y = y.float() + torch.stack([b.float() for b in biases])[rows]
                 y = y.to(x.dtype)
         if y is None:
-            ys = [mx_linear_forward(x, weights[e], biases[e], recipes[e], gen, needs_wgrad, needs_dgrad,
+            ys = [mx_linear_forward(x, weights[e], biases[e], recipes[e], needs_wgrad, needs_dgrad,
                                     x_operands=x_ops.expert(e), w_operands=_pair(w_ops.expert(e)))[0]
                   for e in range(num_gemms) if splits[e] > 0]
             y = torch.cat(ys) if ys else x.new_empty(0, n_out)
@@ -229,7 +236,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         x_hp = x if (needs_wgrad and isinstance(_first(x_ops, 1), torch.Tensor)) else None
         ctx.save_for_backward(x_hp, *weights)
         ctx.x_ops = None if x_hp is not None else x_ops
-        ctx.w_ops, ctx.recipe, ctx.recipes, ctx.gen, ctx.splits = w_ops, recipe, recipes, gen, splits
+        ctx.w_ops, ctx.recipe, ctx.recipes, ctx.splits = w_ops, recipe, recipes, splits
         ctx.has_bias = biases[0] is not None
         ctx.dtypes = (x.dtype, [w.dtype for w in weights], [None if b is None else b.dtype for b in biases])
         return y
@@ -243,17 +250,15 @@ class _GroupedLinearFn(torch.autograd.Function):
         need_w = ctx.needs_input_grad[4:4 + num_gemms]
         need_b = ctx.needs_input_grad[4 + num_gemms:] if ctx.has_bias else (False,) * num_gemms
         x_ops = ctx.x_ops if x_hp is None else grouped_operands(
-            lambda: x_hp, x_hp.split(splits), splits, lambda e: [(None, 1), (None, 0)], None)
+            lambda: x_hp, x_hp.split(splits), splits, lambda e: None, True, True)
         dy = dy.contiguous()
-        dy_ops = grouped_operands(lambda: dy, dy.split(splits), splits, lambda e: [
-            (recipes[e].role("dgrad_grad_output") if need_dx else None, 1),
-            (recipes[e].role("wgrad_grad_output") if any(need_w) else None, 0)], ctx.gen, at_once=True)
+        dy_ops = grouped_operands(lambda: dy, dy.split(splits), splits, lambda e: recipes[e].grad_output,
+                                  need_dx, any(need_w), at_once=True)
         w_cols = ctx.w_ops
         if need_dx and _first(w_cols, 1) is None:  # MX: the dgrad plane is cast in backward, used at once
             # (on CUDA the cast writes its bf16 values, as it does for mxtrain.Linear's weight parameter)
             w_cols = grouped_operands(lambda: _stack_rows(weights), weights, [weights[0].shape[0]] * num_gemms,
-                                      lambda e: [(None, 1), (recipes[e].role("dgrad_weight"), 0)], ctx.gen,
-                                      at_once=True)
+                                      lambda e: recipes[e].weight, False, True, at_once=True)
         out = _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
         if out is None:
             out = _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
@@ -283,7 +288,7 @@ def _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_
             dbs.append(torch.zeros(w.shape[0], dtype=b_dtypes[e], device=w.device) if need_b[e] else None)
             continue
         start = sum(ctx.splits[:e])
-        dx, dw, db = mx_linear_backward(dy[start:start + n], x_ops.expert(e)[1], w, ctx.recipes[e], ctx.gen,
+        dx, dw, db = mx_linear_backward(dy[start:start + n], x_ops.expert(e)[1], w, ctx.recipes[e],
                                         need_dx, need_w[e], x_dtype, w_dtypes[e],
                                         w_col=_pair(w_cols.expert(e))[1] if need_dx else None,
                                         bias_dtype=b_dtypes[e] if need_b[e] else None,
@@ -357,7 +362,9 @@ def mx_grouped_linear(x, m_splits, weights, biases=None) -> torch.Tensor:
         ys = [F.linear(xe, w, None if biases is None else biases[e]) for e, (xe, w) in enumerate(
             zip(x.split(splits), weights))]
         return torch.cat(ys)
-    return _GroupedLinearFn.apply(x, splits, recipe, len(weights), *weights, *(biases or ()))
+    return _GroupedLinearFn.apply(x, splits, _functional_quantizers(
+        recipe, x.device, tuple(f"expert{e}" for e in range(len(weights)))), len(weights),
+                                  *weights, *(biases or ()))
 
 
 class GroupedLinear(RecipeStateMixin, nn.Module):
@@ -408,7 +415,8 @@ class GroupedLinear(RecipeStateMixin, nn.Module):
         recipe = get_recipe()
         if recipe is None:
             return mx_grouped_linear(x, splits, self.weights, self.biases)
-        return _GroupedLinearFn.apply(x, splits, self.forward_recipe(recipe), self.num_gemms, *self.weights,
+        return _GroupedLinearFn.apply(x, splits, self.forward_quantizers(recipe, x.device), self.num_gemms,
+                                      *self.weights,
                                       *(self.biases or ()))
 
     def extra_repr(self) -> str:
