@@ -48,6 +48,8 @@ class Quantizer:
     stochastic-rounding generator of the recipe's seed (None: torch's global RNG). ``fuse``: the recipe
     has no elementwise precision, so a norm or an activation may run inside the cast of its output.
     Every method returns ``(rowwise operand | None, columnwise operand | None)``: None for a use not asked for.
+    Which kernel casts is left to the kernel registry at call time (``mxtrain.config`` settings may change
+    between calls of one quantizer).
     """
 
     def __init__(self, tensor: str, row_spec, col_spec, generator=None, fuse: bool = True,
