@@ -29,6 +29,9 @@ def test_mx_quantizer_makes_the_planes_asked_for():
     assert isinstance(row, MXTensor) and isinstance(col, MXTensor)
     assert len(row.planes) == 1 and len(col.planes) == 1  # each use holds only its own plane
     assert _mx_equal(row, ref, 1) and _mx_equal(col, ref, 0)
+    for axis in (1, 0):  # the one cast of both planes gives what a cast per plane gives
+        alone = quantize(x, spec.fmt, block_size=spec.block_size, axis=(axis,), scale_mode=spec.scale_mode)
+        assert _mx_equal(ref, alone, axis)
     only_row = q.quantize(x, True, False)
     assert only_row[1] is None and _mx_equal(only_row[0], ref, 1)
     only_col = q.quantize(x, False, True)
