@@ -54,18 +54,19 @@ class Quantizer:
 
     def __init__(self, tensor: str, row_spec, col_spec, generator=None, fuse: bool = True,
                  same: bool | None = None) -> None:
-        self.tensor, self.row_spec, self.col_spec, self.generator, self.fuse = tensor, row_spec, col_spec, generator, fuse
+        self.tensor, self.row_spec, self.col_spec = tensor, row_spec, col_spec
+        self.generator, self.fuse = generator, fuse
         self.float8 = isinstance(row_spec, Float8RoleSpec)
         self.row_quantized, self.col_quantized = row_spec.fmt is not None, col_spec.fmt is not None
         # ``same``: whether the two uses have one spec (make_quantizers compares the specs before binding a state)
         same = (row_spec is col_spec or row_spec == col_spec) if same is None else same
-        stochastic = getattr(row_spec, "rounding", None) == "stochastic" or getattr(col_spec, "rounding", None) == "stochastic"
+        stochastic = "stochastic" in (getattr(row_spec, "rounding", None), getattr(col_spec, "rounding", None))
         delayed = self.float8 and "delayed" in (row_spec.scaling, col_spec.scaling)
         # a fused source cast serves both uses only where one spec does (MX)
         self.one_spec = same and self.row_quantized
         # one cast writes both planes; stochastic rounding draws each use's noise in a cast of its own
         self.shared = self.one_spec and not stochastic
-        # FP8 current / block scaling of a weight: forward's cast also writes the dgrad plane (its transpose)
+        # FP8 (scales per tensor or per 128 x 128 block): a weight's forward cast also writes its dgrad plane
         self.dgrad_in_forward = self.float8 and self.one_spec
         # the weight-cast cache: a stochastic cast draws afresh each time; a delayed one records the amax
         self.cacheable = not (stochastic or delayed)
@@ -198,7 +199,8 @@ class Quantizer:
         if not self.float8 or not (rowwise or columnwise):
             return None
         settings = config.current()
-        if (not settings.fp8_fused_casts or src.ndim != 2 or src.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+        if (not settings.fp8_fused_casts or src.ndim != 2
+                or src.dtype not in (torch.float32, torch.bfloat16, torch.float16)
                 or (torch.compiler.is_compiling() and not settings.compile_fused_sources)):
             return None  # compiled: the activation op, then the cast op (fullgraph; see compile_fused_sources)
         if rowwise and columnwise and self.shared:

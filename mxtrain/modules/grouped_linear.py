@@ -212,8 +212,9 @@ class _GroupedLinearFn(torch.autograd.Function):
         recipes = [quantizers[f"expert{e}"] for e in range(num_gemms)]  # each expert's GemmQuantizers
         n_out = weights[0].shape[0]
         x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: recipes[e].input, True, needs_wgrad)
+        keep_dgrad = needs_dgrad and recipes[0].weight.keeps_dgrad_plane()  # FP8: the dgrad plane from forward's cast
         w_ops = grouped_operands(lambda: _stack_rows(list(weights)), weights, [n_out] * num_gemms,
-                                 lambda e: recipes[e].weight, True, needs_dgrad and recipes[0].weight.keeps_dgrad_plane())
+                                 lambda e: recipes[e].weight, True, keep_dgrad)
         y = None
         specs = [recipe.role("fprop_input"), recipe.role("fprop_weight")]
         if x_ops.full is not None and w_ops.full is not None and _grouped_gemm_ok(x, specs, (x.shape[1], n_out)):

@@ -1,4 +1,4 @@
-"""Quantizers: the planes each makes, one cast per tensor, built once per module and recipe, DelayedScaling's binding."""
+"""Quantizers: the planes each makes, one cast per tensor, built once per module and recipe, DelayedScaling binding."""
 
 import copy
 import pickle
