@@ -104,9 +104,6 @@ class Settings:
     mx_scaled_mm: bool = True  # MXTRAIN_MX_SCALED_MM=0: no cuBLAS MX GEMM (torch._scaled_mm), Triton's instead
     # FP8 recipes
     fp8_fused_casts: bool = True  # MXTRAIN_FP8_FUSED_CASTS=0: FP8 operands cast by separate, unfused ops
-    # MXTRAIN_GROUPED_FP8_CASTS=1: GroupedLinear's per-tensor FP8 operands from one grouped cast per tensor (and
-    # the grouped FP8 GEMM where it applies); off by default: slower than per-expert casts on an H100 (2026-11-26)
-    grouped_fp8_casts: bool = False
     fp8_fast_accum: str = "fprop"  # MXTRAIN_FP8_FAST_ACCUM: all | none | fprop (fast accumulation in which GEMMs)
     fp8_block_gemm: str = "auto"  # MXTRAIN_FP8_BLOCK_GEMM: auto | triton | cublas (1x128/128x128 block GEMM)
     fp8_block_cast: str = "auto"  # MXTRAIN_FP8_BLOCK_CAST=triton: block cast on Triton, not CUDA C++
@@ -141,7 +138,6 @@ def from_environ(env: Mapping[str, str] | None = None) -> Settings:
         cast_strip=_cast_strip(env),
         mx_scaled_mm=_flag(env, "MXTRAIN_MX_SCALED_MM", True),
         fp8_fused_casts=_flag(env, "MXTRAIN_FP8_FUSED_CASTS", True),
-        grouped_fp8_casts=_flag(env, "MXTRAIN_GROUPED_FP8_CASTS", False),
         fp8_fast_accum=env.get("MXTRAIN_FP8_FAST_ACCUM", "fprop"),
         fp8_block_gemm=env.get("MXTRAIN_FP8_BLOCK_GEMM", "auto"),
         fp8_block_cast=env.get("MXTRAIN_FP8_BLOCK_CAST", "auto"),

@@ -17,7 +17,7 @@ implements FSDP2's all-gather extension (``fsdp_pre_all_gather`` /
   activation checkpointing, whose recomputed forward runs after the backward
   all-gather) both planes go at once.
 * After the gather the planes are rebuilt exactly as quantizing the full weight
-  would lay them out, and ``quantize_operand`` (mxtrain/modules/_common.py)
+  would lay them out, and the module's ``Quantizer`` (mxtrain/modules/_quantizer.py)
   hands them to the GEMMs without quantizing again. A shard's blocks are the
   full weight's blocks, so the bytes are identical to single-process MX training.
   On GPUs whose MX GEMM multiplies bf16 values (Hopper, see mxtrain/kernels/gemm.py)
@@ -187,7 +187,7 @@ def _triton_float8_casts_for(device: torch.device, dtype: torch.dtype, backend: 
 
     try:
         # the casts that take a given amax are Triton's (the CUDA block cast is reached through them): they run
-        # where a float8_quantize call may reach Triton, as the modules' fused casts do (modules/_float8.py)
+        # where a float8_quantize call may reach Triton, as the modules' fused casts do (Quantizer.quantize_fused)
         if not registry.walks("float8_quantize", device, "triton"):
             return None
         from mxtrain.kernels.float8_cast import block_cast_float8, tensor_cast_float8
@@ -329,7 +329,7 @@ class MXAllGatherWeight(torch.Tensor):
             return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, info), out)
         return out
 
-    # ---- what quantize_operand asks a weight (mxtrain/modules/_common.py)
+    # ---- what a module's Quantizer asks a weight (mxtrain/modules/_quantizer.py)
 
     def mx_gathered_plane(self, spec, axis: int) -> None:
         return None  # not all-gathered (used without FSDP): the module quantizes the weight itself
@@ -466,7 +466,7 @@ class MXAllGatherWeight(torch.Tensor):
         (with the transposed block scales), exactly what casting the full weight gives."""
         TrainingState = _fsdp_training_state_enum()
         if getattr(recipe, "make_state", None) is not None:  # DelayedScaling: the module's scales
-            if getattr(type(module), "gather_recipe", None) is None:  # a module that keeps no recipe state
+            if getattr(type(module), "gather_quantizers", None) is None:  # a module that keeps no recipe state
                 return None
             keep = not getattr(group, "reshard_after_backward", True)
             if keep and (phase == TrainingState.PRE_BACKWARD or not group._reshard_after_forward):
@@ -476,9 +476,9 @@ class MXAllGatherWeight(torch.Tensor):
                                                   and self._info.activation_checkpointing):
                 # the module's forward (or its recompute) updates its scales before it casts; update them
                 # now so the codes carry the scale it will use (its own update then finds nothing new)
-                recipe = module.gather_recipe(recipe, self._info.gemm)
+                recipe = module.gather_quantizers(recipe, self._info.gemm)  # .role(name) as a recipe's
             elif phase == TrainingState.PRE_BACKWARD:
-                recipe = module.gather_recipe(recipe, self._info.gemm, update=False)
+                recipe = module.gather_quantizers(recipe, self._info.gemm, update=False)
             else:
                 recipe = None
             if recipe is None:
@@ -800,7 +800,7 @@ _METADATA_OPS = {
 class MXGatheredWeight(torch.Tensor):
     """The unsharded weight FSDP2 puts on the module between all-gather and reshard.
 
-    It holds the all-gathered MX planes (what :func:`quantize_operand` hands to the
+    It holds the all-gathered MX planes (what a module's ``Quantizer`` hands to the
     GEMMs) or, after a high-precision gather, the full weight. Any op other than
     the module's GEMM path runs on the high-precision weight, and fails with an
     explanation when only MX planes were gathered.
@@ -846,7 +846,7 @@ class MXGatheredWeight(torch.Tensor):
         return entry[1]
 
     def mx_keep_dgrad_plane(self, spec) -> bool:
-        """Whether a forward that makes the dgrad plane should keep it for backward (see ``weight_planes``).
+        """Whether a forward that makes the dgrad plane should keep it for backward (``Quantizer.weight_planes``).
 
         Backward's all-gather brings the dgrad plane, so forward keeps nothing, except for
         DelayedScaling under activation checkpointing: one process's backward then uses the plane

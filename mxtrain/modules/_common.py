@@ -1,4 +1,4 @@
-"""Pieces shared by the module autograd functions: role quantization, elementwise rounding, seeds."""
+"""Pieces shared by the module autograd functions: saved operands, elementwise rounding, seeds, the weight-cast cache."""
 
 from __future__ import annotations
 
@@ -6,17 +6,13 @@ import contextlib
 import dataclasses
 import functools
 import warnings
-import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from mxtrain import config
-from mxtrain.kernels.dispatch import quantize
-from mxtrain.modules._float8 import quantize_float8_operand
-from mxtrain.quantization import MXTensor, quantize_elemwise
-from mxtrain.recipes.float8 import Float8RoleSpec
-from mxtrain.recipes.recipe import MXRecipeBase, RoleSpec
+from mxtrain.quantization import quantize_elemwise
+from mxtrain.recipes.recipe import MXRecipeBase
 
 _GENERATORS: dict[tuple[int, torch.device], torch.Generator] = {}
 
@@ -64,61 +60,8 @@ def set_generator_states(states: list[dict]) -> None:
             gen.manual_seed(key[0])
 
 
-def quantize_operand(t2d: torch.Tensor, specs_axes, generator,
-                     at_once: bool = False) -> list["MXTensor | torch.Tensor"]:
-    """Quantize a 2-D tensor for several (RoleSpec, axis) uses; identical specs share one call.
-
-    A role whose format is None gets the tensor itself (high precision). A spec
-    given for two axes produces both planes in one quantize call, which is what
-    the one-pass rowwise+columnwise kernels do; each use then gets an MXTensor
-    holding only its own plane. ``at_once``: every plane goes to a GEMM right away
-    (backward's gradient operands), so on CUDA the cast may write all of them as
-    values (see ``config.current().carry_values``).
-
-    A weight all-gathered by FSDP2 in MX (``mxtrain.distributed``) carries the
-    planes already: a use they serve gets them as they are, never quantized again.
-    """
-    if hasattr(t2d, "mx_gathered_plane"):
-        return _gathered_operand(t2d, specs_axes, generator)
-    key = _cache_key(t2d, specs_axes, at_once)
-    if key is not None:
-        hit = _WEIGHT_CASTS.entries.get(key)
-        if hit is not None and hit[0]() is t2d and hit[1] == (t2d._version, t2d.data_ptr()):
-            return list(hit[2])
-    out = _quantize_operand(t2d, specs_axes, generator, at_once)
-    if key is not None:
-        _WEIGHT_CASTS.entries[key] = (weakref.ref(t2d), (t2d._version, t2d.data_ptr()), tuple(out))
-    return out
-
-
-def _quantize_operand(t2d: torch.Tensor, specs_axes, generator, at_once: bool) -> list:
-    out: list = [None] * len(specs_axes)
-    groups: list = []  # [(spec, uses)], grouped by identity: a spec holding a recipe state is not hashed (dynamo)
-    for i, (spec, axis) in enumerate(specs_axes):
-        if spec is None or spec.fmt is None:
-            out[i] = t2d
-        else:
-            group = next((g for g in groups if g[0] is spec), None)
-            if group is None:
-                groups.append(group := (spec, []))
-            group[1].append((i, axis))
-    for spec, uses in groups:
-        axes = tuple(dict.fromkeys(axis for _, axis in uses))
-        if isinstance(spec, Float8RoleSpec):  # FP8 recipes: a Float8Tensor (data + scale_inv) per use
-            fp8 = quantize_float8_operand(t2d, spec, axes)
-            for i, axis in uses:
-                out[i] = fp8.only(axis)
-            continue
-        now = _used_at_once(t2d, axes, at_once)
-        extra = {} if not now else dict(dequantized=now, keep_codes=tuple(a for a in axes if a not in now))
-        mx = quantize(t2d, spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
-                      rounding=spec.rounding, seed=generator, **extra)
-        _hand_out(mx, uses, now, out)
-    return out
-
-
 class _WeightCastCache:
-    """Weight casts kept inside :func:`weight_cast_cache`: (weight, uses) -> (weakref, (version, address), planes)."""
+    """Weight casts kept inside :func:`weight_cast_cache`: (weight, specs, at_once) -> (weakref, (version, address), planes)."""
 
     def __init__(self):
         self.depth, self.entries = 0, {}
@@ -160,76 +103,6 @@ def weight_cast_cache():
             _WEIGHT_CASTS.entries.clear()
 
 
-def _cache_key(t2d: torch.Tensor, specs_axes, at_once: bool):
-    """The cache key of a weight cast, or None where it is not cached (see :func:`weight_cast_cache`)."""
-    if not _WEIGHT_CASTS.depth or not isinstance(t2d, torch.nn.Parameter) or torch.compiler.is_compiling():
-        return None
-    if t2d.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    for spec, _ in specs_axes:
-        # a stochastic cast draws afresh each time; a delayed-scaling one records the weight's amax
-        if (isinstance(spec, RoleSpec) and spec.rounding == "stochastic") or (
-                isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed"):
-            return None
-    return id(t2d), tuple(specs_axes), at_once
-
-
-def _hand_out(mx: MXTensor, uses, now: tuple[int, ...], out: list) -> None:
-    """Give each (index, axis) use only its own plane of ``mx`` (codes, or values for the axes in ``now``):
-    what a module keeps for backward (the columnwise wgrad/dgrad operand) must not pin the rowwise plane."""
-    for i, axis in uses:
-        if axis in now:
-            values = mx.dequantized_values(axis)
-            if values is None:
-                raise RuntimeError(f"the cast did not write the dequantized values of axis {axis} it was asked for")
-            out[i] = mx._only(values=((axis % 2, values),))
-        else:
-            out[i] = mx if len(mx.planes) == 1 and not mx.values else mx._only(planes=(mx.plane(axis),))
-
-
-# On CUDA the modules compute a norm's or an activation's output inside the cast of it (norm_cast,
-# activation_cast): the kernels' fp32 arithmetic is not torch's, so an output can differ from the
-# unfused path by an ulp of its dtype (and then a code); each kernel's codes are bit-exact against the
-# reference cast of its own output. MXTRAIN_FUSE_SOURCES=0 computes the torch op, then casts.
-
-
-def source_cast_args(spec, axes, deq, keep, generator) -> dict:
-    """A fused source cast's keyword arguments (``norm_cast``, ``activation_cast``,
-    ``activation_backward_cast``) for one MX role spec, as :func:`source_operands` hands them over."""
-    return dict(fmt=spec.fmt, block_size=spec.block_size, axis=axes, scale_mode=spec.scale_mode,
-                rounding=spec.rounding, seed=generator, dequantized=deq, keep_codes=keep)
-
-
-def source_operands(like: torch.Tensor, specs_axes, cast, recipe, at_once: bool = False):
-    """The operands of several uses of a norm's or an activation's output, from one fused source cast.
-
-    ``cast(spec, axes, dequantized, keep_codes) -> MXTensor`` runs the fused kernel
-    (:func:`~mxtrain.kernels.norm_cast.norm_cast`, :func:`~mxtrain.kernels.activation_cast.activation_cast`)
-    on the source, whose output never exists in memory. ``like`` stands in for that output
-    (dtype, device, shape) in the values policy of :func:`quantize_operand`. Returns None where
-    the fusion does not apply, and the caller computes the output and quantizes it: off CUDA
-    (the reference path stays as it is), under an elementwise-precision recipe (the output
-    is rounded before the cast), or unless every use is one MX spec.
-    """
-    settings = config.current()
-    if (not settings.fuse_sources or not like.is_cuda or getattr(recipe, "elemwise_format", None) is not None
-            or (torch.compiler.is_compiling() and not settings.compile_fused_sources)):
-        return None  # compiled: the norm / activation op, then the cast op (fullgraph; see compile_fused_sources)
-    used = [(spec, axis) for spec, axis in specs_axes if spec is not None]
-    specs = {spec for spec, _ in used}
-    if len(specs) != 1:
-        return None
-    (spec,) = specs
-    if isinstance(spec, Float8RoleSpec) or spec.fmt is None:
-        return None
-    axes = tuple(dict.fromkeys(axis for _, axis in used))
-    now = _used_at_once(like, axes, at_once)
-    mx = cast(spec, axes, now, tuple(a for a in axes if a not in now))
-    out: list = [None] * len(specs_axes)
-    _hand_out(mx, [(i, axis) for i, (spec, axis) in enumerate(specs_axes) if spec is not None], now, out)
-    return out
-
-
 # On CUDA, planes that a GEMM consumes right away are written by the cast as their dequantized
 # bf16 values, without codes (the GEMM then runs no dequantize pass): every rowwise (axis 1)
 # operand (fprop input and weight, dgrad grad-output: never kept for backward by any module),
@@ -249,38 +122,6 @@ def _used_at_once(t2d: torch.Tensor, axes, at_once: bool = False) -> tuple[int, 
     if native_mx_gemm(t2d.device):  # sm_100+: the GEMM reads the codes on block-scaled tensor cores
         return ()
     return tuple(a for a in axes if at_once or a % 2 == 1 or isinstance(t2d, torch.nn.Parameter))
-
-
-def _gathered_operand(weight, specs_axes, generator) -> list:
-    out = [weight.mx_gathered_plane(spec, axis) for spec, axis in specs_axes]
-    rest = [i for i, o in enumerate(out) if o is None]
-    if rest:  # high-precision uses, or planes this all-gather did not bring (raises if it brought MX only)
-        for i, o in zip(rest, quantize_operand(weight.high_precision(), [specs_axes[i] for i in rest], generator)):
-            out[i] = o
-    return out
-
-
-def weight_planes(weight: torch.Tensor, role, need_dgrad: bool, generator):
-    """A weight's fprop plane, and its dgrad plane from the same cast when an FP8 recipe gives both
-    uses one spec (current / block scaling) and backward will need it: ``(row, col)``; else
-    ``(row, None)`` and backward casts the dgrad plane itself (MX recipes: per phase, so FSDP2
-    gathers only the plane each phase needs). The kept plane costs 1 byte per weight element
-    between forward and backward, and saves backward an amax pass and a cast. A weight all-gathered
-    by FSDP2 says whether to keep it (``mx_keep_dgrad_plane``): mostly not, as backward's all-gather
-    brings the dgrad plane and keeping it would hold every layer's full weight between the passes."""
-    uses = weight_uses(role, need_dgrad, weight)
-    ops = quantize_operand(weight, uses, generator)
-    return ops[0], (ops[1] if len(uses) == 2 else None)
-
-
-def weight_uses(role, need_dgrad: bool, weight: torch.Tensor | None = None) -> list:
-    """The (spec, axis) uses :func:`weight_planes` casts in forward: fprop's, and dgrad's with it where one
-    FP8 spec serves both (and ``weight``, if FSDP2-gathered, wants its dgrad plane kept)."""
-    fprop, dgrad = role("fprop_weight"), role("dgrad_weight")
-    if (need_dgrad and isinstance(fprop, Float8RoleSpec) and fprop.fmt is not None and dgrad == fprop
-            and (not hasattr(weight, "mx_keep_dgrad_plane") or weight.mx_keep_dgrad_plane(fprop))):
-        return [(fprop, 1), (dgrad, 0)]
-    return [(fprop, 1)]
 
 
 def save_for_backward(ctx, *tensors: torch.Tensor | None, **operands) -> None:

@@ -1,15 +1,16 @@
-"""Per-module recipe state: the hook that lets a recipe keep state on each module (DelayedScaling).
+"""Per-module recipe state and quantizers: what a module casts its GEMM tensors with.
 
-Most recipes are stateless: a module hands ``get_recipe()`` straight to its
-autograd function. A recipe that needs state per module (``DelayedScaling``: amax
-histories and scales of the module's tensors) offers two methods:
+A module builds its quantizers (:class:`~mxtrain.modules._quantizer.Quantizer`) once per recipe
+(:meth:`RecipeStateMixin.forward_quantizers`, Transformer Engine's ``make_quantizers()``) and keeps them
+until the recipe (or the state they are bound to) changes: a forward looks up no spec.
 
-* ``recipe.make_state()`` -> a fresh state object, with ``state_dict()`` /
-  ``load_state_dict(d)``, and an ``update(recipe)`` run once per forward;
-* ``recipe.bind(state)`` -> the recipe as this module uses it (its role specs
-  carry the state); the module keeps that on its autograd ctx for backward.
+Most recipes are stateless. A recipe that needs state per module (``DelayedScaling``: amax
+histories and scales of the module's tensors) offers ``recipe.make_state()`` -> a fresh state
+object, with ``state_dict()`` / ``load_state_dict(d)`` and an ``update(recipe)`` run once per
+forward; the quantizers are then bound to it (each spec carries the state and its tensor's slot),
+and the module's autograd ctx keeps them for backward.
 
-:class:`RecipeStateMixin` gives a module that: :meth:`~RecipeStateMixin.forward_recipe`
+:class:`RecipeStateMixin` gives a module that: :meth:`~RecipeStateMixin.forward_quantizers`
 creates the state lazily on the first forward under such a recipe, runs its
 per-step update and binds it; the state is saved in the module's state dict under
 ``<prefix>_extra_state`` (PyTorch's name for non-tensor module state) *only when
@@ -37,12 +38,15 @@ from collections import deque
 import torch
 
 import mxtrain.kernels.float8_state  # noqa: F401  (registers DelayedScaling's update and record ops)
+from mxtrain.modules._common import recipe_generator
+from mxtrain.modules._quantizer import delayed_slots, make_quantizers
 
-__all__ = ["RecipeStateMixin", "gemm_recipe", "EXTRA_STATE_KEY", "STATE_TYPES", "recipe_state_modules", "recipe_states",
+__all__ = ["RecipeStateMixin", "EXTRA_STATE_KEY", "STATE_TYPES", "recipe_state_modules", "recipe_states",
            "load_recipe_states"]
 
 EXTRA_STATE_KEY = "_extra_state"
 _ATTR = "_mxtrain_recipe_state"
+_QUANTIZERS = "_mxtrain_quantizers"  # the quantizers of the last recipe (and state binding) this module ran
 _UNPLACED = "_mxtrain_recipe_state_unplaced"  # set by a load: place the state on the next update
 
 
@@ -62,13 +66,14 @@ class RecipeStateMixin:
         """The recipe state this module keeps (None until a stateful recipe has run or been loaded)."""
         return self.__dict__.get(_ATTR)
 
-    def forward_recipe(self, recipe):
-        """The recipe this forward runs: ``recipe`` itself, or bound to this module's state (see module doc)."""
+    def forward_quantizers(self, recipe, device: torch.device):
+        """The quantizers this forward under ``recipe`` casts with, on ``device`` (the input's: the stochastic-
+        rounding generator's); for DelayedScaling bound to this module's state (see module doc)."""
         make_state = getattr(recipe, "make_state", None)
         if make_state is None:
-            return recipe
+            return self._quantizers(recipe, None, device)
         if torch.compiler.is_compiling():
-            return self._traced_forward_recipe(recipe)
+            return self._traced_forward_quantizers(recipe, device)
         state = self.__dict__.get(_ATTR)
         replay = _REPLAY.get()
         if replay is not None or not torch.is_grad_enabled() or in_backward():
@@ -77,17 +82,36 @@ class RecipeStateMixin:
             state = state if state is not None else make_state()
             if hasattr(state, "follow_recipe"):
                 state.follow_recipe(recipe)
-            return recipe.bind(FrozenState(state, scales, fresh))
+            return self._quantizers(recipe, FrozenState(state, scales, fresh), device)
         state = self._prepare_state(recipe)
         state.update(recipe)  # the previous step's amaxes enter the histories; new scales
         capture = _CAPTURE.get()
         if capture is not None:
             capture.append((state.scale.clone(), frozenset(s for s in state.slots if state.fresh(s))))
-        return recipe.bind(state)
+        return self._quantizers(recipe, state, device)
 
-    def _traced_forward_recipe(self, recipe):
-        """forward_recipe while torch.compile traces: the state is made (and placed) for real at trace time, so
-        that its tensors are the graph's inputs; the update is one registered op that mutates them."""
+    def _quantizers(self, recipe, state, device: torch.device):
+        """The quantizers of ``recipe`` bound to ``state`` (None: stateless): the ones this module built last
+        while the recipe, the state and the generator are the same objects, else built now and kept. Not kept:
+        those bound to a frozen view (evaluation, recompute: one per forward) and those built while
+        torch.compile traces (the graph keeps what it needs)."""
+        gen = recipe_generator(recipe, device)
+        if torch.compiler.is_compiling() or isinstance(state, FrozenState):
+            return make_quantizers(recipe, state, self.recipe_state_gemms(), gen)
+        kept = self.__dict__.get(_QUANTIZERS)
+        if kept is not None and kept.recipe is recipe and kept.state is state and kept.generator is gen:
+            return kept
+        kept = self.__dict__[_QUANTIZERS] = make_quantizers(recipe, state, self.recipe_state_gemms(), gen)
+        return kept
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop(_QUANTIZERS, None)  # rebuilt on the next forward (a generator does not pickle)
+        return state
+
+    def _traced_forward_quantizers(self, recipe, device: torch.device):
+        """forward_quantizers while torch.compile traces: the state is made (and placed) for real at trace time,
+        so that its tensors are the graph's inputs; the update is one registered op that mutates them."""
         if _ACTIVE_SETTINGS:
             raise NotImplementedError(
                 f"{type(recipe).__name__} under torch.compile inside mxtrain.checkpoint (its recompute replays the "
@@ -98,13 +122,14 @@ class RecipeStateMixin:
         _prepare_state_while_tracing(self, recipe)
         state = self.__dict__[_ATTR]
         if not torch.is_grad_enabled():  # evaluation: cast with the scales of now, record nothing
-            return recipe.bind(FrozenState(state))
+            return self._quantizers(recipe, FrozenState(state), device)
         state.update(recipe)
-        return recipe.bind(state)
+        return self._quantizers(recipe, state, device)
 
-    def gather_recipe(self, recipe, gemm: str = "", *, update: bool = True):
-        """The recipe an FSDP2 pre-all-gather casts this module's weight of GEMM ``gemm`` with ("" for a
-        one-GEMM module, "fc1" / "fc2" for LayerNormMLP), bound to this module's state.
+    def gather_quantizers(self, recipe, gemm: str = "", *, update: bool = True):
+        """The quantizers (:class:`~mxtrain.modules._quantizer.GemmQuantizers`) an FSDP2 pre-all-gather casts
+        this module's weight of GEMM ``gemm`` with ("" for a one-GEMM module, "fc1" / "fc2" for
+        LayerNormMLP), bound to this module's state.
 
         ``update``: ahead of the forward (or its recompute): the forward's update happens here (its own
         update then finds nothing new), without a scale snapshot for :func:`mxtrain.checkpoint`; in a
@@ -119,14 +144,15 @@ class RecipeStateMixin:
                 "cannot be compiled yet; run the FSDP2 model eagerly or use Float8CurrentScaling")
         state = self.__dict__.get(_ATTR)
         if not update:
-            return None if state is None else gemm_recipe(recipe.bind(state), gemm)
+            return None if state is None else make_quantizers(recipe, state, (gemm,))[gemm]
         if _REPLAY.get() is not None or in_backward():
-            return gemm_recipe(recipe.bind(FrozenState(state if state is not None else recipe.make_state())), gemm)
+            frozen = FrozenState(state if state is not None else recipe.make_state())
+            return make_quantizers(recipe, frozen, (gemm,))[gemm]
         # made (on the parameters' device: NCCL all-reduces no CPU tensor), placed, and its slots made, as a
         # training forward does
         state = self._prepare_state(recipe)
         state.update(recipe)
-        return gemm_recipe(recipe.bind(state), gemm)
+        return make_quantizers(recipe, state, (gemm,))[gemm]
 
     def recipe_state_gemms(self) -> tuple[str, ...]:
         """The names this module's GEMMs have in its recipe state ("" for a one-GEMM module, "fc1" / "fc2" for
@@ -148,9 +174,8 @@ class RecipeStateMixin:
             self._follow_device(state)
         self._place_loaded_state(state)
         state.resize_history(recipe.amax_history_len)
-        bound = recipe.bind(state)
         for gemm in self.recipe_state_gemms():
-            state._ensure_slots(gemm_recipe(bound, gemm).slot_formats(), state.scale.device)
+            state._ensure_slots(delayed_slots(recipe, gemm), state.scale.device)
         return state
 
     def _place_loaded_state(self, state) -> None:
@@ -169,6 +194,7 @@ class RecipeStateMixin:
     def reset_recipe_state(self) -> None:
         """Forget the recipe state (histories, scales); the next forward starts afresh."""
         self.__dict__.pop(_ATTR, None)
+        self.__dict__.pop(_QUANTIZERS, None)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -282,13 +308,6 @@ def _prepare_by_id(module_id: int, recipe_id: int) -> bool:
     module, recipe = (ctypes.cast(i, ctypes.py_object).value for i in (module_id, recipe_id))
     module._prepare_state(recipe)
     return True
-
-
-def gemm_recipe(recipe, gemm: str):
-    """The recipe for one of a module's several GEMMs (``"fc1"``, ``"fc2"``): a bound recipe keeps
-    their tensors apart in the state; any other recipe is returned as is."""
-    for_gemm = getattr(recipe, "for_gemm", None)
-    return recipe if for_gemm is None else for_gemm(gemm)
 
 
 # wrappers whose attribute name torch's distributed state dicts leave out of parameter names

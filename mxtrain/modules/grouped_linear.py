@@ -10,24 +10,16 @@ experts in one quantize call (one launch writing all of its planes) and each exp
 the result: always the rowwise planes (blocks along K or N) of the input, the grad-output and the
 stacked weights; the columnwise planes (blocks along tokens) when every expert's token count is a
 multiple of the block (32 for MXFP8: pad each expert's tokens to it where the tokens are permuted, as
-Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Per-tensor FP8
-scaling (current, delayed: one scale per expert tensor) casts each tensor for all experts in one
-grouped cast (:mod:`mxtrain.kernels.grouped_float8_cast`: an amax pass and one cast launch, each
-expert with its own scale, any token counts) where its Triton kernel runs and ``MXTRAIN_GROUPED_FP8_CASTS=1``
-asks for it (off by default: slower than per-expert casts on an H100, see docs/modules.md). Other counts, and the
-per-tensor casts where the kernel does not run, cast each expert alone, all its uses from one read,
-exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the stacked tensor would cost more
-passes over it than the per-expert casts.
+Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Other counts, and
+per-tensor FP8 scaling (current, delayed: one scale per expert tensor), cast each expert alone, all
+its uses from one read, exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the stacked
+tensor would cost more passes over it than the per-expert casts.
 
 GEMMs. MX recipes with bf16 activations on CUDA run each pass as one grouped bf16 GEMM
 (``torch.nn.functional.grouped_mm``) of the dequantized operands (written as bf16 values by the casts
 where the operand is used at once), as ``mx_gemm`` does on Hopper, where all experts were cast at
-once. Per-tensor FP8 on sm_90 runs a pass as one grouped FP8 GEMM (``torch._scaled_grouped_mm``, each
-expert's scales given as row-wise scales) where both operands are E4M3 and the activations bf16:
-fprop always, dgrad with E4M3 gradients (``fp8_format="e4m3"``), wgrad also only with token counts
-multiples of 16 (it groups along the tokens) and bf16 weights; see :func:`_float8_grouped_gemm_ok`. Everything else
-(CPU, ragged counts, ``scaled_mm`` / the 128-block kernel per expert) runs ``mx_linear_forward`` /
-``mx_linear_backward`` per expert.
+once; everything else (CPU, ragged counts, FP8 recipes: ``scaled_mm`` / the 128-block kernel per
+expert) runs ``mx_linear_forward`` / ``mx_linear_backward`` per expert.
 """
 
 from __future__ import annotations
@@ -42,12 +34,9 @@ from torch import nn
 from mxtrain import config
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import dequantize
-from mxtrain.modules import _common
-from mxtrain.modules._common import (
-    apply_module_fn, check_input, check_mx_operands, quantize_operand, recipe_generator, release_mx_operands, weight_uses,
-)
-from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
-from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
+from mxtrain.modules._common import apply_module_fn, check_input, check_mx_operands, release_mx_operands
+from mxtrain.modules._recipe_state import RecipeStateMixin
+from mxtrain.modules.linear import _functional_quantizers, init_linear_, mx_linear_backward, mx_linear_forward
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import Float8Tensor
 from mxtrain.recipes.float8 import Float8RoleSpec
@@ -75,12 +64,11 @@ class _Operands:
 
     ``full[u]``: use ``u``'s operand of the whole stacked (for padded uses: padded) tensor, and
     ``ends[u]`` the experts' end rows in it (for a grouped GEMM); None when cast per expert.
-    ``expert(e)``: expert ``e``'s own operands, as ``quantize_operand`` would make them of its rows.
+    ``expert(e)``: expert ``e``'s own operands, as its quantizer would make them of its rows.
     """
 
-    def __init__(self, per_expert=None, full=None, starts=None, ends=None, splits=None, fp8=None):
+    def __init__(self, per_expert=None, full=None, starts=None, ends=None, splits=None):
         self.per_expert, self.full, self.starts, self.ends, self.splits = per_expert, full, starts, ends, splits
-        self.fp8 = fp8  # per-tensor FP8: the GroupedFloat8Tensor of the one cast over all experts (else None)
 
     def expert(self, e: int) -> list:
         if self.per_expert is not None:
@@ -88,23 +76,24 @@ class _Operands:
         return [_rows(op, self.starts[u][e], self.splits[e]) for u, op in enumerate(self.full)]
 
 
-def grouped_operands(stacked, parts, splits: list[int], uses_of, generator, at_once: bool = False,
-                     ends_t=None, col_layout: str = "expert") -> _Operands:
-    """Cast the experts' row blocks of a stacked 2-D tensor for their (spec, axis) uses.
+def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool,
+                     at_once: bool = False) -> _Operands:
+    """Cast the experts' row blocks of a stacked 2-D tensor for their rowwise / columnwise uses.
 
     ``stacked()`` returns the tensor with every expert's rows in order (``splits`` rows each),
-    ``parts`` each expert's rows alone, ``uses_of(e)`` expert ``e``'s uses. Where every block of
+    ``parts`` each expert's rows alone, ``quantizer_of(e)`` expert ``e``'s quantizer (None: high
+    precision, each use gets the tensor itself). Where every block of
     every use stays inside one expert's rows, one quantize call casts all experts (all uses from one
     read); else each expert is cast alone, all its uses in one call, as ``mxtrain.Linear`` casts it
     (a zero-padded copy would cost more passes over the tensor than the per-expert casts; see module doc).
-    Per-tensor FP8 (current, delayed scaling): one grouped cast over all experts where its kernel runs
-    (:func:`_float8_grouped_operands`; ``ends_t``: the experts' end rows on the device, None for the weights'
-    equal row counts; ``col_layout``: of the columnwise plane), else the per-expert casts.
     """
-    fp8 = _float8_grouped_operands(stacked, parts, splits, uses_of, ends_t, col_layout)
-    if fp8 is not None:
-        return fp8
-    uses = uses_of(0)
+    def cast(e, t):
+        q = quantizer_of(e)
+        return [t, t] if q is None else list(q.quantize(t, rowwise, columnwise, at_once))
+
+    q0 = quantizer_of(0)
+    uses = [(None, 1), (None, 0)] if q0 is None else [(q0.row_spec if rowwise else None, 1),
+                                                     (q0.col_spec if columnwise else None, 0)]
     units = [_row_unit(spec, axis) for spec, axis in uses]
     if (None in units or any(n % unit for unit in units for n in splits)
             or any(hasattr(p, "mx_gathered_plane") for p in parts)):
@@ -114,18 +103,18 @@ def grouped_operands(stacked, parts, splits: list[int], uses_of, generator, at_o
         per_expert = []
         for e, (p, n) in enumerate(zip(parts, splits)):
             if n:
-                per_expert.append(quantize_operand(p, uses_of(e), generator, at_once))
+                per_expert.append(cast(e, p))
             else:
-                if not hasattr(p, "mx_gathered_plane") and _reduces_amax(uses_of(e)):
+                if not hasattr(p, "mx_gathered_plane") and _reduces_amax(uses):
                     # the same casts, of one zero row: the same collectives as a rank with tokens for this expert
                     # makes, in the same order; an amax of 0 changes no MAX (DelayedScaling records it)
-                    quantize_operand(p.new_zeros(1, p.shape[-1]), uses_of(e), generator, at_once)
+                    cast(e, p.new_zeros(1, p.shape[-1]))
                 per_expert.append(None)
         return _Operands(splits=splits, per_expert=per_expert)
     starts = [0]
     for n in splits[:-1]:
         starts.append(starts[-1] + n)
-    full = quantize_operand(stacked(), uses, generator, at_once)
+    full = cast(0, stacked())
     ends = [s + n for s, n in zip(starts, splits)]
     return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
 
@@ -146,115 +135,11 @@ def _reduces_amax(uses) -> bool:
     return False
 
 
-def _float8_key(spec):
-    """What must be the same for every expert's tensors to share one grouped cast (delayed: the slot may differ)."""
-    return (spec.fmt, spec.scaling, spec.block, spec.power_of_2_scales, spec.amax_epsilon,
-            id(spec.amax_reduction_group), id(spec.state))
-
-
-def _float8_grouped_operands(stacked, parts, splits: list[int], uses_of, ends_t, col_layout: str):
-    """The experts' per-tensor FP8 operands from one grouped cast (``grouped_float8_cast``: an amax pass and a
-    cast launch over all experts, each expert with its own scale), bit for bit what ``quantize_operand`` makes
-    of each expert's rows alone; None where it does not apply and the per-expert casts run: uses other than
-    per-tensor FP8, the kernel not running on this device (CPU without ``MXTRAIN_BACKEND=triton`` under the
-    interpreter) or dtype, ``MXTRAIN_FP8_FUSED_CASTS=0``, torch.compile, FSDP2-gathered weights, weights inside
-    ``weight_cast_cache`` (its cache serves them), DelayedScaling slots without a history yet (their first scale
-    comes from the tensor itself)."""
-    num = len(splits)
-    uses = [uses_of(e) for e in range(num)]
-    quantized = [[(i, s, a) for i, (s, a) in enumerate(u) if s is not None and s.fmt is not None] for u in uses]
-    if not quantized[0] or sum(splits) == 0:
-        return None
-    spec0 = quantized[0][0][1]
-    if (not isinstance(spec0, Float8RoleSpec) or spec0.block is not None
-            or spec0.scaling not in ("current", "delayed")):
-        return None
-    layout = [(i, a) for i, _, a in quantized[0]]
-    for q in quantized:
-        if [(i, a) for i, _, a in q] != layout or any(
-                not isinstance(s, Float8RoleSpec) or _float8_key(s) != _float8_key(spec0) or s.slot != q[0][1].slot
-                for _, s, _ in q):
-            return None
-    settings = config.current()
-    if (not settings.grouped_fp8_casts or not settings.fp8_fused_casts or torch.compiler.is_compiling()
-            or any(hasattr(p, "mx_gathered_plane") for p in parts)):
-        return None
-    cache = getattr(_common, "_WEIGHT_CASTS", None)
-    if cache is not None and cache.depth and isinstance(parts[0], nn.Parameter):
-        return None
-    x = stacked()
-    if x.ndim != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return None
-    scale = None
-    if spec0.scaling == "delayed":
-        scale = _delayed_scales(spec0.state, [q[0][1].slot for q in quantized], spec0.fmt, splits, x.device)
-        if scale is None:
-            return None
-    axes = tuple(dict.fromkeys(a % 2 for _, a in layout))
-    try:
-        from mxtrain.kernels import registry
-
-        if not registry.walks("float8_quantize", x.device, "triton"):  # where the FP8 casts reach no Triton
-            return None  # kernel (a CPU without MXTRAIN_BACKEND=triton), Triton is not even imported
-        from mxtrain.kernels import grouped_float8_cast as gfc
-    except (ImportError, RuntimeError):
-        return None
-    if ends_t is None and any(n != splits[0] for n in splits):
-        ends_t = _offsets(list(_cumsum(splits)), x.device)
-    call = gfc.GroupedFloat8CastCall(
-        x, ends_t, splits[0] if ends_t is None else None, num, spec0.fmt, 1 in axes, 0 in axes, col_layout, scale,
-        bool(spec0.power_of_2_scales), float(spec0.amax_epsilon), spec0.amax_reduction_group)
-    try:
-        if registry.select("grouped_float8_cast", call, x.device).backend != "triton":
-            return None
-    except RuntimeError:
-        return None
-    q8 = registry.run("grouped_float8_cast", call, x.device)
-    per_expert, start = [], 0
-    for e, n in enumerate(splits):
-        if n == 0:  # no tokens: nothing cast, nothing recorded (as mxtrain.Linear given no tokens)
-            per_expert.append(None)
-            continue
-        ops = [parts[e]] * len(uses[e])  # high-precision uses get the rows themselves
-        for i, _, a in quantized[e]:
-            ops[i] = q8.expert(e, start, n, (a % 2,))
-        if spec0.scaling == "delayed":
-            spec0.state.record(quantized[e][0][1].slot, q8.amax[e])
-        per_expert.append(ops)
-        start += n
-    return _Operands(per_expert=per_expert, splits=splits, fp8=q8)
-
-
-def _cumsum(splits):
-    total = 0
-    for n in splits:
-        total += n
-        yield total
-
-
-def _delayed_scales(state, slots: list[str], fmt: str, splits: list[int], device):
-    """The experts' delayed scales ``[E]`` (a strided view of the state's scales where the slots lie at equal
-    steps, as GroupedLinear creates them), or None where a slot of an expert with tokens is missing, of
-    another format or fresh (its first scale comes from the tensor: the per-expert casts do that)."""
-    if state is None or state.scale.device != device:
-        return None
-    idx = []
-    for slot, n in zip(slots, splits):
-        i = state.slots.get(slot)
-        if n and (i is None or state.formats[i] != fmt or state.fresh(slot)):
-            return None
-        idx.append(i)
-    known = next(i for i in idx if i is not None)
-    idx = [known if i is None else i for i in idx]  # an expert without tokens: any scale (it casts no row)
-    step = idx[1] - idx[0] if len(idx) > 1 else 0
-    if all(b - a == step for a, b in zip(idx, idx[1:])) and step >= 0:
-        return state.scale.as_strided((len(idx),), (step,), state.scale.storage_offset() + idx[0])
-    return torch.stack([state.scale[i] for i in idx])
-
-
 def _rows(op, start: int, n: int):
     """Rows ``[start, start + n)`` of an operand of a stacked tensor: the operand of those rows alone
     (``start`` is a multiple of every block length along the rows)."""
+    if op is None:  # a use not asked for
+        return None
     if isinstance(op, torch.Tensor):
         return op[start:start + n]
     if isinstance(op, MXTensor):
@@ -344,152 +229,22 @@ def _values(op, axis: int) -> torch.Tensor:
     return dequantize(op, torch.bfloat16, axis)
 
 
-# Per-tensor FP8 on Hopper: each pass as one grouped FP8 GEMM (torch._scaled_grouped_mm: row-wise scales, so
-# each expert's scale is given for each of its rows; E4M3 operands only, bf16 output, sm_90), where
-# _float8_grouped_gemm_ok says; else (CPU, E5M2 gradients of the "hybrid" format, fp32 activations, sizes not
-# multiples of 16, token counts not multiples of 16 for wgrad, which groups along the tokens) per-expert scaled_mm
-_scaled_grouped_mm_fn = getattr(torch, "_scaled_grouped_mm", None)
-_SCALED_GROUPED_FAILED: set = set()
-
-
-def _per_tensor_float8(recipe) -> bool:
-    spec = recipe.role("fprop_input")
-    return isinstance(spec, Float8RoleSpec) and spec.fmt is not None and spec.block is None
-
-
-def _float8_grouped_gemm_ok(x, spec_a, spec_b, dims, splits=None) -> bool:
-    """Whether a per-tensor FP8 pass runs as one grouped FP8 GEMM: CUDA sm_90 and torch._scaled_grouped_mm,
-    bf16 activations, both operands per-tensor E4M3, the GEMM's sizes (``dims``) multiples of 16 and, for a
-    pass reducing over the tokens (``splits`` given), every expert's token count too. MXTRAIN_GROUPED_MM=0: never."""
-    if config.current().grouped_mm == "0" or _scaled_grouped_mm_fn is None or not x.is_cuda:
-        return False
-    if x.dtype != torch.bfloat16 or (x.device.type, x.device.index) in _SCALED_GROUPED_FAILED:
-        return False
-    if torch.cuda.get_device_capability(x.device) != (9, 0):
-        return False
-    if not all(isinstance(s, Float8RoleSpec) and s.fmt == "fp8_e4m3" and s.block is None for s in (spec_a, spec_b)):
-        return False
-    return all(d % 16 == 0 for d in dims) and (splits is None or all(n % 16 == 0 for n in splits))
-
-
-def _fast_accum(a_axis: int, b_axis: int) -> bool:
-    from mxtrain.kernels.float8_gemm import _fast_accum as fast
-
-    return fast(a_axis, b_axis)
-
-
-def _row_experts(ends_t: torch.Tensor, rows: int) -> torch.Tensor:
-    """The expert of each of the ``rows`` stacked rows (``ends_t``: the experts' end rows), on the device."""
-    return torch.searchsorted(ends_t, torch.arange(rows, device=ends_t.device, dtype=ends_t.dtype), right=True)
-
-
-def _expert_planes(q, num_gemms: int, axis: int) -> torch.Tensor:
-    """The stacked weights' codes as the grouped GEMM's column-major ``[E, K, N]`` operand: the rowwise plane
-    (``axis`` 1, fprop: ``W_e^T``) or the per-expert columnwise plane (``axis`` 0, dgrad: ``W_e``)."""
-    rows, k = q.shape[0] // num_gemms, q.shape[1]
-    if axis == 1:
-        return q.row.view(num_gemms, rows, k).transpose(1, 2)
-    return q.col.view(num_gemms, k, rows).transpose(1, 2)
-
-
-def _scaled_grouped(a, b, sa, sb, offs, fast: bool):
-    """``torch._scaled_grouped_mm`` (bf16 out); None (and per-expert GEMMs from then on) where it raises."""
-    try:
-        return _scaled_grouped_mm_fn(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=fast)
-    except RuntimeError as err:
-        device = a.device
-        _SCALED_GROUPED_FAILED.add((device.type, device.index))
-        warnings.warn(f"GroupedLinear: the grouped FP8 GEMM failed on {device} ({err}); running per-expert FP8 "
-                      "GEMMs (MXTRAIN_GROUPED_MM=0 chooses them from the start)", RuntimeWarning, stacklevel=3)
-        return None
-
-
-def _float8_grouped_mm(a_rows, b, sinv_a, sinv_b, ends_t, fast: bool, rows: int):
-    """``a_e @ b[e]`` for each expert's rows of ``a_rows [T, K]`` (FP8 codes) and ``b [E, K, N]`` (column-major
-    codes): the per-expert scales given as row-wise scales (each row its expert's, each column of ``b[e]``
-    expert ``e``'s)."""
-    num, _, n = b.shape
-    sa = sinv_a[_row_experts(ends_t, rows)]
-    sb = sinv_b[:, None].expand(num, n).contiguous()
-    return _scaled_grouped(a_rows, b, sa, sb, ends_t, fast)
-
-
-def _float8_grouped_wgrad(dy_q, x_q, ends_t, num_gemms: int):
-    """``dy_e^T @ x_e`` for every expert as one grouped GEMM over the token axis: ``[E, N, K]`` bf16, from the
-    ``[N, T]`` and ``[K, T]`` transposes of the stacked tensors (``col_layout="stacked"``)."""
-    n, k = dy_q.col.shape[0], x_q.col.shape[0]
-    sa = dy_q.scale_inv[:, None].expand(num_gemms, n).reshape(-1)
-    sb = x_q.scale_inv[:, None].expand(num_gemms, k).reshape(-1)
-    return _scaled_grouped(dy_q.col, x_q.col.t(), sa, sb, ends_t, _fast_accum(0, 0))
-
-
-def _float8_grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b):
-    """Per-tensor FP8 backward with dgrad and / or wgrad as one grouped FP8 GEMM each (see
-    :func:`_float8_grouped_gemm_ok`), the other pass per expert; None where neither is grouped."""
-    recipe, num_gemms, splits = ctx.recipe, len(weights), ctx.splits
-    n_out, n_in = weights[0].shape
-    x_dtype, w_dtypes, b_dtypes = ctx.dtypes
-    dq, xq, wq = dy_ops.fp8, x_ops.fp8, w_cols.fp8
-    dx = dws = None
-    if (need_dx and dq is not None and dq.row is not None and wq is not None and wq.col is not None
-            and _float8_grouped_gemm_ok(dy, recipe.role("dgrad_grad_output"), recipe.role("dgrad_weight"),
-                                        (n_in, n_out))):
-        dx = _float8_grouped_mm(dq.row, _expert_planes(wq, num_gemms, 0), dq.scale_inv, wq.scale_inv, ctx.fp8_ends,
-                                _fast_accum(1, 0), rows=dy.shape[0])
-        dx = None if dx is None else dx.to(x_dtype)
-    # wgrad: bf16 weights only (the grouped GEMM writes bf16: fp32 master weights keep the per-expert GEMMs)
-    if (any(need_w) and dq is not None and xq is not None and dq.col is not None and xq.col is not None
-            and dq.col_layout == xq.col_layout == "stacked" and all(d == torch.bfloat16 for d in w_dtypes)
-            and _float8_grouped_gemm_ok(dy, recipe.role("wgrad_grad_output"), recipe.role("wgrad_input"),
-                                        (n_out, n_in), splits)):
-        dw = _float8_grouped_wgrad(dq, xq, ctx.fp8_ends, num_gemms)
-        if dw is not None:  # an expert without tokens gets zeros, whatever the GEMM leaves in its group
-            dws = [None if not need_w[e] else (dw[e].to(w_dtypes[e]) if n else torch.zeros_like(weights[e]))
-                   for e, n in enumerate(splits)]
-    if dx is None and dws is None:
-        return None
-    if (need_dx and dx is None) or (any(need_w) and dws is None):
-        rdx, rdws, dbs = _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx and dx is None,
-                                              need_w if dws is None else (False,) * num_gemms, need_b)
-        return (dx if dx is not None else rdx), (dws if dws is not None else rdws), dbs
-    dbs = [s.to(b_dtypes[e]) if need_b[e] else None
-           for e, s in enumerate(dy.split(splits)) for s in [s.sum(0, dtype=torch.float32)]]
-    return dx, (dws if dws is not None else [None] * num_gemms), dbs
-
-
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, splits, recipe, num_gemms, *params):
+    def forward(ctx, x, splits, quantizers, num_gemms, *params):
         weights, biases = params[:num_gemms], (params[num_gemms:] or (None,) * num_gemms)
         needs_wgrad = any(ctx.needs_input_grad[4:4 + num_gemms])
         needs_dgrad = ctx.needs_input_grad[0]
-        gen = recipe_generator(recipe, x.device)
-        recipes = [gemm_recipe(recipe, f"expert{e}") for e in range(num_gemms)]
+        recipe = quantizers.recipe
+        recipes = [quantizers[f"expert{e}"] for e in range(num_gemms)]  # each expert's GemmQuantizers
         n_out = weights[0].shape[0]
-        # per-tensor FP8: the experts' end rows on the device, for the grouped casts and GEMMs
-        ctx.fp8_ends = (_offsets(list(_cumsum(splits)), x.device)
-                        if _per_tensor_float8(recipe) and not torch.compiler.is_compiling() else None)
-        wgrad_grouped = (needs_wgrad and ctx.fp8_ends is not None and all(w.dtype == torch.bfloat16 for w in weights)
-                         and _float8_grouped_gemm_ok(x, recipe.role("wgrad_grad_output"), recipe.role("wgrad_input"),
-                                                     (n_out, x.shape[1]), splits))
-        x_ops = grouped_operands(lambda: x, x.split(splits), splits,
-                                 lambda e: linear_input_specs(recipes[e], needs_wgrad), gen, ends_t=ctx.fp8_ends,
-                                 col_layout="stacked" if wgrad_grouped else "expert")
+        x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: recipes[e].input, True, needs_wgrad)
+        keep_dgrad = needs_dgrad and recipes[0].weight.keeps_dgrad_plane()  # FP8: the dgrad plane from forward's cast
         w_ops = grouped_operands(lambda: _stack_rows(list(weights)), weights, [n_out] * num_gemms,
-                                 lambda e: weight_uses(recipes[e].role, needs_dgrad), gen)
+                                 lambda e: recipes[e].weight, True, keep_dgrad)
         y = None
         specs = [recipe.role("fprop_input"), recipe.role("fprop_weight")]
-        if x_ops.fp8 is not None and w_ops.fp8 is not None and x_ops.fp8.row is not None and _float8_grouped_gemm_ok(
-                x, specs[0], specs[1], (n_out, x.shape[1])):
-            y = _float8_grouped_mm(x_ops.fp8.row, _expert_planes(w_ops.fp8, num_gemms, 1), x_ops.fp8.scale_inv,
-                                   w_ops.fp8.scale_inv, ctx.fp8_ends, _fast_accum(1, 1), rows=x.shape[0])
-            if y is not None:
-                if biases[0] is not None:
-                    rows = _row_experts(ctx.fp8_ends, x.shape[0])
-                    y = y.float() + torch.stack([b.float() for b in biases])[rows]
-                y = y.to(x.dtype)
-        if y is None and x_ops.full is not None and w_ops.full is not None and _grouped_gemm_ok(
-                x, specs, (x.shape[1], n_out)):
+        if x_ops.full is not None and w_ops.full is not None and _grouped_gemm_ok(x, specs, (x.shape[1], n_out)):
             w = _expert_stack(_values(w_ops.full[0], 1), num_gemms, n_out)
             ctx.offs = _offsets(x_ops.ends[0], x.device)
             y = _grouped_mm(_values(x_ops.full[0], 1), w.transpose(1, 2), ctx.offs)
@@ -500,7 +255,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                     y = y.float() + torch.stack([b.float() for b in biases])[rows]
                 y = y.to(x.dtype)
         if y is None:
-            ys = [mx_linear_forward(x, weights[e], biases[e], recipes[e], gen, needs_wgrad, needs_dgrad,
+            ys = [mx_linear_forward(x, weights[e], biases[e], recipes[e], needs_wgrad, needs_dgrad,
                                     x_operands=x_ops.expert(e), w_operands=_pair(w_ops.expert(e)))[0]
                   for e in range(num_gemms) if splits[e] > 0]
             y = torch.cat(ys) if ys else x.new_empty(0, n_out)
@@ -509,7 +264,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         x_hp = x if (needs_wgrad and isinstance(_first(x_ops, 1), torch.Tensor)) else None
         ctx.save_for_backward(x_hp, *weights)
         ctx.x_ops = None if x_hp is not None else x_ops
-        ctx.w_ops, ctx.recipe, ctx.recipes, ctx.gen, ctx.splits = w_ops, recipe, recipes, gen, splits
+        ctx.w_ops, ctx.recipe, ctx.recipes, ctx.splits = w_ops, recipe, recipes, splits
         ctx.has_bias = biases[0] is not None
         ctx.dtypes = (x.dtype, [w.dtype for w in weights], [None if b is None else b.dtype for b in biases])
         return y
@@ -523,24 +278,16 @@ class _GroupedLinearFn(torch.autograd.Function):
         need_w = ctx.needs_input_grad[4:4 + num_gemms]
         need_b = ctx.needs_input_grad[4 + num_gemms:] if ctx.has_bias else (False,) * num_gemms
         x_ops = ctx.x_ops if x_hp is None else grouped_operands(
-            lambda: x_hp, x_hp.split(splits), splits, lambda e: [(None, 1), (None, 0)], None)
+            lambda: x_hp, x_hp.split(splits), splits, lambda e: None, True, True)
         dy = dy.contiguous()
-        fp8_ends = ctx.fp8_ends
-        wgrad_grouped = (any(need_w) and fp8_ends is not None and x_ops.fp8 is not None
-                         and x_ops.fp8.col_layout == "stacked")
-        dy_ops = grouped_operands(lambda: dy, dy.split(splits), splits, lambda e: [
-            (recipes[e].role("dgrad_grad_output") if need_dx else None, 1),
-            (recipes[e].role("wgrad_grad_output") if any(need_w) else None, 0)], ctx.gen, at_once=True,
-            ends_t=fp8_ends, col_layout="stacked" if wgrad_grouped else "expert")
+        dy_ops = grouped_operands(lambda: dy, dy.split(splits), splits, lambda e: recipes[e].grad_output,
+                                  need_dx, any(need_w), at_once=True)
         w_cols = ctx.w_ops
         if need_dx and _first(w_cols, 1) is None:  # MX: the dgrad plane is cast in backward, used at once
             # (on CUDA the cast writes its bf16 values, as it does for mxtrain.Linear's weight parameter)
             w_cols = grouped_operands(lambda: _stack_rows(weights), weights, [weights[0].shape[0]] * num_gemms,
-                                      lambda e: [(None, 1), (recipes[e].role("dgrad_weight"), 0)], ctx.gen,
-                                      at_once=True)
+                                      lambda e: recipes[e].weight, False, True, at_once=True)
         out = _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
-        if out is None and fp8_ends is not None:
-            out = _float8_grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
         if out is None:
             out = _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
         dx, dws, dbs = out
@@ -569,7 +316,7 @@ def _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_
             dbs.append(torch.zeros(w.shape[0], dtype=b_dtypes[e], device=w.device) if need_b[e] else None)
             continue
         start = sum(ctx.splits[:e])
-        dx, dw, db = mx_linear_backward(dy[start:start + n], x_ops.expert(e)[1], w, ctx.recipes[e], ctx.gen,
+        dx, dw, db = mx_linear_backward(dy[start:start + n], x_ops.expert(e)[1], w, ctx.recipes[e],
                                         need_dx, need_w[e], x_dtype, w_dtypes[e],
                                         w_col=_pair(w_cols.expert(e))[1] if need_dx else None,
                                         bias_dtype=b_dtypes[e] if need_b[e] else None,
@@ -643,7 +390,9 @@ def mx_grouped_linear(x, m_splits, weights, biases=None) -> torch.Tensor:
         ys = [F.linear(xe, w, None if biases is None else biases[e]) for e, (xe, w) in enumerate(
             zip(x.split(splits), weights))]
         return torch.cat(ys)
-    return _GroupedLinearFn.apply(x, splits, recipe, len(weights), *weights, *(biases or ()))
+    return _GroupedLinearFn.apply(x, splits, _functional_quantizers(
+        recipe, x.device, tuple(f"expert{e}" for e in range(len(weights)))), len(weights),
+                                  *weights, *(biases or ()))
 
 
 class GroupedLinear(RecipeStateMixin, nn.Module):
@@ -694,8 +443,10 @@ class GroupedLinear(RecipeStateMixin, nn.Module):
         recipe = get_recipe()
         if recipe is None:
             return mx_grouped_linear(x, splits, self.weights, self.biases)
-        return apply_module_fn(_GroupedLinearFn, self.weights, x, splits, self.forward_recipe(recipe), self.num_gemms,
-                               *self.weights, *(self.biases or ()))
+        return apply_module_fn(_GroupedLinearFn, self.weights, x, splits, self.forward_quantizers(recipe, x.device),
+                               self.num_gemms,
+                                      *self.weights,
+                                      *(self.biases or ()))
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "

@@ -15,11 +15,10 @@ from mxtrain.autocast import get_recipe
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
     apply_module_fn, autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
-    once_differentiable, recipe_generator, release_mx_operands, round_elemwise, save_for_backward, saved_tensors,
-    source_cast_args, source_operands,
+    once_differentiable, release_mx_operands, round_elemwise, save_for_backward, saved_tensors,
 )
 from mxtrain.modules._recipe_state import RecipeStateMixin
-from mxtrain.modules.linear import init_linear_, linear_input_specs, mx_linear_backward, mx_linear_forward
+from mxtrain.modules.linear import init_linear_, mx_linear_backward, mx_linear_forward
 from mxtrain.modules.normalization import (
     check_sizes_and_eps, init_norm_, norm_backward, norm_forward, norm_forward_stats,
 )
@@ -27,32 +26,32 @@ from mxtrain.modules.normalization import (
 
 class _LayerNormLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, weight, bias, cfg, recipe):
+    def forward(ctx, x, ln_weight, ln_bias, weight, bias, cfg, quantizers):
         normalization, eps, zc, return_ln = cfg
         if x.numel() == 0:  # zero tokens: the norm's and the linear's empty results
             y = empty_batch_forward(ctx, (x, ln_weight, ln_bias, weight, bias),
                                     x.new_empty(*x.shape[:-1], weight.shape[0]))
             return (y, x.new_empty(x.shape)) if return_ln else y
-        gen = recipe_generator(recipe, x.device)
+        q, recipe = quantizers[""], quantizers.recipe
         x2d = x.reshape(-1, x.shape[-1])
         needs_wgrad = ctx.needs_input_grad[3]
         ln_out = stats = None
 
-        def cast(spec, axes, deq, keep):  # on CUDA the norm runs inside the cast of its output
+        def cast(**cast_args):  # on CUDA the norm runs inside the cast of its output
             nonlocal ln_out, stats
             r = norm_cast(x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc,
-                          return_output=return_ln, **source_cast_args(spec, axes, deq, keep, gen))
+                          return_output=return_ln, **cast_args)
             ln_out, stats = r.out, (r.mean, r.rstd)
             return r.mx
-        ops = source_operands(x2d, linear_input_specs(recipe, needs_wgrad), cast, recipe)
+        ops = q.input.quantize_source(x2d, cast, True, needs_wgrad)
         if ops is None:
             ln_out, stats = norm_forward_stats(x2d, ln_weight, ln_bias, normalization, eps, zc)
             ln_out = round_elemwise(ln_out, recipe)
-        y, ln_col, w_col = mx_linear_forward(ln_out if ln_out is not None else x2d, weight, bias, recipe, gen,
+        y, ln_col, w_col = mx_linear_forward(ln_out if ln_out is not None else x2d, weight, bias, q,
                                              needs_wgrad, any(ctx.needs_input_grad[:3]), x_operands=ops)
         # the norm's mean / rstd (none saved where backward recomputes them): backward recomputes nothing
         save_for_backward(ctx, x2d, ln_weight, ln_bias, weight, *(stats or ()), ln_col=ln_col, w_col=w_col)
-        ctx.cfg, ctx.recipe, ctx.gen = cfg, recipe, gen
+        ctx.cfg, ctx.q, ctx.recipe = cfg, q, recipe
         ctx.x_shape = x.shape
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         y = y.reshape(*x.shape[:-1], weight.shape[0])
@@ -71,7 +70,7 @@ class _LayerNormLinearFn(torch.autograd.Function):
         need_x, need_lnw, need_lnb, need_w, need_b = ctx.needs_input_grad[:5]
         need_ln = need_x or need_lnw or need_lnb
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dln, dw, db = mx_linear_backward(dy2d, ops["ln_col"], weight, ctx.recipe, ctx.gen, need_ln, need_w,
+        dln, dw, db = mx_linear_backward(dy2d, ops["ln_col"], weight, ctx.q, need_ln, need_w,
                                          torch.float32, ctx.dtypes[0], w_col=ops["w_col"],
                                          bias_dtype=ctx.dtypes[1] if need_b else None)
         release_mx_operands(ctx)
@@ -128,7 +127,8 @@ class LayerNormLinear(RecipeStateMixin, nn.Module):
         x, no_autocast = autocast_boundary(x)
         with no_autocast:
             return apply_module_fn(_LayerNormLinearFn, (self.weight,), x, self.layer_norm_weight,
-                                   self.layer_norm_bias, self.weight, self.bias, cfg, self.forward_recipe(recipe))
+                                   self.layer_norm_bias, self.weight, self.bias, cfg,
+                                   self.forward_quantizers(recipe, x.device))
 
     def extra_repr(self) -> str:
         return (f"{self.in_features}, {self.out_features}, bias={self.bias is not None}, "

@@ -32,49 +32,45 @@ from mxtrain.kernels.dispatch import bias_grad, mx_gemm
 from mxtrain.kernels.norm_cast import norm_cast
 from mxtrain.modules._common import (
     apply_module_fn, autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward, free_operand,
-    free_saved, once_differentiable, quantize_operand, recipe_generator, release_mx_operands, round_elemwise,
-    save_for_backward, saved_tensors, source_cast_args, source_operands, weight_planes,
+    free_saved, once_differentiable, release_mx_operands, round_elemwise, save_for_backward, saved_tensors,
 )
-from mxtrain.modules._float8 import fused_float8_operands
-from mxtrain.modules._recipe_state import RecipeStateMixin, gemm_recipe
+from mxtrain.modules._recipe_state import RecipeStateMixin
 from mxtrain.modules.activations import activation, activation_backward, check_activation, is_gated
 from mxtrain.modules.linear import init_linear_
 from mxtrain.modules.normalization import (
     check_sizes_and_eps, init_norm_, norm_backward, norm_forward, norm_forward_stats,
 )
-from mxtrain.recipes.float8 import Float8RoleSpec
 
 
-def _activation_operands(h, act, specs_axes, recipe, gen, at_once=False) -> list:
-    """The operands of ``act(h)``: on CUDA from the activation + cast kernel (``act(h)`` never written),
-    else the activation, rounded to the recipe's elementwise precision, then quantized."""
+def _activation_operands(h, act, q, recipe, rowwise: bool, columnwise: bool, at_once=False):
+    """The operands of ``act(h)`` (quantizer ``q``): on CUDA from the activation + cast kernel (``act(h)``
+    never written), else the activation, rounded to the recipe's elementwise precision, then quantized."""
     like = h if not is_gated(act) else h[:, : h.shape[1] // 2]
-    fused = source_operands(like, specs_axes, lambda spec, axes, deq, keep: activation_cast(
-        h, act, **source_cast_args(spec, axes, deq, keep, gen)), recipe, at_once)
+    fused = q.quantize_source(like, lambda **cast_args: activation_cast(h, act, **cast_args), rowwise, columnwise,
+                              at_once)
     if fused is not None:
         return fused
     a = round_elemwise(activation(h, act), recipe)
-    return quantize_operand(a, specs_axes, gen, at_once)
+    return q.quantize(a, rowwise, columnwise, at_once)
 
 
-def _activation_grad_operands(h, da, act, specs_axes, recipe, gen, need_bias: bool):
+def _activation_grad_operands(h, da, act, q, recipe, rowwise: bool, columnwise: bool, need_bias: bool):
     """The operands of ``dh = da * act'(h)`` and, if asked, its fp32 sum over tokens (fc1's bias gradient):
     on CUDA from one pass of the gradient cast kernel (``dh`` never written), else torch's backward,
     rounded to the recipe's elementwise precision, then quantized."""
     sums = []
 
-    def cast(spec, axes, deq, keep):
+    def cast(**cast_args):
         # da is this backward's own temporary: dh's rowwise values take its memory (one [tokens, ffn]
         # tensor less at the backward's peak)
-        r = activation_backward_cast(h, da, act, **source_cast_args(spec, axes, deq, keep, gen), dbias=need_bias,
-                                     reuse_grad=True)
+        r = activation_backward_cast(h, da, act, **cast_args, dbias=need_bias, reuse_grad=True)
         sums.append(r.dbias)
         return r.mx
-    fused = source_operands(h, specs_axes, cast, recipe, at_once=True)
+    fused = q.quantize_source(h, cast, rowwise, columnwise, at_once=True)
     if fused is not None:
         return fused, sums[0]
     dh = round_elemwise(activation_backward(h, da, act), recipe)
-    return quantize_operand(dh, specs_axes, gen, at_once=True), (bias_grad(dh) if need_bias else None)
+    return q.quantize(dh, rowwise, columnwise, at_once=True), (bias_grad(dh) if need_bias else None)
 
 
 class _LayerNormMLPFn(torch.autograd.Function):
@@ -82,61 +78,56 @@ class _LayerNormMLPFn(torch.autograd.Function):
     # temporary (bf16 activations, MX planes) is dropped right after its last use:
     # a tensor the caller still names cannot be freed inside a callee.
     @staticmethod
-    def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, cfg, recipe):
+    def forward(ctx, x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias, cfg, quantizers):
         normalization, eps, zc, act = cfg
         if x.numel() == 0:  # zero tokens: the block's empty result
             return empty_batch_forward(ctx, (x, ln_weight, ln_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias),
                                        x.new_empty(*x.shape[:-1], fc2_weight.shape[0]))
-        # each GEMM's own view: a recipe with per-module state keeps fc1's and fc2's tensors apart
-        role1, role2 = gemm_recipe(recipe, "fc1").role, gemm_recipe(recipe, "fc2").role
-        gen = recipe_generator(recipe, x.device)
+        # each GEMM's own quantizers: a recipe with per-module state keeps fc1's and fc2's tensors apart
+        q1, q2, recipe = quantizers["fc1"], quantizers["fc2"], quantizers.recipe
         x2d = x.reshape(-1, x.shape[-1])
-        ln_specs = [(role1("fprop_input"), 1), (role1("wgrad_input") if ctx.needs_input_grad[3] else None, 0)]
+        need_ln_col = ctx.needs_input_grad[3]
         # on CUDA the norm runs inside the cast (its output is never written; fc1's operand comes as values)
         stats = None  # the norm's mean / rstd, for its backward (which then recomputes nothing)
 
-        def ln_cast(spec, axes, deq, keep):
+        def ln_cast(**cast_args):
             nonlocal stats
-            r = norm_cast(x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc,
-                          **source_cast_args(spec, axes, deq, keep, gen))
+            r = norm_cast(x2d, ln_weight, ln_bias, kind=normalization, eps=eps, zero_centered_gamma=zc, **cast_args)
             stats = (r.mean, r.rstd)
             return r.mx
-        fused_ln = source_operands(x2d, ln_specs, ln_cast, recipe)
+        fused_ln = q1.input.quantize_source(x2d, ln_cast, True, need_ln_col)
         if fused_ln is not None:
             ln_row, ln_col = fused_ln
         else:
             ln_out, stats = norm_forward_stats(x2d, ln_weight, ln_bias, normalization, eps, zc)
-            ln_row, ln_col = quantize_operand(round_elemwise(ln_out, recipe), ln_specs, gen)
+            ln_row, ln_col = q1.input.quantize(round_elemwise(ln_out, recipe), True, need_ln_col)
             del ln_out
         # FP8 recipes: one cast writes the weight's fprop plane and its transpose for dgrad (same spec),
         # kept for backward (1 byte per weight element) instead of a second amax pass and cast there
         # fc1's dgrad feeds the norm's gradients; fc2's dgrad feeds those and fc1's
-        w1_row, w1_col = weight_planes(fc1_weight, role1, any(ctx.needs_input_grad[:3]), gen)
+        w1_row, w1_col = q1.weight.weight_planes(fc1_weight, any(ctx.needs_input_grad[:3]))
         h = mx_gemm(ln_row, w1_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc1_bias)
         del ln_row, w1_row
         # FP8 recipes on the GPU: act(h) is computed inside its cast (per-tensor scales: with its amax,
         # then cast), which also writes fc2's wgrad plane now; backward then recomputes nothing
-        fuse = getattr(recipe, "elemwise_format", None) is None
-        fused = (fused_float8_operands(h, [(role2("fprop_input"), 1),
-                                           (role2("wgrad_input") if ctx.needs_input_grad[5] else None, 0)], act=act)
-                 if fuse else None)
+        fuse = quantizers.fuse
+        fused = q2.input.quantize_fused(h, True, ctx.needs_input_grad[5], act=act) if fuse else None
         if fused is not None:
             (a_row, a_col), _ = fused
-        elif (fuse and ctx.needs_input_grad[5] and isinstance(role2("fprop_input"), Float8RoleSpec)
-              and role2("wgrad_input").fmt is not None):  # quantize_backward=False: recompute, not keep bf16
+        elif (fuse and ctx.needs_input_grad[5] and q2.input.float8
+              and q2.input.col_quantized):  # quantize_backward=False: recompute, not keep bf16
             # FP8 recipes (gated activations): both planes from one act(h) and one amax, as the fused cast
             # does, rather than recomputing act(h) in backward
-            a_row, a_col = _activation_operands(h, act, [(role2("fprop_input"), 1), (role2("wgrad_input"), 0)],
-                                                recipe, gen, at_once=True)
+            a_row, a_col = _activation_operands(h, act, q2.input, recipe, True, True, at_once=True)
         else:
-            a_row = _activation_operands(h, act, [(role2("fprop_input"), 1)], recipe, gen)[0]
+            a_row = _activation_operands(h, act, q2.input, recipe, True, False)[0]
             a_col = None
-        w2_row, w2_col = weight_planes(fc2_weight, role2, any(ctx.needs_input_grad[:5]), gen)
+        w2_row, w2_col = q2.weight.weight_planes(fc2_weight, any(ctx.needs_input_grad[:5]))
         y = mx_gemm(a_row, w2_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=fc2_bias)
         del a_row, w2_row
         save_for_backward(ctx, x2d, ln_weight, ln_bias, h, fc1_weight, fc2_weight, *(stats or ()),
                           ln_col=ln_col, a_col=a_col, w1_col=w1_col, w2_col=w2_col)
-        ctx.cfg, ctx.recipe, ctx.gen, ctx.fuse = cfg, recipe, gen, fuse
+        ctx.cfg, ctx.quantizers, ctx.fuse = cfg, quantizers, fuse
         ctx.x_shape = x.shape
         ctx.dtypes = tuple(None if p is None else p.dtype for p in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
         return y.reshape(*x.shape[:-1], fc2_weight.shape[0])
@@ -151,50 +142,46 @@ class _LayerNormMLPFn(torch.autograd.Function):
         ln_col, w1_col, w2_col = ops.pop("ln_col"), ops.pop("w1_col"), ops.pop("w2_col")
         release_mx_operands(ctx)  # a second backward through this graph is refused from here on
         normalization, eps, zc, act = ctx.cfg
-        recipe, gen = ctx.recipe, ctx.gen
-        role1, role2 = gemm_recipe(recipe, "fc1").role, gemm_recipe(recipe, "fc2").role
+        recipe, q1, q2 = ctx.quantizers.recipe, ctx.quantizers["fc1"], ctx.quantizers["fc2"]
         need_x, need_lnw, need_lnb, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:7]
         need_ln = need_x or need_lnw or need_lnb
         need_h = need_ln or need_w1 or need_b1
         d1, d1b, d2, d2b = ctx.dtypes
         dy2d = dy.reshape(-1, dy.shape[-1])
-        dy_specs = [(role2("dgrad_grad_output") if need_h else None, 1),
-                    (role2("wgrad_grad_output") if need_w2 else None, 0)]
-        fused = fused_float8_operands(dy2d, dy_specs, dbias=need_b2) if ctx.fuse else None
+        fused = q2.grad_output.quantize_fused(dy2d, need_h, need_w2, dbias=need_b2) if ctx.fuse else None
         if fused is not None:  # the fc2 bias gradient comes from the cast's pass
             (dy_row, dy_col), db2 = fused
             db2 = db2.to(d2b) if need_b2 else None
         else:
-            dy_row, dy_col = quantize_operand(dy2d, dy_specs, gen, at_once=True)
+            dy_row, dy_col = q2.grad_output.quantize(dy2d, need_h, need_w2, at_once=True)
             db2 = bias_grad(dy2d).to(d2b) if need_b2 else None
 
         dw2 = da = None
         if need_w2:  # recompute act(h) and its wgrad plane instead of having kept it (unless fused)
             a_col = ops.pop("a_col")
             if a_col is None:
-                (a_col,) = _activation_operands(h, act, [(role2("wgrad_input"), 0)], recipe, gen, at_once=True)
+                a_col = _activation_operands(h, act, q2.input, recipe, False, True, at_once=True)[1]
             dw2 = mx_gemm(dy_col, a_col, a_axis=0, b_axis=0, out_dtype=d2)
             free_operand(a_col)
             del a_col
         del dy_col
         if need_h:
             if w2_col is None:
-                (w2_col,) = quantize_operand(fc2_weight, [(role2("dgrad_weight"), 0)], gen)
+                w2_col = q2.weight.quantize(fc2_weight, False, True)[1]
             da = mx_gemm(dy_row, w2_col, a_axis=1, b_axis=0, out_dtype=h.dtype)
             del w2_col
         del dy_row
 
         dx = dlnw = dlnb = dw1 = db1 = None
         if need_h:
-            dh_specs = [(role1("dgrad_grad_output") if need_ln else None, 1),
-                        (role1("wgrad_grad_output") if need_w1 else None, 0)]
             # FP8 per-tensor: dh = da * act'(h) and the fc1 bias gradient inside the cast, dh never written
-            fused = fused_float8_operands(h, dh_specs, act=act, grad=da, dbias=need_b1) if ctx.fuse else None
+            fused = (q1.grad_output.quantize_fused(h, need_ln, need_w1, act=act, grad=da, dbias=need_b1)
+                     if ctx.fuse else None)
             if fused is not None:
                 (dh_row, dh_col), db1 = fused
                 db1 = db1.to(d1b) if need_b1 else None
             else:
-                dh_ops, db1 = _activation_grad_operands(h, da, act, dh_specs, recipe, gen, need_b1)
+                dh_ops, db1 = _activation_grad_operands(h, da, act, q1.grad_output, recipe, need_ln, need_w1, need_b1)
                 dh_row, dh_col = dh_ops
                 db1 = db1.to(d1b) if need_b1 else None
             del da
@@ -206,7 +193,7 @@ class _LayerNormMLPFn(torch.autograd.Function):
             ln_col = None
             if need_ln:
                 if w1_col is None:
-                    (w1_col,) = quantize_operand(fc1_weight, [(role1("dgrad_weight"), 0)], gen)
+                    w1_col = q1.weight.quantize(fc1_weight, False, True)[1]
                 dln = mx_gemm(dh_row, w1_col, a_axis=1, b_axis=0, out_dtype=x2d.dtype)
                 del dh_row, w1_col
                 dx, dlnw, dlnb = norm_backward(x2d, ln_weight, ln_bias, dln, normalization, eps, zc,
@@ -268,7 +255,7 @@ class LayerNormMLP(RecipeStateMixin, nn.Module):
             with no_autocast:
                 y = apply_module_fn(_LayerNormMLPFn, (self.fc1_weight, self.fc2_weight), x, self.layer_norm_weight,
                                     self.layer_norm_bias, self.fc1_weight, self.fc1_bias, self.fc2_weight, fc2_bias,
-                                    cfg, self.forward_recipe(recipe))
+                                    cfg, self.forward_quantizers(recipe, x.device))
         return (y, self.fc2_bias) if self.return_bias else y
 
     def extra_repr(self) -> str:

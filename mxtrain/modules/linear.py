@@ -18,16 +18,16 @@ from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import bias_grad, mx_gemm
 from mxtrain.modules._common import (
     apply_module_fn, autocast_boundary, check_input, check_mx_operands, empty_batch_backward, empty_batch_forward,
-    once_differentiable, quantize_operand, recipe_generator, release_mx_operands, save_for_backward, saved_tensors,
-    weight_planes,
+    once_differentiable, recipe_generator, release_mx_operands, save_for_backward, saved_tensors,
 )
-from mxtrain.modules._float8 import fused_float8_operands
+from mxtrain.modules._quantizer import make_quantizers
 from mxtrain.modules._recipe_state import RecipeStateMixin
 
 
-def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool, needs_dgrad: bool = False,
+def mx_linear_forward(x2d, weight, bias, q, needs_wgrad: bool, needs_dgrad: bool = False,
                       x_operands=None, w_operands=None):
-    """Forward GEMM of a linear layer; returns ``(y, x_for_wgrad, w_for_dgrad)``.
+    """Forward GEMM of a linear layer with the GEMM's quantizers ``q`` (``GemmQuantizers``); returns
+    ``(y, x_for_wgrad, w_for_dgrad)``.
 
     ``x_operands``: ``(fprop, wgrad)`` operands of the input already made (by a fused norm + cast);
     ``x2d`` is then only the input's stand-in for its dtype. ``w_operands``: ``(fprop, dgrad | None)``
@@ -38,22 +38,15 @@ def mx_linear_forward(x2d, weight, bias, recipe, generator, needs_wgrad: bool, n
     so no weight plane is held between the passes, and under FSDP2 each phase
     gathers just the plane it needs. FP8 recipes whose fprop and dgrad weight
     specs agree cast both planes here at once and keep the dgrad one
-    (:func:`~mxtrain.modules._common.weight_planes`).
+    (:meth:`~mxtrain.modules._quantizer.Quantizer.weight_planes`).
     """
-    x_row, x_col = x_operands if x_operands is not None else quantize_operand(
-        x2d, linear_input_specs(recipe, needs_wgrad), generator)
-    w_row, w_col = w_operands if w_operands is not None else weight_planes(weight, recipe.role, needs_dgrad,
-                                                                           generator)
+    x_row, x_col = x_operands if x_operands is not None else q.input.quantize(x2d, True, needs_wgrad)
+    w_row, w_col = w_operands if w_operands is not None else q.weight.weight_planes(weight, needs_dgrad)
     y = mx_gemm(x_row, w_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=bias)
     return y, (x_col if needs_wgrad else None), w_col
 
 
-def linear_input_specs(recipe, needs_wgrad: bool) -> list:
-    """The (spec, axis) uses of a linear layer's input: fprop rowwise, wgrad columnwise (if needed)."""
-    return [(recipe.role("fprop_input"), 1), (recipe.role("wgrad_input") if needs_wgrad else None, 0)]
-
-
-def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool, needs_wgrad: bool,
+def mx_linear_backward(dy2d, x_col, weight, q, needs_dgrad: bool, needs_wgrad: bool,
                        dx_dtype: torch.dtype = torch.float32, dw_dtype: torch.dtype = torch.float32, *,
                        w_col=None, bias_dtype: torch.dtype | None = None, dy_operands=None):
     """dgrad and wgrad GEMMs of a linear layer: ``(dx | None, dw | None, db | None)``.
@@ -63,21 +56,20 @@ def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool
     ``bias_dtype``: also return the bias gradient (sum of ``dy`` over tokens) in that dtype;
     FP8 recipes on the GPU take it from the pass that casts ``dy``.
     """
-    specs = [(recipe.role("dgrad_grad_output") if needs_dgrad else None, 1),
-             (recipe.role("wgrad_grad_output") if needs_wgrad else None, 0)]
-    fused = fused_float8_operands(dy2d, specs, dbias=bias_dtype is not None) if dy_operands is None else None
+    fused = None if dy_operands is not None else q.grad_output.quantize_fused(
+        dy2d, needs_dgrad, needs_wgrad, dbias=bias_dtype is not None)
     if dy_operands is not None:
         dy_row, dy_col = dy_operands
         db = bias_grad(dy2d) if bias_dtype is not None else None
     elif fused is not None:
         (dy_row, dy_col), db = fused
     else:
-        dy_row, dy_col = quantize_operand(dy2d, specs, generator, at_once=True)
+        dy_row, dy_col = q.grad_output.quantize(dy2d, needs_dgrad, needs_wgrad, at_once=True)
         db = bias_grad(dy2d) if bias_dtype is not None else None
     dx = dw = None
     if needs_dgrad:
         if w_col is None:
-            (w_col,) = quantize_operand(weight, [(recipe.role("dgrad_weight"), 0)], generator)
+            w_col = q.weight.quantize(weight, False, True)[1]
         dx = mx_gemm(dy_row, w_col, a_axis=1, b_axis=0, out_dtype=dx_dtype)
     if needs_wgrad:
         dw = mx_gemm(dy_col, x_col, a_axis=0, b_axis=0, out_dtype=dw_dtype)
@@ -86,18 +78,17 @@ def mx_linear_backward(dy2d, x_col, weight, recipe, generator, needs_dgrad: bool
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe):
+    def forward(ctx, x, weight, bias, quantizers):
         if x.numel() == 0:  # zero tokens: nn.Linear's empty result
             return empty_batch_forward(ctx, (x, weight, bias), x.new_empty(*x.shape[:-1], weight.shape[0]))
-        gen = recipe_generator(recipe, x.device)
         x2d = x.reshape(-1, x.shape[-1])
-        y, x_col, w_col = mx_linear_forward(x2d, weight, bias, recipe, gen, ctx.needs_input_grad[1],
-                                            ctx.needs_input_grad[0])
+        q = quantizers[""]
+        y, x_col, w_col = mx_linear_forward(x2d, weight, bias, q, ctx.needs_input_grad[1], ctx.needs_input_grad[0])
         # a high-precision wgrad operand (role fmt None) is the input itself: save it, so that
         # autograd version-checks it as it does nn.Linear's input; MX planes are snapshots
         x_hp = x if isinstance(x_col, torch.Tensor) else None
         save_for_backward(ctx, weight, x_hp, x_col=None if x_hp is not None else x_col, w_col=w_col)
-        ctx.recipe, ctx.gen = recipe, gen
+        ctx.q = q
         ctx.x_shape, ctx.dtypes = x.shape, (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -111,7 +102,7 @@ class _LinearFn(torch.autograd.Function):
         dy2d = dy.reshape(-1, dy.shape[-1])
         (weight, x_hp), ops = saved_tensors(ctx)
         x_col = ops["x_col"] if x_hp is None else x_hp.reshape(-1, x_hp.shape[-1])
-        dx, dw, db = mx_linear_backward(dy2d, x_col, weight, ctx.recipe, ctx.gen, need_x, need_w,
+        dx, dw, db = mx_linear_backward(dy2d, x_col, weight, ctx.q, need_x, need_w,
                                         ctx.dtypes[0], ctx.dtypes[1], w_col=ops["w_col"],
                                         bias_dtype=ctx.dtypes[2] if need_b else None)
         release_mx_operands(ctx)
@@ -126,7 +117,22 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         return F.linear(x, weight, bias)
     x, no_autocast = autocast_boundary(x)
     with no_autocast:
-        return _LinearFn.apply(x, weight, bias, recipe)
+        return _LinearFn.apply(x, weight, bias, _functional_quantizers(recipe, x.device))
+
+
+_FUNCTIONAL: list = [None]  # the quantizers mx_linear built last (recipe and generator alike: reused)
+
+
+def _functional_quantizers(recipe, device: torch.device, gemms: tuple[str, ...] = ("",)):
+    """The quantizers of a functional form (mx_linear, mx_grouped_linear) for ``recipe``: no module keeps
+    them (nor a DelayedScaling state, which the cast then asks for)."""
+    gen = recipe_generator(recipe, device)
+    if torch.compiler.is_compiling():
+        return make_quantizers(recipe, None, gemms, gen)
+    kept = _FUNCTIONAL[0]
+    if kept is None or kept.recipe is not recipe or kept.generator is not gen or tuple(kept.gemms) != gemms:
+        kept = _FUNCTIONAL[0] = make_quantizers(recipe, None, gemms, gen)
+    return kept
 
 
 class Linear(RecipeStateMixin, nn.Linear):
@@ -149,7 +155,7 @@ class Linear(RecipeStateMixin, nn.Linear):
         x, no_autocast = autocast_boundary(x)
         with no_autocast:
             return apply_module_fn(_LinearFn, (self.weight,), x, self.weight, self.bias,
-                                   self.forward_recipe(recipe))
+                                   self.forward_quantizers(recipe, x.device))
 
 
 def init_linear_(weight: torch.Tensor, bias: torch.Tensor | None) -> None:

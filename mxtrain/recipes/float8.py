@@ -4,10 +4,9 @@ They plug into the same machinery as the MX recipes: ``mx_autocast(recipe=...)``
 the same modules, the same ``recipe.role(name)`` view. They share only the
 options of :class:`~mxtrain.recipes.Recipe` with the MX recipes: block sizes, scale
 modes, rounding and seeds are MX options they do not have. Their role view is a
-:class:`Float8RoleSpec`, not an MX :class:`~mxtrain.recipes.RoleSpec`;
-``quantize_operand`` (mxtrain/modules/_common.py) sends those to the FP8
-quantizer and ``mx_gemm`` sends the resulting ``Float8Tensor`` operands to the
-FP8 GEMM.
+:class:`Float8RoleSpec`, not an MX :class:`~mxtrain.recipes.RoleSpec`; a module's
+quantizers (mxtrain/modules/_quantizer.py) cast with those to FP8 and ``mx_gemm``
+sends the resulting ``Float8Tensor`` operands to the FP8 GEMM.
 
 * :class:`Float8CurrentScaling`: one fp32 scale per tensor, ``max_fp8 / amax`` of
   the tensor being cast (Transformer Engine's ``Float8CurrentScaling``).
@@ -23,7 +22,6 @@ Like mxtrain/recipes/recipe.py this module imports no torch.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections.abc import Mapping
@@ -59,7 +57,6 @@ __all__ = [
     "Float8CurrentScaling",
     "DelayedScaling",
     "Float8BlockScaling",
-    "BoundFloat8Recipe",
     "FLOAT8_RECIPE_CLASSES",
     "ALL_RECIPE_CLASSES",
     "recipe_from_dict",
@@ -140,7 +137,7 @@ class Float8RoleSpec:
         amax_reduction_group: process group whose ranks share one amax (all-reduce
             MAX) for current scaling; compared by identity.
         state, slot: delayed scaling: the module's amax-history state and the name
-            of this tensor in it (set when a module binds the recipe; None otherwise).
+            of this tensor in it (set when a module builds its quantizers; None otherwise).
 
     Like an MX :class:`~mxtrain.recipes.RoleSpec` it has ``fmt``, ``quantized`` and
     ``elem_format``; MX's ``block_size``, ``scale_mode`` and ``rounding`` it has not (an
@@ -294,13 +291,10 @@ class DelayedScaling(Float8Recipe):
         return {"margin": self.margin}
 
     def make_state(self):
-        """A fresh per-module state (amax histories, scales): ``DelayedScalingState``."""
+        """A fresh per-module state (amax histories, scales): ``DelayedScalingState``. A module's quantizers
+        are bound to it: their specs carry the state and a slot per tensor (mxtrain/modules/_quantizer.py)."""
         from mxtrain.quantization.float8 import DelayedScalingState  # torch lives below the recipes
         return DelayedScalingState(self.amax_history_len)
-
-    def bind(self, state) -> "BoundFloat8Recipe":
-        """This recipe as one module uses it: its role specs carry ``state`` and a slot per tensor."""
-        return BoundFloat8Recipe(self, state)
 
 
 @_recipe_dataclass
@@ -329,64 +323,6 @@ class Float8BlockScaling(Float8Recipe):
     def _spec_options(self, tensor: str) -> dict:
         block = (BLOCK_LEN, BLOCK_LEN) if tensor == "weight" else (1, BLOCK_LEN)
         return {"block": block, "amax_epsilon": self.amax_epsilon}
-
-
-class BoundFloat8Recipe:
-    """A :class:`DelayedScaling` recipe bound to one module's state; what that module's autograd keeps.
-
-    ``role(name)`` gives the recipe's spec with ``state`` and ``slot`` filled in, so
-    casts know whose history to use; :meth:`for_gemm` names the GEMM (``"fc1"``,
-    ``"fc2"``) so that modules with several GEMMs keep their tensors apart. Every
-    other attribute is the recipe's.
-    """
-
-    __slots__ = ("recipe", "state", "gemm", "_specs")
-
-    def __init__(self, recipe: DelayedScaling, state, gemm: str = "") -> None:
-        self.recipe, self.state, self.gemm, self._specs = recipe, state, gemm, {}
-
-    def role(self, name: str) -> Float8RoleSpec:
-        if not self._specs:
-            # every role's spec at the first call (in forward): a compiled backward may not fill a cache
-            self._ensure_slots()
-            for n in ROLE_NAMES:
-                spec = self.recipe.role(n)
-                if spec.quantized:
-                    slot = f"{self.gemm}.{spec.tensor}" if self.gemm else spec.tensor
-                    spec = dataclasses.replace(spec, state=self.state, slot=slot)
-                self._specs[n] = spec
-        spec = self._specs.get(name)
-        return self.recipe.role(name) if spec is None else spec  # an unknown name: the recipe's error
-
-    def slot_formats(self) -> tuple[tuple[str, str], ...]:
-        """``((slot, fmt), ...)`` of every quantized tensor of this GEMM (input, weight, grad_output)."""
-        slots = {}
-        for name in ROLE_NAMES:
-            spec = self.recipe.role(name)
-            if spec.quantized:
-                slots.setdefault(f"{self.gemm}.{spec.tensor}" if self.gemm else spec.tensor, spec.fmt)
-        return tuple(slots.items())
-
-    def _ensure_slots(self) -> None:
-        """Make the state's slots of every tensor of this GEMM in forward, gradients' too: under torch.compile
-        a slot cannot be made in backward (the backward only writes amaxes into existing tensors)."""
-        ensure = getattr(self.state, "ensure_slots", None)
-        if ensure is not None:
-            ensure(self.slot_formats())
-
-    def roles(self) -> Mapping[str, Float8RoleSpec]:
-        return {name: self.role(name) for name in ROLE_NAMES}
-
-    def for_gemm(self, gemm: str) -> "BoundFloat8Recipe":
-        return BoundFloat8Recipe(self.recipe, self.state, gemm)
-
-    def __getattr__(self, name: str):
-        if name in BoundFloat8Recipe.__slots__:  # not set yet (torch.compile builds the object in steps)
-            raise AttributeError(name)
-        return getattr(self.recipe, name)
-
-    def __repr__(self) -> str:
-        return f"BoundFloat8Recipe({self.recipe!r}, gemm={self.gemm!r})"
 
 
 # A live read-only view of the registered FP8 recipe classes (ALL_RECIPE_CLASSES: MX and FP8).

@@ -122,7 +122,7 @@ def test_evaluation_before_any_update_takes_the_recipes_margin():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_state_made_by_a_gather_is_laid_out_as_a_forwards(device):
-    """FSDP2's pre-all-gather may be the first to make a module's state (module.gather_recipe): it must be
+    """FSDP2's pre-all-gather may be the first to make a module's state (module.gather_quantizers): it must be
     where the parameters are, with every GEMM's slots, as a training forward makes it (a CPU state made
     there broke NCCL's amax all-reduce in the update)."""
     if device == "cuda" and not torch.cuda.is_available():
@@ -130,7 +130,7 @@ def test_state_made_by_a_gather_is_laid_out_as_a_forwards(device):
     recipe = mxtrain.DelayedScaling(amax_history_len=4)
     gathered, forward = (mxtrain.LayerNormMLP(64, 128, normalization="RMSNorm").to(device) for _ in range(2))
     forward.load_state_dict(gathered.state_dict())
-    gathered.gather_recipe(recipe, "fc1")
+    gathered.gather_quantizers(recipe, "fc1")
     x = torch.randn(8, 64, device=device)
     with mxtrain.mx_autocast(recipe=recipe):
         forward(x)

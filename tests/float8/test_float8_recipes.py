@@ -7,7 +7,7 @@ import pytest
 
 import mxtrain
 from mxtrain.recipes import (
-    ALL_RECIPE_CLASSES, FLOAT8_RECIPE_CLASSES, RECIPE_CLASSES, ROLE_NAMES, BoundFloat8Recipe, DelayedScaling,
+    ALL_RECIPE_CLASSES, FLOAT8_RECIPE_CLASSES, RECIPE_CLASSES, ROLE_NAMES, DelayedScaling,
     Float8BlockScaling, Float8CurrentScaling, Float8Recipe, Float8RoleSpec, Recipe, recipe_from_dict,
     recipe_from_string,
 )
@@ -42,7 +42,7 @@ def test_role_views(cls, fp8_format):
             assert spec.block == ((128, 128) if spec.tensor == "weight" else (1, 128)) 
         else:
             assert spec.block is None
-    # the two uses of one tensor share one spec, so quantize_operand casts them in one call
+    # the two uses of one tensor share one spec, so a module's Quantizer casts them in one call
     assert r.role("fprop_input") == r.role("wgrad_input")
     assert r.role("fprop_weight") == r.role("dgrad_weight")
     assert r.role("dgrad_grad_output") == r.role("wgrad_grad_output")
@@ -165,16 +165,3 @@ def test_process_group_is_runtime_only():
     assert r == Float8CurrentScaling() and "amax_reduction_group" not in repr(r)
     assert r.role("fprop_input").amax_reduction_group is group
     assert r.to_dict() == Float8CurrentScaling().to_dict()
-
-
-def test_bound_recipe_names_slots_per_gemm():
-    r = DelayedScaling()
-    state = r.make_state()
-    bound = r.bind(state)
-    assert isinstance(bound, BoundFloat8Recipe) and bound.margin == 0 and bound.elemwise_format is None
-    assert bound.role("fprop_input").slot == "input" and bound.role("fprop_input").state is state
-    fc1 = bound.for_gemm("fc1")
-    assert fc1.role("wgrad_grad_output").slot == "fc1.grad_output"
-    assert fc1.role("fprop_input") == fc1.role("wgrad_input")
-    assert fc1.role("fprop_input") != bound.for_gemm("fc2").role("fprop_input")
-    assert bound.role("fprop_input") != r.bind(r.make_state()).role("fprop_input")  # other module, other state

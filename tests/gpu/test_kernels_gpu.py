@@ -235,7 +235,7 @@ def test_layernorm_mlp_triton_vs_reference_backend(monkeypatch, recipe, activati
 
 @pytest.mark.parametrize("activation", ("gelu", "swiglu"))
 def test_layernorm_mlp_bf16_values_bit_identical(monkeypatch, activation, mx_config):
-    """bf16 LayerNormMLP on the cuBLAS path: operands cast straight to bf16 values (quantize_operand on CUDA)
+    """bf16 LayerNormMLP on the cuBLAS path: operands cast straight to bf16 values (a module's Quantizer on CUDA)
     give the same output and grads, bit for bit, as casting codes and dequantizing them; with the
     reference GEMM, the same as the reference casts (norm and activation computed by torch, as the
     reference path does; with the fused sources the values/codes identity is checked too)."""

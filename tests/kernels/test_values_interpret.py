@@ -176,14 +176,14 @@ def test_mxtensor_values_field(tmp_path):
                  values=(torch.zeros(64, 96),))
 
 
-def test_quantize_operand_cpu_unchanged():
-    """On the CPU quantize_operand carries no values (identical behaviour); the rule picks axes on CUDA only."""
+def test_quantizer_cpu_unchanged():
+    """On the CPU a Quantizer's cast carries no values (identical behaviour); the rule picks axes on CUDA only."""
     from mxtrain.modules import _common
+    from mxtrain.modules._quantizer import make_quantizers
     from mxtrain.recipes import MXFP8Recipe
 
-    spec = MXFP8Recipe().role("fprop_input")
     x = torch.randn(64, 64).to(torch.bfloat16)
-    row, col = _common.quantize_operand(x, [(spec, 1), (spec, 0)], None)
+    row, col = make_quantizers(MXFP8Recipe())[""].input.quantize(x)
     assert row.values == () and col.values == () and row.rowwise is not None and col.columnwise is not None
     assert _common._used_at_once(x, (1, 0)) == ()
     w = torch.nn.Parameter(x.clone())

@@ -150,16 +150,16 @@ def test_compile_fused_sources_switch(monkeypatch):
     """By default a module traced by torch.compile takes the op-then-cast path (fullgraph); with
     MXTRAIN_COMPILE_FUSED_SOURCES=1 (compile_fused_sources) the fused casts run there too, as in eager."""
     from mxtrain import config
-    from mxtrain.modules._float8 import fused_float8_operands
+    from mxtrain.modules._quantizer import make_quantizers
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     src = torch.randn(64, 256, device=device)
-    specs = [(mxtrain.Float8CurrentScaling().role("fprop_input"), 1)]
+    q = make_quantizers(mxtrain.Float8CurrentScaling())[""].input
     with config.override(backend="auto" if device == "cuda" else "triton"):  # CPU: Triton's interpreter
-        if fused_float8_operands(src, specs, act="gelu") is None:
+        if q.quantize_fused(src, True, False, act="gelu") is None:
             pytest.skip("no fused FP8 casts here (they need CUDA or TRITON_INTERPRET=1)")
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert fused_float8_operands(src, specs, act="gelu") is None
+        assert q.quantize_fused(src, True, False, act="gelu") is None
         with config.override(compile_fused_sources=True):
-            assert fused_float8_operands(src, specs, act="gelu") is not None
+            assert q.quantize_fused(src, True, False, act="gelu") is not None
     assert config.from_environ({"MXTRAIN_COMPILE_FUSED_SOURCES": "1"}).compile_fused_sources is True

@@ -7,6 +7,7 @@ import mxtrain
 import importlib
 
 gl_module = importlib.import_module("mxtrain.modules.grouped_linear")
+from mxtrain.modules._quantizer import Quantizer
 from mxtrain.recipes import MXRecipe
 
 RECIPES = {
@@ -141,13 +142,13 @@ def test_weights_share_one_buffer_and_load_like_te():
 
 def _count_casts(monkeypatch, splits):
     calls = []
-    real = gl_module.quantize_operand
+    real = Quantizer.quantize
 
-    def counting(t2d, specs_axes, *args, **kwargs):
-        calls.append((tuple(t2d.shape), tuple(a for s, a in specs_axes if s is not None)))
-        return real(t2d, specs_axes, *args, **kwargs)
+    def counting(self, t2d, rowwise=True, columnwise=True, at_once=False):
+        calls.append((tuple(t2d.shape), (1,) * rowwise + (0,) * columnwise))
+        return real(self, t2d, rowwise, columnwise, at_once)
 
-    monkeypatch.setattr(gl_module, "quantize_operand", counting)
+    monkeypatch.setattr(Quantizer, "quantize", counting)
     m = gl_module.GroupedLinear(len(splits), 64, 64)
     x = torch.randn(sum(splits), 64, requires_grad=True)
     with mxtrain.mx_autocast(recipe=mxtrain.MXFP8Recipe()):

@@ -7,6 +7,7 @@ import torch
 
 import mxtrain
 from mxtrain.modules import _common
+from mxtrain.modules._quantizer import Quantizer
 
 RECIPES = ["mxfp8", "fp8_current", "fp8_block"]
 
@@ -26,14 +27,14 @@ def _train(model, batches, recipe, cached: bool, steps: int = 2):
     number of casts of each weight."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     weights, casts = _weights(model), {}
-    real = _common._quantize_operand
+    real = Quantizer._cast
 
-    def counting(t2d, specs_axes, generator, at_once):
+    def counting(self, t2d, rowwise, columnwise, at_once):
         if id(t2d) in weights:
             casts[id(t2d)] = casts.get(id(t2d), 0) + 1
-        return real(t2d, specs_axes, generator, at_once)
+        return real(self, t2d, rowwise, columnwise, at_once)
     losses = []
-    with mock.patch.object(_common, "_quantize_operand", side_effect=counting):
+    with mock.patch.object(Quantizer, "_cast", autospec=True, side_effect=counting):
         for _ in range(steps):
             with mxtrain.weight_cast_cache() if cached else torch.enable_grad():
                 for x in batches:
