@@ -1,0 +1,150 @@
+"""The fused source casts (norm_cast, activation_cast, activation_backward_cast) as registered ops: opcheck of
+each op, and a fullgraph torch.compile of the casts as the modules call them giving eager's bits (on the CPU
+under the Triton interpreter, so the Triton kernels run inside the ops)."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed")
+
+from mxtrain.kernels.activation_cast import activation_backward_cast, activation_cast  # noqa: E402
+from mxtrain.kernels.norm_cast import norm_cast  # noqa: E402
+
+
+def _t(*shape, dtype=torch.bfloat16, seed=0, scale=2.0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+
+# the op arguments after the tensors: fmt, block_size, axes, scale_mode, rounding, seed, pack, then the values
+# request (dequantized axes, their dtype, kept axes)
+NORM = [  # kind, x shape, dtype, fmt, block, axes, scale_mode, rounding, seed, pack, return_output, deq, deq dtype, keep
+    ("LayerNorm", (16, 64), torch.bfloat16, "fp8_e4m3", 32, [1, 0], "floor", "even", None, True, True, [], torch.bfloat16,
+     [1, 0]),
+    ("RMSNorm", (16, 64), torch.bfloat16, "fp8_e4m3", 32, [1, 0], "rceil", "even", None, True, False, [1],
+     torch.bfloat16, [0]),
+    ("LayerNorm", (2, 5, 64), torch.float32, "fp4_e2m1", 32, [2], "floor", "stochastic", 5, True, True, [2],
+     torch.float32, [2]),
+    ("RMSNorm", (8, 40), torch.float16, "int8", 0, [1], "even", "nearest", None, False, True, [], torch.bfloat16, [1]),
+]
+
+
+def _norm_inputs(kind, shape, dtype):
+    x = _t(*shape, dtype=dtype)
+    w = _t(shape[-1], dtype=dtype, seed=1, scale=0.5) + 1
+    b = _t(shape[-1], dtype=dtype, seed=2, scale=0.2) if kind == "LayerNorm" else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("case", NORM, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}")
+def test_opcheck_norm_cast(case):
+    kind, shape, dtype, fmt, bs, axes, mode, rnd, seed, pack, ret, deq, ddt, keep = case
+    x, w, b = _norm_inputs(kind, shape, dtype)
+    torch.library.opcheck(torch.ops.mxtrain.norm_cast.default,
+                          (x, w, b, kind, 1e-5, kind == "RMSNorm", fmt, bs, axes, mode, rnd, seed, pack, ret, deq,
+                           ddt, keep))
+
+
+ACT = [  # activation, h shape, dtype, fmt, block, axes, scale_mode, rounding, seed, pack, return_output, deq, dtype, keep
+    ("swiglu", (16, 128), torch.bfloat16, "fp8_e4m3", 32, [1, 0], "floor", "even", None, True, False, [1],
+     torch.bfloat16, [0]),
+    ("gelu", (16, 64), torch.bfloat16, "fp8_e5m2", 32, [1], "rceil", "even", None, True, True, [], torch.bfloat16, [1]),
+    ("relu", (2, 4, 64), torch.float32, "fp6_e2m3", 32, [2], "floor", "stochastic", 3, True, True, [2], torch.float32,
+     [2]),
+]
+
+
+@pytest.mark.parametrize("case", ACT, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}")
+def test_opcheck_activation_cast(case):
+    act, shape, dtype, fmt, bs, axes, mode, rnd, seed, pack, ret, deq, ddt, keep = case
+    torch.library.opcheck(torch.ops.mxtrain.activation_cast.default,
+                          (_t(*shape, dtype=dtype), act, fmt, bs, axes, mode, rnd, seed, pack, ret, deq, ddt, keep))
+
+
+BWD = [  # as ACT, with dbias after return_output
+    ("gelu", (16, 64), torch.bfloat16, "fp8_e4m3", 32, [1, 0], "floor", "even", None, True, False, True, [1, 0],
+     torch.bfloat16, []),
+    ("swiglu", (16, 128), torch.bfloat16, "fp8_e5m2", 32, [1, 0], "rceil", "even", None, True, True, False, [1],
+     torch.bfloat16, [0]),
+    ("silu", (2, 3, 64), torch.float16, "fp4_e2m1", 0, [2], "floor", "even", None, True, True, True, [],
+     torch.bfloat16, [2]),
+]
+
+
+@pytest.mark.parametrize("case", BWD, ids=lambda c: f"{c[0]}-{c[3]}-{c[5]}")
+def test_opcheck_activation_backward_cast(case):
+    act, shape, dtype, fmt, bs, axes, mode, rnd, seed, pack, ret, dbias, deq, ddt, keep = case
+    h = _t(*shape, dtype=dtype)
+    out_shape = (*shape[:-1], shape[-1] // 2 if act == "swiglu" else shape[-1])
+    g = _t(*out_shape, dtype=dtype, seed=4)
+    torch.library.opcheck(torch.ops.mxtrain.activation_backward_cast.default,
+                          (h, g, act, fmt, bs, axes, mode, rnd, seed, pack, ret, dbias, deq, ddt, keep))
+
+
+def _flat(mxt) -> list[torch.Tensor]:
+    """Every tensor an MXTensor holds, in order (planes' codes and scales, then carried values)."""
+    out = []
+    for p in mxt.planes:
+        out += [p.data, p.scale]
+    return out + [v for _, v in mxt.values]
+
+
+def _mlp_casts(x, ln_w, ln_b, h, da, *, fmt, act, deq, keep, bdeq, bkeep, dbias, seed, rounding):
+    """The source casts as LayerNormLinear / LayerNormMLP call them (a forward and a backward's worth)."""
+    kw = dict(fmt=fmt, block_size=32, scale_mode="floor", rounding=rounding, seed=seed)
+    r = norm_cast(x, ln_w, ln_b, kind="LayerNorm", eps=1e-5, axis=(1, 0), dequantized=deq, keep_codes=keep,
+                  return_output=True, **kw)
+    rms = norm_cast(x, ln_w, None, kind="RMSNorm", eps=1e-6, zero_centered_gamma=True, axis=(1, 0),
+                    dequantized=deq, keep_codes=keep, **kw)
+    a = activation_cast(h, act, axis=(1, 0), dequantized=deq, keep_codes=keep, **kw)
+    a1, a_out = activation_cast(h, act, axis=1, return_output=True, **kw)
+    g = activation_backward_cast(h, da, act, axis=(1, 0), dequantized=bdeq, keep_codes=bkeep, dbias=dbias,
+                                 reuse_grad=False, **kw)
+    out = _flat(r.mx) + [r.mean, r.rstd, r.out] + _flat(rms.mx) + [rms.rstd] + _flat(a) + _flat(a1) + [a_out]
+    out += _flat(g.mx) + ([g.dbias] if dbias else [])
+    assert rms.mean is None and rms.out is None and g.out is None and (g.dbias is None) != dbias
+    return out
+
+
+@pytest.mark.parametrize("act,fmt,carry,dbias,rounding", [
+    ("gelu", "fp8_e4m3", False, True, "even"),      # codes kept (CPU / non-bf16), fc1's bias gradient
+    ("swiglu", "fp8_e4m3", True, False, "even"),    # CUDA bf16: rowwise planes as values, backward all values
+    ("silu", "fp4_e2m1", True, True, "stochastic"),  # an int seed enters the ops
+])
+def test_compiled_source_casts_equal_eager(act, fmt, carry, dbias, rounding):
+    torch._dynamo.reset()
+    x, w, b = _norm_inputs("LayerNorm", (32, 64), torch.bfloat16)
+    gated = act == "swiglu"
+    h = _t(32, 128 if gated else 64, seed=5)
+    da = _t(32, 64, seed=6)
+    kw = dict(fmt=fmt, act=act, deq=(1,) if carry else (), keep=(0,) if carry else None,
+              bdeq=(1, 0) if carry else (), bkeep=() if carry else None, dbias=dbias,
+              seed=11 if rounding == "stochastic" else None, rounding=rounding)
+    from mxtrain.formats import parse_format
+    from mxtrain.kernels import cast
+
+    # the Triton kernels run inside the ops (the CPU under the interpreter), not only the reference
+    assert cast._fallback_reason(h, parse_format(fmt), 32, (1, 0), True) is None
+    want = _mlp_casts(x, w, b, h, da, **kw)
+    got = torch.compile(lambda *t: _mlp_casts(*t, **kw), fullgraph=True, backend="aot_eager")(x, w, b, h, da)
+    assert len(got) == len(want)
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert g.dtype == e.dtype and g.shape == e.shape, f"output {i}: {g.dtype} {g.shape} vs {e.dtype} {e.shape}"
+        assert torch.equal(g.view(torch.uint8) if g.dtype.itemsize == 1 else g, e), f"output {i} differs"
+
+
+def test_compiled_generator_seed_is_refused():
+    """A torch.Generator cannot enter an op: stochastic rounding with one names itself under compile."""
+    x, w, b = _norm_inputs("LayerNorm", (8, 32), torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    calls = (lambda x: norm_cast(x, w, b, rounding="stochastic", seed=gen, axis=1).rstd,
+             lambda x: activation_cast(x, "gelu", "fp8_e4m3", rounding="stochastic", seed=gen, axis=1).planes[0].data,
+             lambda x: activation_backward_cast(x, x, "gelu", "fp8_e4m3", rounding="stochastic", seed=gen,
+                                                axis=1).mx.planes[0].data)
+    for fn in calls:
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="stochastic rounding with a torch.Generator") as err:
+            torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+        causes = [err.value, err.value.__cause__, err.value.__context__]
+        assert any(isinstance(e, NotImplementedError) for e in causes) or "NotImplementedError" in str(err.value)
+        fn(x)  # eagerly the Generator is drawn from
