@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed")
 
 from mxtrain.kernels.activation_cast import activation_backward_cast, activation_cast  # noqa: E402
+from mxtrain.kernels.float8_cast import block_cast_float8, tensor_cast_float8  # noqa: E402
 from mxtrain.kernels.norm_cast import norm_cast  # noqa: E402
 
 
@@ -148,3 +149,65 @@ def test_compiled_generator_seed_is_refused():
         causes = [err.value, err.value.__cause__, err.value.__context__]
         assert any(isinstance(e, NotImplementedError) for e in causes) or "NotImplementedError" in str(err.value)
         fn(x)  # eagerly the Generator is drawn from
+
+
+# The fused FP8 casts of LayerNormMLP under the FP8 recipes (mxtrain/modules/_float8.py fused_float8_operands)
+
+
+@pytest.mark.parametrize("pre", ["none", "act", "grad"])
+def test_opcheck_tensor_cast_float8(pre):
+    x = _t(40, 72)
+    act, grad = (None, None) if pre == "none" else ("gelu", None if pre == "act" else _t(40, 72, seed=3))
+    op = torch.ops.mxtrain.tensor_cast_float8.default
+    # current scaling (amax pass), a given amax, delayed scaling (a given scale)
+    for rows, cols, scale, amax, dbias in ((True, True, None, None, pre == "grad"),
+                                           (False, True, None, torch.tensor(9.0), False),
+                                           (True, False, torch.tensor(0.25), None, True)):
+        torch.library.opcheck(op, (x, "fp8_e4m3", rows, cols, act, grad, scale, amax, pre == "act", 0.0, dbias))
+
+
+@pytest.mark.parametrize("block", [[1, 128], [128, 128]])
+def test_opcheck_block_cast_float8(block):
+    x, grad = _t(40, 136), _t(40, 136, seed=3)
+    op = torch.ops.mxtrain.block_cast_float8.default
+    torch.library.opcheck(op, (x, "fp8_e4m3", block, True, True, "relu", None, False, 0.0, False))
+    torch.library.opcheck(op, (x, "fp8_e5m2", block, False, True, "silu", grad, True, 1e-6, True))
+
+
+def _flat8(q) -> list[torch.Tensor]:
+    out = []
+    for p in q.planes:
+        out += [p.data.view(torch.uint8), p.scale_inv]
+    return out + ([q.amax] if q.amax is not None else [])
+
+
+def _float8_casts(h, da, scale):
+    """The fused FP8 casts as fused_float8_operands calls them: current scaling (the second group reusing the
+    first's amax), delayed scaling, 1x128 blocks; forward (act) and backward (grad, dbias)."""
+    q1, _ = tensor_cast_float8(h, "fp8_e4m3", rowwise=True, columnwise=True, act="gelu")
+    q2, db2 = tensor_cast_float8(h, "fp8_e5m2", rowwise=False, columnwise=True, act="gelu", grad=da, dbias=True)
+    q3, _ = tensor_cast_float8(h, "fp8_e4m3", rowwise=True, columnwise=False, act="gelu", amax=q1.amax)
+    q4, _ = tensor_cast_float8(h, "fp8_e4m3", rowwise=True, columnwise=True, act="relu", scale=scale)
+    q5, db5 = block_cast_float8(h, "fp8_e4m3", (1, 128), rowwise=True, columnwise=True, act="silu", grad=da,
+                                dbias=True)
+    q6, _ = block_cast_float8(h, "fp8_e4m3", (128, 128), rowwise=True, columnwise=True, act="gelu")
+    assert q5.amax is None
+    return [*_flat8(q1), *_flat8(q2), db2, *_flat8(q3), *_flat8(q4), *_flat8(q5), db5, *_flat8(q6)]
+
+
+def test_compiled_float8_casts_equal_eager():
+    torch._dynamo.reset()
+    h, da, scale = _t(48, 136), _t(48, 136, seed=7), torch.tensor(0.5)
+    want = _float8_casts(h, da, scale)
+    got = torch.compile(_float8_casts, fullgraph=True, backend="aot_eager")(h, da, scale)
+    assert len(got) == len(want)
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert g.dtype == e.dtype and g.shape == e.shape, f"output {i}: {g.dtype} {g.shape} vs {e.dtype} {e.shape}"
+        assert torch.equal(g, e), f"output {i} differs"
+
+
+def test_compiled_float8_amax_group_is_refused():
+    torch._dynamo.reset()
+    fn = lambda x: tensor_cast_float8(x, amax_reduction_group=object())[0].amax  # noqa: E731
+    with pytest.raises(Exception, match="amax_reduction_group"):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(_t(8, 32))
