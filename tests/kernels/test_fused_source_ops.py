@@ -211,3 +211,45 @@ def test_compiled_float8_amax_group_is_refused():
     fn = lambda x: tensor_cast_float8(x, amax_reduction_group=object())[0].amax  # noqa: E731
     with pytest.raises(Exception, match="amax_reduction_group"):
         torch.compile(fn, fullgraph=True, backend="aot_eager")(_t(8, 32))
+
+
+@pytest.mark.parametrize("recipe,act", [("Float8CurrentScaling", "gelu"), ("Float8BlockScaling", "relu")])
+def test_layernorm_mlp_fullgraph_with_fused_float8_casts_equal_eager(recipe, act):
+    """LayerNormMLP under an FP8 recipe with its fused casts in the compiled graph (Triton's, on the interpreter:
+    backend="triton"; compile_fused_sources opens the modules' gate): outputs and gradients equal eager's."""
+    import mxtrain
+    from mxtrain import config
+
+    torch.manual_seed(0)
+    m = mxtrain.LayerNormMLP(128, 128, bias=True, activation=act, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x, dy = torch.randn(32, 128, dtype=torch.bfloat16), torch.randn(32, 128, dtype=torch.bfloat16)
+    rec = getattr(mxtrain, recipe)()
+
+    def step(module, x):
+        with mxtrain.mx_autocast(recipe=rec):
+            return module(x)
+
+    def run(fn):
+        xx = x.clone().requires_grad_()
+        m.zero_grad(set_to_none=True)
+        y = fn(m, xx)
+        y.backward(dy)
+        return [y.detach(), xx.grad] + [p.grad.clone() for p in m.parameters()]
+    seen = set()
+
+    def backend(gm, example_inputs):  # aot_eager, noting the ops of every graph (backward subgraphs too)
+        for mod in gm.modules():
+            if isinstance(mod, torch.fx.GraphModule):
+                seen.update(str(n.target) for n in mod.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    with config.override(backend="triton", compile_fused_sources=True):
+        torch._dynamo.reset()
+        compiled = run(torch.compile(step, fullgraph=True, backend=backend))
+        eager = run(step)
+    op = "mxtrain.tensor_cast_float8" if recipe == "Float8CurrentScaling" else "mxtrain.block_cast_float8"
+    assert any(op in t for t in seen), sorted(t for t in seen if "mxtrain" in t)
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        assert torch.equal(c, e), f"output/gradient {i} differs"
