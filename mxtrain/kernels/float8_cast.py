@@ -548,7 +548,8 @@ def _tensor_cast_float8_op(x: torch.Tensor, fmt: str, rowwise: bool, columnwise:
 def _(x, fmt, rowwise, columnwise, act, grad, scale, amax, power_of_2_scales, amax_epsilon, dbias):
     M, N = x.shape
     fp8 = FP8_DTYPES[fmt]
-    out = ([x.new_empty((M, N), dtype=fp8)] if rowwise else []) + ([x.new_empty((N, M), dtype=fp8)] if columnwise else [])
+    out = [x.new_empty((M, N), dtype=fp8)] if rowwise else []
+    out += [x.new_empty((N, M), dtype=fp8)] if columnwise else []
     out += [x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)]
     return out + ([x.new_empty(N, dtype=torch.float32)] if dbias else [])
 

@@ -19,9 +19,9 @@ def _t(*shape, dtype=torch.bfloat16, seed=0, scale=2.0, device="cpu"):
 
 # the op arguments after the tensors: fmt, block_size, axes, scale_mode, rounding, seed, pack, then the values
 # request (dequantized axes, their dtype, kept axes)
-NORM = [  # kind, x shape, dtype, fmt, block, axes, scale_mode, rounding, seed, pack, return_output, deq, deq dtype, keep
-    ("LayerNorm", (16, 64), torch.bfloat16, "fp8_e4m3", 32, [1, 0], "floor", "even", None, True, True, [], torch.bfloat16,
-     [1, 0]),
+NORM = [  # kind, x shape, dtype, fmt, block, axes, scale_mode, rounding, seed, pack, return_output, deq, dtype, keep
+    ("LayerNorm", (16, 64), torch.bfloat16, "fp8_e4m3", 32, [1, 0], "floor", "even", None, True, True, [],
+     torch.bfloat16, [1, 0]),
     ("RMSNorm", (16, 64), torch.bfloat16, "fp8_e4m3", 32, [1, 0], "rceil", "even", None, True, False, [1],
      torch.bfloat16, [0]),
     ("LayerNorm", (2, 5, 64), torch.float32, "fp4_e2m1", 32, [2], "floor", "stochastic", 5, True, True, [2],
@@ -46,7 +46,8 @@ def test_opcheck_norm_cast(case):
                            ddt, keep))
 
 
-ACT = [  # activation, h shape, dtype, fmt, block, axes, scale_mode, rounding, seed, pack, return_output, deq, dtype, keep
+ACT = [  # activation, h shape, dtype, fmt, block, axes, scale_mode, rounding, seed, pack, return_output, deq, dtype,
+       # keep
     ("swiglu", (16, 128), torch.bfloat16, "fp8_e4m3", 32, [1, 0], "floor", "even", None, True, False, [1],
      torch.bfloat16, [0]),
     ("gelu", (16, 64), torch.bfloat16, "fp8_e5m2", 32, [1], "rceil", "even", None, True, True, [], torch.bfloat16, [1]),
