@@ -1,6 +1,8 @@
 """The fused source casts (norm_cast, activation_cast, activation_backward_cast) as registered ops: opcheck of
 each op, and a fullgraph torch.compile of the casts as the modules call them giving eager's bits (on the CPU
-under the Triton interpreter, so the Triton kernels run inside the ops)."""
+under the Triton interpreter, so the Triton kernels run inside the ops; on CUDA without it)."""
+
+import os
 
 import pytest
 import torch
@@ -12,7 +14,11 @@ from mxtrain.kernels.float8_cast import block_cast_float8, tensor_cast_float8  #
 from mxtrain.kernels.norm_cast import norm_cast  # noqa: E402
 
 
-def _t(*shape, dtype=torch.bfloat16, seed=0, scale=2.0, device="cpu"):
+# the Triton kernels run on the CPU under the interpreter (tests/kernels/conftest.py sets it without CUDA)
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
+
+
+def _t(*shape, dtype=torch.bfloat16, seed=0, scale=2.0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
 
@@ -30,10 +36,10 @@ NORM = [  # kind, x shape, dtype, fmt, block, axes, scale_mode, rounding, seed, 
 ]
 
 
-def _norm_inputs(kind, shape, dtype):
-    x = _t(*shape, dtype=dtype)
-    w = _t(shape[-1], dtype=dtype, seed=1, scale=0.5) + 1
-    b = _t(shape[-1], dtype=dtype, seed=2, scale=0.2) if kind == "LayerNorm" else None
+def _norm_inputs(kind, shape, dtype, device=DEVICE):
+    x = _t(*shape, dtype=dtype, device=device)
+    w = _t(shape[-1], dtype=dtype, seed=1, scale=0.5, device=device) + 1
+    b = _t(shape[-1], dtype=dtype, seed=2, scale=0.2, device=device) if kind == "LayerNorm" else None
     return x, w, b
 
 
@@ -125,7 +131,7 @@ def test_compiled_source_casts_equal_eager(act, fmt, carry, dbias, rounding):
     from mxtrain.formats import parse_format
     from mxtrain.kernels import cast
 
-    # the Triton kernels run inside the ops (the CPU under the interpreter), not only the reference
+    # the kernels run inside the ops (Triton's on the CPU under the interpreter), not only the reference
     assert cast._fallback_reason(h, parse_format(fmt), 32, (1, 0), True) is None
     want = _mlp_casts(x, w, b, h, da, **kw)
     got = torch.compile(lambda *t: _mlp_casts(*t, **kw), fullgraph=True, backend="aot_eager")(x, w, b, h, da)
@@ -137,7 +143,7 @@ def test_compiled_source_casts_equal_eager(act, fmt, carry, dbias, rounding):
 
 def test_compiled_generator_seed_is_refused():
     """A torch.Generator cannot enter an op: stochastic rounding with one names itself under compile."""
-    x, w, b = _norm_inputs("LayerNorm", (8, 32), torch.float32)
+    x, w, b = _norm_inputs("LayerNorm", (8, 32), torch.float32, device="cpu")
     gen = torch.Generator().manual_seed(0)
     calls = (lambda x: norm_cast(x, w, b, rounding="stochastic", seed=gen, axis=1).rstd,
              lambda x: activation_cast(x, "gelu", "fp8_e4m3", rounding="stochastic", seed=gen, axis=1).planes[0].data,
@@ -162,8 +168,8 @@ def test_opcheck_tensor_cast_float8(pre):
     op = torch.ops.mxtrain.tensor_cast_float8.default
     # current scaling (amax pass), a given amax, delayed scaling (a given scale)
     for rows, cols, scale, amax, dbias in ((True, True, None, None, pre == "grad"),
-                                           (False, True, None, torch.tensor(9.0), False),
-                                           (True, False, torch.tensor(0.25), None, True)):
+                                           (False, True, None, torch.tensor(9.0, device=DEVICE), False),
+                                           (True, False, torch.tensor(0.25, device=DEVICE), None, True)):
         torch.library.opcheck(op, (x, "fp8_e4m3", rows, cols, act, grad, scale, amax, pre == "act", 0.0, dbias))
 
 
@@ -198,7 +204,7 @@ def _float8_casts(h, da, scale):
 
 def test_compiled_float8_casts_equal_eager():
     torch._dynamo.reset()
-    h, da, scale = _t(48, 136), _t(48, 136, seed=7), torch.tensor(0.5)
+    h, da, scale = _t(48, 136), _t(48, 136, seed=7), torch.tensor(0.5, device=DEVICE)
     want = _float8_casts(h, da, scale)
     got = torch.compile(_float8_casts, fullgraph=True, backend="aot_eager")(h, da, scale)
     assert len(got) == len(want)
@@ -222,11 +228,11 @@ def test_layernorm_mlp_fullgraph_with_fused_float8_casts_equal_eager(recipe, act
     from mxtrain import config
 
     torch.manual_seed(0)
-    m = mxtrain.LayerNormMLP(128, 128, bias=True, activation=act, dtype=torch.bfloat16)
+    m = mxtrain.LayerNormMLP(128, 128, bias=True, activation=act, dtype=torch.bfloat16, device=DEVICE)
     with torch.no_grad():
         for p in m.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    x, dy = torch.randn(32, 128, dtype=torch.bfloat16), torch.randn(32, 128, dtype=torch.bfloat16)
+    x, dy = _t(32, 128, scale=1.0), _t(32, 128, seed=1, scale=1.0)
     rec = getattr(mxtrain, recipe)()
 
     def step(module, x):
