@@ -109,7 +109,7 @@ class Settings:
     fp8_block_cast: str = "auto"  # MXTRAIN_FP8_BLOCK_CAST=triton: block cast on Triton, not CUDA C++
     # modules and distributed
     fuse_sources: bool = True  # MXTRAIN_FUSE_SOURCES=0: modules compute the norm/activation, then cast
-    # MXTRAIN_COMPILE_FUSED_SOURCES=1: under torch.compile too (graph breaks around them: no fullgraph)
+    # MXTRAIN_COMPILE_FUSED_SOURCES=1: under torch.compile too (registered ops: fullgraph, eager's bits)
     compile_fused_sources: bool = False
     carry_values: bool = True  # MXTRAIN_CARRY_VALUES=0: no bf16 dequantized planes carried to GEMMs (CUDA)
     grouped_mm: str = "auto"  # MXTRAIN_GROUPED_MM: auto (CUDA only) | 1 (always) | 0 (never) torch grouped GEMM

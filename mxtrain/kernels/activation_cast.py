@@ -56,9 +56,21 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
     kernel cannot run (see :func:`mxtrain.kernels.cast._fallback_reason`) it computes
     ``torch_activation`` and the reference cast. ``dequantized`` / ``keep_codes`` /
     ``dequantized_dtype`` as :func:`mxtrain.kernels.dispatch.quantize` (the CUDA kernel writes bf16
-    values in the same pass; elsewhere the planes are dequantized after the cast).
+    values in the same pass; elsewhere the planes are dequantized after the cast). Under
+    ``torch.compile`` it is one registered op (``mxtrain::activation_cast``), the same bits.
     """
-    from mxtrain.kernels.dispatch import attach_values, values_request
+    if torch.compiler.is_compiling():
+        return _activation_cast_compiled(h, activation, fmt, block_size, axis, scale_mode, rounding, seed, pack,
+                                         return_output, dequantized, dequantized_dtype, keep_codes)
+    return _activation_cast_impl(h, activation, fmt, block_size, axis, scale_mode, rounding, seed, pack,
+                                 return_output, dequantized, dequantized_dtype, keep_codes)
+
+
+def _activation_args(h, activation, fmt, block_size, axis, scale_mode, rounding, dequantized, dequantized_dtype,
+                     keep_codes):
+    """Checked arguments of :func:`activation_cast`: ``(name, act id, output shape, format, block size, scale
+    mode, rounding, normalized axes, dequantized axes, kept axes)``."""
+    from mxtrain.kernels.dispatch import values_request
 
     name = check_activation(activation)
     act = ACTIVATION_IDS[name]
@@ -69,9 +81,19 @@ def activation_cast(h: torch.Tensor, activation: str, fmt, block_size: int = 32,
     fmt_, block_size, scale_mode, rounding = _check_common(h, fmt, block_size, scale_mode, rounding)
     axes = axis if isinstance(axis, tuple) else (axis,)
     axes = tuple(normalize_axis(a, len(out_shape)) for a in axes)
+    deq, keep = values_request(len(out_shape), axes, dequantized, keep_codes, dequantized_dtype)
+    return name, act, out_shape, fmt_, block_size, scale_mode, rounding, axes, deq, keep
+
+
+def _activation_cast_impl(h, activation, fmt, block_size, axis, scale_mode, rounding, seed, pack, return_output,
+                          dequantized, dequantized_dtype, keep_codes):
+    from mxtrain.kernels.dispatch import attach_values
+
+    name, act, out_shape, fmt_, block_size, scale_mode, rounding, axes, deq, keep = _activation_args(
+        h, activation, fmt, block_size, axis, scale_mode, rounding, dequantized, dequantized_dtype, keep_codes)
+    gated = act >= 6
     last = len(out_shape) - 1
     want_row, want_col = last in axes, (0 in axes and len(out_shape) >= 2)
-    deq, keep = values_request(len(out_shape), axes, dequantized, keep_codes, dequantized_dtype)
 
     def finish(mxt, out):  # values asked for, where the kernel wrote codes
         if deq or set(keep) != set(axes):
@@ -144,10 +166,24 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     ``dequantized`` / ``keep_codes`` as :func:`mxtrain.kernels.dispatch.quantize`.
     ``reuse_grad=True`` lets the kernel write the rowwise values over ``grad`` (the caller gives it up:
     one tensor of ``h``'s size less at the peak of a backward) where it can: not gated (``grad`` is then
-    ``dh``'s shape), contiguous, of the values' dtype.
+    ``dh``'s shape), contiguous, of the values' dtype. Under ``torch.compile`` it is one registered op
+    (``mxtrain::activation_backward_cast``), the same bits; ``grad`` is then left as it is (a registered
+    op's outputs cannot take an input's memory).
     """
-    from mxtrain.kernels.dispatch import quantize, values_request
-    from mxtrain.activations import activation_backward
+    if torch.compiler.is_compiling():
+        return _activation_backward_cast_compiled(h, grad, activation, fmt, block_size, axis, scale_mode, rounding,
+                                                  seed, pack, return_output, dbias, dequantized, dequantized_dtype,
+                                                  keep_codes)
+    return _activation_backward_cast_impl(h, grad, activation, fmt, block_size, axis, scale_mode, rounding, seed,
+                                          pack, return_output, dbias, dequantized, dequantized_dtype, keep_codes,
+                                          reuse_grad)
+
+
+def _backward_args(h, grad, activation, fmt, block_size, axis, scale_mode, rounding, dequantized, dequantized_dtype,
+                   keep_codes):
+    """Checked arguments of :func:`activation_backward_cast`: ``(name, format, block size, scale mode, rounding,
+    normalized axes, dequantized axes, kept axes)``."""
+    from mxtrain.kernels.dispatch import values_request
 
     name = check_activation(activation)
     gated = is_gated(name)
@@ -163,9 +199,21 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
     fmt_, block_size, scale_mode, rounding = _check_common(h, fmt, block_size, scale_mode, rounding)
     axes = axis if isinstance(axis, tuple) else (axis,)
     axes = tuple(normalize_axis(a, h.ndim) for a in axes)
+    deq, keep = values_request(h.ndim, axes, dequantized, keep_codes, dequantized_dtype)
+    return name, fmt_, block_size, scale_mode, rounding, axes, deq, keep
+
+
+def _activation_backward_cast_impl(h, grad, activation, fmt, block_size, axis, scale_mode, rounding, seed, pack,
+                                   return_output, dbias, dequantized, dequantized_dtype, keep_codes,
+                                   reuse_grad) -> ActivationGradCast:
+    from mxtrain.kernels.dispatch import quantize
+    from mxtrain.activations import activation_backward
+
+    name, fmt_, block_size, scale_mode, rounding, axes, deq, keep = _backward_args(
+        h, grad, activation, fmt, block_size, axis, scale_mode, rounding, dequantized, dequantized_dtype, keep_codes)
+    gated = is_gated(name)
     last = h.ndim - 1
     want_row, want_col = last in axes, (0 in axes and h.ndim >= 2)
-    deq, keep = values_request(h.ndim, axes, dequantized, keep_codes, dequantized_dtype)
     reason = _cast._fallback_reason(h, fmt_, block_size, axes, pack)
     if reason is None and want_col and (h.ndim > 2 or block_size > _cast.MAX_FUSED_BLOCK_SIZE):
         reason = "the columnwise plane is fused for a 2-D gradient and block_size <= 128 only"
@@ -198,3 +246,91 @@ def activation_backward_cast(h: torch.Tensor, grad: torch.Tensor, activation: st
                                   **outs)
     mxt = _cast.assemble_mxtensor(h, fmt_, block_size, axes, scale_mode, rounding, pack, row, col)
     return ActivationGradCast(mxt, y.reshape(h.shape) if y is not None else None, db[0] if dbias else None)
+
+
+# Under torch.compile each cast is one registered op of plain tensors (no graph break); inside, the kernel is
+# chosen at run time as in eager, so compiled and eager results are the same bits.
+
+
+def _activation_cast_compiled(h, activation, fmt, block_size, axis, scale_mode, rounding, seed, pack, return_output,
+                              dequantized, dequantized_dtype, keep_codes):
+    from mxtrain.kernels.dispatch import mx_from_op_outputs, op_seed
+
+    name, _, out_shape, fmt_, block_size, scale_mode, rounding, axes, deq, keep = _activation_args(
+        h, activation, fmt, block_size, axis, scale_mode, rounding, dequantized, dequantized_dtype, keep_codes)
+    parts = torch.ops.mxtrain.activation_cast(h, name, fmt_.name, block_size, list(axes), scale_mode, rounding,
+                                              op_seed(seed, rounding, "activation_cast"), bool(pack),
+                                              bool(return_output), list(deq), dequantized_dtype, list(keep))
+    mxt, i = mx_from_op_outputs(parts, out_shape, h.dtype, fmt_.name, block_size, axes, keep, deq, scale_mode,
+                                rounding, pack)
+    return (mxt, parts[i]) if return_output else mxt
+
+
+@torch.library.custom_op("mxtrain::activation_cast", mutates_args=())
+def _activation_cast_op(h: torch.Tensor, activation: str, fmt: str, block_size: int, axes: list[int],
+                        scale_mode: str, rounding: str, seed: int | None, pack: bool, return_output: bool,
+                        dequantized: list[int], dequantized_dtype: torch.dtype,
+                        keep_codes: list[int]) -> list[torch.Tensor]:
+    """The planes of each axis (see :func:`mxtrain.kernels.dispatch.mx_op_outputs`), then ``act(h)`` with
+    ``return_output``."""
+    from mxtrain.kernels.dispatch import _distinct, mx_op_outputs
+
+    r = _activation_cast_impl(h, activation, fmt, block_size, tuple(axes), scale_mode, rounding, seed, pack,
+                              return_output, tuple(dequantized), dequantized_dtype, tuple(keep_codes))
+    mxt, y = r if return_output else (r, None)
+    out = mx_op_outputs(mxt, axes, keep_codes, dequantized, pack, "activation_cast")
+    return _distinct(out + ([y.contiguous()] if return_output else []), h)
+
+
+@_activation_cast_op.register_fake
+def _(h, activation, fmt, block_size, axes, scale_mode, rounding, seed, pack, return_output, dequantized,
+      dequantized_dtype, keep_codes):
+    from mxtrain.kernels.dispatch import mx_op_fake_outputs
+
+    out_shape = (*h.shape[:-1], h.shape[-1] // 2 if is_gated(activation) else h.shape[-1])
+    out = mx_op_fake_outputs(h, out_shape, fmt, block_size, axes, keep_codes, dequantized, pack, dequantized_dtype)
+    return out + ([h.new_empty(out_shape)] if return_output else [])
+
+
+def _activation_backward_cast_compiled(h, grad, activation, fmt, block_size, axis, scale_mode, rounding, seed, pack,
+                                       return_output, dbias, dequantized, dequantized_dtype,
+                                       keep_codes) -> ActivationGradCast:
+    from mxtrain.kernels.dispatch import mx_from_op_outputs, op_seed
+
+    name, fmt_, block_size, scale_mode, rounding, axes, deq, keep = _backward_args(
+        h, grad, activation, fmt, block_size, axis, scale_mode, rounding, dequantized, dequantized_dtype, keep_codes)
+    parts = torch.ops.mxtrain.activation_backward_cast(
+        h, grad, name, fmt_.name, block_size, list(axes), scale_mode, rounding,
+        op_seed(seed, rounding, "activation_backward_cast"), bool(pack), bool(return_output), bool(dbias), list(deq),
+        dequantized_dtype, list(keep))
+    mxt, i = mx_from_op_outputs(parts, tuple(h.shape), h.dtype, fmt_.name, block_size, axes, keep, deq, scale_mode,
+                                rounding, pack)
+    out = parts[i] if return_output else None
+    return ActivationGradCast(mxt, out, parts[i + bool(return_output)] if dbias else None)
+
+
+@torch.library.custom_op("mxtrain::activation_backward_cast", mutates_args=())
+def _activation_backward_cast_op(h: torch.Tensor, grad: torch.Tensor, activation: str, fmt: str, block_size: int,
+                                 axes: list[int], scale_mode: str, rounding: str, seed: int | None, pack: bool,
+                                 return_output: bool, dbias: bool, dequantized: list[int],
+                                 dequantized_dtype: torch.dtype, keep_codes: list[int]) -> list[torch.Tensor]:
+    """The planes of each axis (see :func:`mxtrain.kernels.dispatch.mx_op_outputs`), then ``dh`` with
+    ``return_output``, then the fp32 bias gradient with ``dbias``."""
+    from mxtrain.kernels.dispatch import _distinct, mx_op_outputs
+
+    r = _activation_backward_cast_impl(h, grad, activation, fmt, block_size, tuple(axes), scale_mode, rounding, seed,
+                                       pack, return_output, dbias, tuple(dequantized), dequantized_dtype,
+                                       tuple(keep_codes), False)
+    out = mx_op_outputs(r.mx, axes, keep_codes, dequantized, pack, "activation_backward_cast")
+    out += ([r.out.contiguous()] if return_output else []) + ([r.dbias] if dbias else [])
+    return _distinct(out, h, grad)
+
+
+@_activation_backward_cast_op.register_fake
+def _(h, grad, activation, fmt, block_size, axes, scale_mode, rounding, seed, pack, return_output, dbias, dequantized,
+      dequantized_dtype, keep_codes):
+    from mxtrain.kernels.dispatch import mx_op_fake_outputs
+
+    out = mx_op_fake_outputs(h, h.shape, fmt, block_size, axes, keep_codes, dequantized, pack, dequantized_dtype)
+    out += [h.new_empty(h.shape)] if return_output else []
+    return out + ([h.new_empty(h.shape[-1], dtype=torch.float32)] if dbias else [])

@@ -103,17 +103,8 @@ def quantize(x: torch.Tensor, fmt, block_size: int = 32, axis=-1, scale_mode: st
     parts = torch.ops.mxtrain.quantize_mx(x, fmt_.name, block_size, list(axes), scale_mode, rounding,
                                           seed if rounding == "stochastic" else None, pack, list(deq),
                                           dequantized_dtype, list(keep), backend)
-    planes, values, i = [], [], 0
-    for ax in axes:
-        if ax in keep:
-            planes.append(MXPlane(parts[i], parts[i + 1], ax, pack))
-            i += 2
-        if ax in deq:
-            values.append((ax, parts[i]))
-            i += 1
-    length = x.shape[axes[0]] if x.ndim else 1
-    return MXTensor._unchecked(tuple(planes), fmt_.name, block_size or max(length, 1), tuple(x.shape), x.dtype,
-                               scale_mode, rounding, block_size == 0, tuple(values))
+    return mx_from_op_outputs(parts, tuple(x.shape), x.dtype, fmt_.name, block_size, axes, keep, deq, scale_mode,
+                              rounding, pack)[0]
 
 
 def _quantize_impl(x, fmt, block_size, axis, scale_mode, rounding, seed, pack, backend, dequantized,
@@ -152,6 +143,68 @@ def _values_layout(v: torch.Tensor, axis: int) -> torch.Tensor:
     return v.movedim(axis, -1).contiguous().movedim(-1, axis)
 
 
+# The MX casts (quantize and the fused source casts: norm_cast, activation_cast, activation_backward_cast) hand
+# their MXTensor across their registered ops as these plain tensors: axis by axis, [codes, scales] if kept, then
+# values if asked for.
+
+
+def mx_op_outputs(mxt: MXTensor, axes, keep, deq, pack: bool, who: str) -> list[torch.Tensor]:
+    """The planes of ``mxt`` as a registered op returns them (see :func:`mx_from_op_outputs`)."""
+    out = []
+    for ax in axes:
+        if ax in keep:
+            p = mxt.plane(ax)
+            if p.packed != pack:
+                raise RuntimeError(f"{who} returned a plane with packed={p.packed}, asked for {pack}")
+            out += [p.data.contiguous(), p.scale.contiguous()]
+        if ax in deq:
+            out.append(_values_layout(mxt.dequantized_values(ax), ax))
+    return out
+
+
+def mx_from_op_outputs(parts, shape, dtype: torch.dtype, fmt: str, block_size: int, axes, keep, deq,
+                       scale_mode: str, rounding: str, pack: bool) -> tuple[MXTensor, int]:
+    """The MXTensor of ``parts`` (:func:`mx_op_outputs`) and how many of them it took."""
+    planes, values, i = [], [], 0
+    for ax in axes:
+        if ax in keep:
+            planes.append(MXPlane(parts[i], parts[i + 1], ax, pack))
+            i += 2
+        if ax in deq:
+            values.append((ax, parts[i]))
+            i += 1
+    length = shape[axes[0]] if len(shape) else 1
+    return MXTensor._unchecked(tuple(planes), fmt, block_size or max(length, 1), tuple(shape), dtype, scale_mode,
+                               rounding, block_size == 0, tuple(values)), i
+
+
+def mx_op_fake_outputs(like: torch.Tensor, shape, fmt: str, block_size: int, axes, keep, deq, pack: bool,
+                       dequantized_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Empty tensors shaped as :func:`mx_op_outputs` returns them for a tensor of ``shape`` (fake implementations)."""
+    out = []
+    for ax in axes:
+        lead, nbytes, nblocks = _plane_geometry(shape, ax, block_size, fmt, pack)
+        if ax in keep:
+            out += [like.new_empty((*lead, nbytes), dtype=torch.uint8),
+                    like.new_empty((*lead, nblocks), dtype=torch.uint8)]
+        if ax in deq:
+            out.append(like.new_empty([*lead, shape[ax]], dtype=dequantized_dtype).movedim(-1, ax))
+    return out
+
+
+def op_seed(seed, rounding: str, who: str):
+    """The seed a registered op takes (an int or None), or what ``seed`` is when it cannot take it: a
+    torch.Generator under stochastic rounding cannot enter an op (NotImplementedError under compile)."""
+    if rounding != "stochastic":
+        return None
+    if isinstance(seed, torch.Generator):
+        raise NotImplementedError(f"{who}: stochastic rounding with a torch.Generator (an MX recipe's seed) cannot "
+                                  "be compiled yet; use a recipe without a seed, or run it eagerly")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be an int, a torch.Generator or None, got {type(seed).__name__}")
+    return seed
+
+
 @torch.library.custom_op("mxtrain::quantize_mx", mutates_args=())
 def _quantize_mx_op(x: torch.Tensor, fmt: str, block_size: int, axes: list[int], scale_mode: str, rounding: str,
                     seed: int | None, pack: bool, dequantized: list[int], dequantized_dtype: torch.dtype,
@@ -161,31 +214,13 @@ def _quantize_mx_op(x: torch.Tensor, fmt: str, block_size: int, axes: list[int],
                                                                   keep_codes=tuple(keep_codes))
     mxt = _quantize_impl(x, fmt, block_size, tuple(axes), scale_mode, rounding, seed, pack, backend,
                          extra.get("dequantized", ()), dequantized_dtype, extra.get("keep_codes"))
-    out = []
-    for ax in axes:
-        if ax in keep_codes:
-            p = mxt.plane(ax)
-            if p.packed != pack:
-                raise RuntimeError(f"the {backend or 'selected'} cast returned a plane with packed={p.packed}, "
-                                   f"asked for {pack}")
-            out += [p.data.contiguous(), p.scale.contiguous()]
-        if ax in dequantized:
-            out.append(_values_layout(mxt.dequantized_values(ax), ax))
-    return _distinct(out, x)
+    return _distinct(mx_op_outputs(mxt, axes, keep_codes, dequantized, pack, f"the {backend or 'selected'} cast"), x)
 
 
 @_quantize_mx_op.register_fake
 def _(x, fmt, block_size, axes, scale_mode, rounding, seed, pack, dequantized, dequantized_dtype, keep_codes,
       backend):
-    out = []
-    for ax in axes:
-        lead, nbytes, nblocks = _plane_geometry(x.shape, ax, block_size, fmt, pack)
-        if ax in keep_codes:
-            out += [x.new_empty((*lead, nbytes), dtype=torch.uint8), x.new_empty((*lead, nblocks), dtype=torch.uint8)]
-        if ax in dequantized:
-            moved = [*lead, x.shape[ax]]
-            out.append(x.new_empty(moved, dtype=dequantized_dtype).movedim(-1, ax))
-    return out
+    return mx_op_fake_outputs(x, x.shape, fmt, block_size, axes, keep_codes, dequantized, pack, dequantized_dtype)
 
 
 def dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None = None,

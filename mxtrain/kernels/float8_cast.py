@@ -313,10 +313,20 @@ def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwis
     128x128 blocks: one read of each 128x128 tile writes both planes. 1x128 blocks: a pass per
     plane with narrow tiles (``BLOCK_CAST_SPLIT``; with a prologue and both planes the rowwise
     pass computes it once and writes the source for the columnwise pass), or one 128x128-tile pass. ``block``: ``(1, 128)`` (each plane
-    blocked along its own reduction axis) or ``(128, 128)``. Returns ``(Float8Tensor, dbias or None)``."""
+    blocked along its own reduction axis) or ``(128, 128)``. Returns ``(Float8Tensor, dbias or None)``.
+    Under ``torch.compile`` it is one registered op (``mxtrain::block_cast_float8``), the same bits."""
     fmt = fp8_format_name(fmt)
     if tuple(block) not in ((1, 128), (128, 128)):
         raise ValueError(f"block_cast_float8: block must be (1, 128) or (128, 128), got {block!r}")
+    if torch.compiler.is_compiling():
+        _prologue("block_cast_float8", x, rowwise, columnwise, act, grad)  # its checks
+        parts = torch.ops.mxtrain.block_cast_float8(x, fmt, list(block), bool(rowwise), bool(columnwise), act, grad,
+                                                    bool(power_of_2_scales), float(amax_epsilon), bool(dbias))
+        row, rsi = (parts[0], parts[1]) if rowwise else (None, None)
+        col, csi = (parts[2 * rowwise], parts[2 * rowwise + 1]) if columnwise else (None, None)
+        planes = ([Float8Plane(row, rsi, 1, tuple(block))] if rowwise else []) + \
+            ([Float8Plane(col, csi, 0, tuple(block))] if columnwise else [])
+        return Float8Tensor(tuple(planes), fmt, tuple(x.shape), x.dtype, None), (parts[-1] if dbias else None)
     x, g, _, _, _ = _prologue("block_cast_float8", x, rowwise, columnwise, act, grad)
     call = BlockCastCall(x, g if grad is not None else None, fmt, block, rowwise, columnwise, act, power_of_2_scales,
                          amax_epsilon, dbias)
@@ -447,9 +457,29 @@ def tensor_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, rowwise: bool = True,
     Returns ``(Float8Tensor, dbias or None)``. With no prologue the bytes equal
     :func:`~mxtrain.quantization.float8.quantize_float8`'s; with one they equal the reference
     cast of the kernel's own source (see :mod:`mxtrain.kernels.activation_cast` on how that
-    source can differ from torch's by an ulp of the dtype).
+    source can differ from torch's by an ulp of the dtype). Under ``torch.compile`` it is one
+    registered op (``mxtrain::tensor_cast_float8``), the same bits.
     """
     fmt = fp8_format_name(fmt)
+    if torch.compiler.is_compiling():
+        if amax_reduction_group is not None:  # a process group cannot enter a registered op
+            raise NotImplementedError("tensor_cast_float8: an amax_reduction_group (current scaling with the amax "
+                                      "all-reduced over a group) cannot be compiled yet; run it eagerly")
+        _prologue("tensor_cast_float8", x, rowwise, columnwise, act, grad)  # its checks
+        parts = torch.ops.mxtrain.tensor_cast_float8(x, fmt, bool(rowwise), bool(columnwise), act, grad, scale, amax,
+                                                     bool(power_of_2_scales), float(amax_epsilon), bool(dbias))
+        n = bool(rowwise) + bool(columnwise)
+        scale_inv, amax_out = parts[n], parts[n + 1]
+        planes = ([Float8Plane(parts[0], scale_inv, 1)] if rowwise else []) + \
+            ([Float8Plane(parts[n - 1], scale_inv, 0)] if columnwise else [])
+        return (Float8Tensor(tuple(planes), fmt, tuple(x.shape), x.dtype, amax_out),
+                parts[n + 2] if dbias else None)
+    return _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power_of_2_scales, amax_epsilon,
+                             amax_reduction_group, dbias)
+
+
+def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power_of_2_scales, amax_epsilon,
+                      amax_reduction_group, dbias) -> tuple[Float8Tensor, torch.Tensor | None]:
     x, g, xb, gb, src = _prologue("tensor_cast_float8", x, rowwise, columnwise, act, grad)
     M, N = x.shape
     dev = x.device
@@ -494,6 +524,65 @@ def tensor_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, rowwise: bool = True,
         planes.append(Float8Plane(col, scale_inv, 0))
     return Float8Tensor(tuple(planes), fmt, (M, N), x.dtype, amax), (db.sum(0) if dbias else None)
 
+
+
+# Under torch.compile the fused FP8 casts are registered ops of plain tensors (no graph break); inside, the
+# implementation is chosen at run time as in eager, so compiled and eager results are the same bits.
+
+
+@torch.library.custom_op("mxtrain::tensor_cast_float8", mutates_args=())
+def _tensor_cast_float8_op(x: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool, act: str | None,
+                           grad: torch.Tensor | None, scale: torch.Tensor | None, amax: torch.Tensor | None,
+                           power_of_2_scales: bool, amax_epsilon: float, dbias: bool) -> list[torch.Tensor]:
+    """``[rowwise data?, columnwise data?, scale_inv, amax, dbias?]`` of :func:`tensor_cast_float8`."""
+    from mxtrain.kernels.dispatch import _distinct
+
+    q, db = _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power_of_2_scales, amax_epsilon,
+                              None, dbias)
+    out = [q.plane(a).data for a in (1, 0) if (rowwise, columnwise)[1 - a]]
+    out += [q.planes[0].scale_inv, q.amax] + ([db] if dbias else [])
+    return _distinct(out, x, grad, scale, amax)
+
+
+@_tensor_cast_float8_op.register_fake
+def _(x, fmt, rowwise, columnwise, act, grad, scale, amax, power_of_2_scales, amax_epsilon, dbias):
+    M, N = x.shape
+    fp8 = FP8_DTYPES[fmt]
+    out = [x.new_empty((M, N), dtype=fp8)] if rowwise else []
+    out += [x.new_empty((N, M), dtype=fp8)] if columnwise else []
+    out += [x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)]
+    return out + ([x.new_empty(N, dtype=torch.float32)] if dbias else [])
+
+
+@torch.library.custom_op("mxtrain::block_cast_float8", mutates_args=())
+def _block_cast_float8_op(x: torch.Tensor, fmt: str, block: list[int], rowwise: bool, columnwise: bool,
+                          act: str | None, grad: torch.Tensor | None, power_of_2_scales: bool, amax_epsilon: float,
+                          dbias: bool) -> list[torch.Tensor]:
+    """``[rowwise data, its scale_inv]?, [columnwise data, its scale_inv]?, dbias?`` of :func:`block_cast_float8`."""
+    from mxtrain.kernels.dispatch import _distinct
+
+    q, db = block_cast_float8(x, fmt, tuple(block), rowwise=rowwise, columnwise=columnwise, act=act, grad=grad,
+                              power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon, dbias=dbias)
+    out = []
+    for a in (1, 0):
+        if (rowwise, columnwise)[1 - a]:
+            p = q.plane(a)
+            out += [p.data.contiguous(), p.scale_inv.contiguous()]
+    return _distinct(out + ([db] if dbias else []), x, grad)
+
+
+@_block_cast_float8_op.register_fake
+def _(x, fmt, block, rowwise, columnwise, act, grad, power_of_2_scales, amax_epsilon, dbias):
+    M, N = x.shape
+    fp8 = FP8_DTYPES[fmt]
+    nb_m, nb_n = -(-M // 128), -(-N // 128)
+    square = tuple(block) == (128, 128)
+    out = []
+    if rowwise:
+        out += [x.new_empty((M, N), dtype=fp8), x.new_empty((nb_m if square else M, nb_n), dtype=torch.float32)]
+    if columnwise:
+        out += [x.new_empty((N, M), dtype=fp8), x.new_empty((nb_n if square else N, nb_m), dtype=torch.float32)]
+    return out + ([x.new_empty(N, dtype=torch.float32)] if dbias else [])
 
 
 def triton_quantize_float8(x: torch.Tensor, fmt="fp8_e4m3", *, axes=-1, scale: torch.Tensor | None = None,

@@ -9,6 +9,7 @@ The CUDA C++ and Triton algorithms: docs/kernels.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -156,17 +157,33 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     give the same contract. ``dequantized`` / ``keep_codes`` / ``dequantized_dtype`` as
     :func:`mxtrain.kernels.dispatch.quantize`: planes handed to a GEMM at once can come as their
     dequantized values (the CUDA kernel writes bf16 values in the same pass, no codes needed).
+    Under ``torch.compile`` it is one registered op (``mxtrain::norm_cast``), the same bits.
     """
-    from mxtrain.kernels.dispatch import attach_values, values_request
+    if torch.compiler.is_compiling():
+        return _norm_cast_compiled(x, weight, bias, kind, eps, zero_centered_gamma, fmt, block_size, axis, scale_mode,
+                                   rounding, seed, pack, return_output, dequantized, dequantized_dtype, keep_codes)
+    return _norm_cast_impl(x, weight, bias, kind, eps, zero_centered_gamma, fmt, block_size, axis, scale_mode,
+                           rounding, seed, pack, return_output, dequantized, dequantized_dtype, keep_codes)
 
+
+def _check_args(x, weight, bias, kind, fmt, block_size, scale_mode, rounding):
     if kind not in KINDS:
         raise ValueError(f"unknown normalization {kind!r}; allowed: {', '.join(KINDS)}")
     if kind == "RMSNorm" and bias is not None:
         raise ValueError("RMSNorm takes no bias")
-    fmt_, block_size, scale_mode, rounding = _check_common(x, fmt, block_size, scale_mode, rounding)
+    checked = _check_common(x, fmt, block_size, scale_mode, rounding)
     K = x.shape[-1]
     if weight.shape != (K,) or (bias is not None and bias.shape != (K,)):
         raise ValueError(f"weight/bias must have shape [{K}]")
+    return checked
+
+
+def _norm_cast_impl(x, weight, bias, kind, eps, zero_centered_gamma, fmt, block_size, axis, scale_mode, rounding,
+                    seed, pack, return_output, dequantized, dequantized_dtype, keep_codes) -> NormCastResult:
+    from mxtrain.kernels.dispatch import attach_values, values_request
+
+    fmt_, block_size, scale_mode, rounding = _check_args(x, weight, bias, kind, fmt, block_size, scale_mode, rounding)
+    K = x.shape[-1]
     axes = axis if isinstance(axis, tuple) else (axis,)
     axes = tuple(normalize_axis(a, x.ndim) for a in axes)
     deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
@@ -254,3 +271,63 @@ def norm_cast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     mxt = MXTensor(planes=tuple(planes[a] for a in axes), fmt=fmt_.name, block_size=bs, shape=tuple(x.shape),
                    dtype=x.dtype, scale_mode=scale_mode, rounding=rounding, whole_axis=False)
     return finish(NormCastResult(mxt, mean, rstd, y.reshape(x.shape) if y is not None else None))
+
+
+# Under torch.compile norm_cast is one registered op of plain tensors (no graph break); inside, the kernel is
+# chosen at run time as in eager, so compiled and eager results are the same bits.
+
+
+def _y_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the norm's output: ``x``'s (the kernels'; torch's too for a weight in ``x``'s dtype or fp32)."""
+    return x_dtype if w_dtype in (x_dtype, torch.float32) else torch.promote_types(x_dtype, w_dtype)
+
+
+def _norm_cast_compiled(x, weight, bias, kind, eps, zero_centered_gamma, fmt, block_size, axis, scale_mode,
+                        rounding, seed, pack, return_output, dequantized, dequantized_dtype,
+                        keep_codes) -> NormCastResult:
+    from mxtrain.kernels.dispatch import mx_from_op_outputs, op_seed, values_request
+
+    fmt_, block_size, scale_mode, rounding = _check_args(x, weight, bias, kind, fmt, block_size, scale_mode, rounding)
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    axes = tuple(normalize_axis(a, x.ndim) for a in axes)
+    deq, keep = values_request(x.ndim, axes, dequantized, keep_codes, dequantized_dtype)
+    parts = torch.ops.mxtrain.norm_cast(x, weight, bias, kind, float(eps), bool(zero_centered_gamma), fmt_.name,
+                                        block_size, list(axes), scale_mode, rounding,
+                                        op_seed(seed, rounding, "norm_cast"), bool(pack), bool(return_output),
+                                        list(deq), dequantized_dtype, list(keep))
+    mxt, i = mx_from_op_outputs(parts, tuple(x.shape), x.dtype, fmt_.name, block_size, axes, keep, deq, scale_mode,
+                                rounding, pack)
+    mean = None
+    if kind == "LayerNorm":
+        mean, i = parts[i], i + 1
+    return NormCastResult(mxt, mean, parts[i], parts[i + 1] if return_output else None)
+
+
+@torch.library.custom_op("mxtrain::norm_cast", mutates_args=())
+def _norm_cast_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float,
+                  zero_centered_gamma: bool, fmt: str, block_size: int, axes: list[int], scale_mode: str,
+                  rounding: str, seed: int | None, pack: bool, return_output: bool, dequantized: list[int],
+                  dequantized_dtype: torch.dtype, keep_codes: list[int]) -> list[torch.Tensor]:
+    """The planes of each axis (see :func:`mxtrain.kernels.dispatch.mx_op_outputs`), then ``mean`` (LayerNorm),
+    ``rstd`` and, with ``return_output``, ``y``."""
+    from mxtrain.kernels.dispatch import _distinct, mx_op_outputs
+
+    r = _norm_cast_impl(x, weight, bias, kind, eps, zero_centered_gamma, fmt, block_size, tuple(axes), scale_mode,
+                        rounding, seed, pack, return_output, tuple(dequantized), dequantized_dtype, tuple(keep_codes))
+    out = mx_op_outputs(r.mx, axes, keep_codes, dequantized, pack, "norm_cast")
+    out += [r.mean] if kind == "LayerNorm" else []
+    out += [r.rstd] + ([r.out.contiguous()] if return_output else [])
+    return _distinct(out, x, weight, bias)
+
+
+@_norm_cast_op.register_fake
+def _(x, weight, bias, kind, eps, zero_centered_gamma, fmt, block_size, axes, scale_mode, rounding, seed, pack,
+      return_output, dequantized, dequantized_dtype, keep_codes):
+    from mxtrain.kernels.dispatch import mx_op_fake_outputs
+
+    out = mx_op_fake_outputs(x, x.shape, fmt, block_size, axes, keep_codes, dequantized, pack, dequantized_dtype)
+    rows = math.prod(x.shape[:-1])
+    out += [x.new_empty(rows, dtype=torch.float32) for _ in range(2 if kind == "LayerNorm" else 1)]
+    if return_output:
+        out.append(x.new_empty(x.shape, dtype=_y_dtype(x.dtype, weight.dtype)))
+    return out

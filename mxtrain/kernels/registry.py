@@ -95,7 +95,18 @@ def set_kernel_loader(loader: Callable[[], None]) -> None:
 
 def _load() -> None:
     if _LOADER is not None:
-        _LOADER()
+        if torch.compiler.is_compiling():
+            _load_untraced()
+        else:
+            _LOADER()
+
+
+@torch.compiler.assume_constant_result
+def _load_untraced() -> bool:
+    """The loader run as it is, not traced (its imports register kernels: side effects torch.compile refuses
+    inside a module's autograd function)."""
+    _LOADER()
+    return True
 
 
 def define(op: Operation) -> None:
@@ -181,6 +192,8 @@ def chain(op: str, device: torch.device, backend: str | None = None, start: str 
     found = tuple(k for k in _KERNELS[op] if k.backend in walk)
     if not found:
         raise RuntimeError(f"no implementation of {op!r} is registered for backends {', '.join(walk)}")
+    if torch.compiler.is_compiling():  # no entry keyed by a traced tensor's device (a side effect compile refuses)
+        return found
     if len(_CHAINS) > _MAX_CACHED:
         _CHAINS.clear()
     _CHAINS[ck] = (settings, found)  # the settings stay alive with the entry, so their id is not reused
