@@ -12,8 +12,8 @@ alternated round by round in one process on one GPU. Sides:
   (``<recipe>`` as ``recipe_from_string`` reads it; ``none`` runs the mxtrain model without a recipe);
   ``mx:<recipe>+graph``: the whole step (forward, backward, optimizer) captured once in a CUDA graph and
   replayed (``mxtrain.make_graphed_step``); ``mx:<recipe>+compile``: the model under ``torch.compile``
-  (fullgraph-safe: the norm / activation ops, then the cast ops); ``+fused`` with ``+compile``: the fused
-  norm / activation casts under compile as in eager (``MXTRAIN_COMPILE_FUSED_SOURCES``; graph breaks around them).
+  (fullgraph: the fused norm / activation casts are registered ops); ``+unfused`` with ``+compile``: the norm /
+  activation op, then the cast op, under compile (``MXTRAIN_COMPILE_FUSED_SOURCES=0``).
 
 Throughput is timed with CUDA events over ``--steps`` steps after ``--warmup`` steps (compiling and capturing
 happen in the warm-up); ``vs hf`` divides by the ``hf`` side of the same round. ``issue ms`` is the host's
@@ -94,11 +94,11 @@ def hf_config(name: str, layers: int | None):
 def parse_side(side: str) -> tuple[str, str | None, frozenset]:
     """``side`` -> (kind, recipe spec, modes): kind in hf / ao / mx, modes a subset of {compile, graph}."""
     base, *modes = side.split("+")
-    bad = set(modes) - {"compile", "graph", "bf16ag", "fused"}
+    bad = set(modes) - {"compile", "graph", "bf16ag", "unfused"}
     if bad or len(set(modes)) != len(modes):
-        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph, fused or bf16ag, got {modes}")
-    if "fused" in modes and not (base.startswith("mx:") and "compile" in modes):
-        raise ValueError(f"side {side!r}: +fused applies to mx:<recipe>+compile sides (fused casts under compile)")
+        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph, unfused or bf16ag, got {modes}")
+    if "unfused" in modes and not (base.startswith("mx:") and "compile" in modes):
+        raise ValueError(f"side {side!r}: +unfused applies to mx:<recipe>+compile sides (no fused casts under compile)")
     modes = frozenset(modes)
     if base == "hf":
         return "hf", None, modes
@@ -143,12 +143,12 @@ def build(side: str, cfg, device, seed: int):
     recipe = mxtrain.recipe_from_string(spec)
     fwd = torch.compile(model) if "compile" in modes else model
 
-    # +fused: the fused norm / activation casts under compile as in eager (graph breaks around them)
+    # +unfused: under compile the norm / activation op, then the cast op (no fused casts)
     # one settings object for every step: the kernel registry caches its decisions per settings object
-    fused = dataclasses.replace(mx_config.current(), compile_fused_sources=True) if "fused" in modes else None
+    unfused = dataclasses.replace(mx_config.current(), compile_fused_sources=False) if "unfused" in modes else None
 
     def step(ids, targets):
-        settings = mx_config.use(fused) if fused is not None else contextlib.nullcontext()
+        settings = mx_config.use(unfused) if unfused is not None else contextlib.nullcontext()
         with settings, mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
             loss = fwd(ids, targets)
         loss.backward()
@@ -165,8 +165,8 @@ def build_fsdp(side: str, cfg, device, seed: int):
     if "graph" in modes:
         raise ValueError(f"side {side!r}: +graph is not supported with --fsdp (FSDP2's collectives and streams "
                          "are not captured by make_graphed_step); use +compile or eager")
-    if "fused" in modes:
-        raise ValueError(f"side {side!r}: +fused is not supported with --fsdp (set MXTRAIN_COMPILE_FUSED_SOURCES=1)")
+    if "unfused" in modes:
+        raise ValueError(f"side {side!r}: +unfused is not supported with --fsdp (set MXTRAIN_COMPILE_FUSED_SOURCES=0)")
     torch.manual_seed(seed)
     with torch.device(device):  # initialised where it trains (a 1B model's CPU init takes seconds per side)
         hf = LlamaForCausalLM(cfg)  # fp32 master weights, as FSDP2 shards them

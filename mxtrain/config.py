@@ -109,8 +109,9 @@ class Settings:
     fp8_block_cast: str = "auto"  # MXTRAIN_FP8_BLOCK_CAST=triton: block cast on Triton, not CUDA C++
     # modules and distributed
     fuse_sources: bool = True  # MXTRAIN_FUSE_SOURCES=0: modules compute the norm/activation, then cast
-    # MXTRAIN_COMPILE_FUSED_SOURCES=1: under torch.compile too (registered ops: fullgraph, eager's bits)
-    compile_fused_sources: bool = False
+    # MXTRAIN_COMPILE_FUSED_SOURCES=0: under torch.compile the modules run the norm / activation op, then the
+    # cast op (default: the fused casts, registered ops, stay in the graph: fullgraph, eager's bits)
+    compile_fused_sources: bool = True
     carry_values: bool = True  # MXTRAIN_CARRY_VALUES=0: no bf16 dequantized planes carried to GEMMs (CUDA)
     grouped_mm: str = "auto"  # MXTRAIN_GROUPED_MM: auto (CUDA only) | 1 (always) | 0 (never) torch grouped GEMM
     gather_values: bool | str = "auto"  # MXTRAIN_GATHER_VALUES: 0 | 1 | auto, FSDP gathers dequantize to bf16
@@ -142,7 +143,7 @@ def from_environ(env: Mapping[str, str] | None = None) -> Settings:
         fp8_block_gemm=env.get("MXTRAIN_FP8_BLOCK_GEMM", "auto"),
         fp8_block_cast=env.get("MXTRAIN_FP8_BLOCK_CAST", "auto"),
         fuse_sources=_flag(env, "MXTRAIN_FUSE_SOURCES", True),
-        compile_fused_sources=_flag(env, "MXTRAIN_COMPILE_FUSED_SOURCES", False),
+        compile_fused_sources=_flag(env, "MXTRAIN_COMPILE_FUSED_SOURCES", True),
         carry_values=_flag(env, "MXTRAIN_CARRY_VALUES", True),
         grouped_mm=env.get("MXTRAIN_GROUPED_MM", "auto"),
         gather_values=_gather_values(env),

@@ -10,11 +10,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 import bench_e2e  # noqa: E402
 
 
-def test_fused_mode_needs_an_mx_compile_side():
-    assert bench_e2e.parse_side("mx:fp8_current+compile+graph+fused") == (
-        "mx", "fp8_current", frozenset({"compile", "graph", "fused"}))
-    for side in ("hf+fused", "mx:mxfp8+fused", "mx:mxfp8+graph+fused", "ao-tensorwise+fused"):
-        with pytest.raises(ValueError, match=r"\+fused applies to mx:<recipe>\+compile"):
+def test_unfused_mode_needs_an_mx_compile_side():
+    assert bench_e2e.parse_side("mx:fp8_current+compile+graph+unfused") == (
+        "mx", "fp8_current", frozenset({"compile", "graph", "unfused"}))
+    for side in ("hf+unfused", "mx:mxfp8+unfused", "mx:mxfp8+graph+unfused", "ao-tensorwise+unfused"):
+        with pytest.raises(ValueError, match=r"\+unfused applies to mx:<recipe>\+compile"):
             bench_e2e.parse_side(side)
     with pytest.raises(ValueError, match="modes after"):
         bench_e2e.parse_side("mx:mxfp8+compile+compile")

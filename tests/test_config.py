@@ -62,7 +62,7 @@ def test_use_keeps_one_settings_object_across_entries():
     from mxtrain import config
 
     before = config.current()
-    mine = dataclasses.replace(before, compile_fused_sources=True)
+    mine = dataclasses.replace(before, compile_fused_sources=not before.compile_fused_sources)
     for _ in range(2):
         with config.use(mine) as active:
             assert active is mine and config.current() is mine

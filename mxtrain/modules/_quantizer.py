@@ -170,7 +170,7 @@ class Quantizer:
             return None
         settings = config.current()
         if not settings.fuse_sources or (torch.compiler.is_compiling() and not settings.compile_fused_sources):
-            return None  # compiled: the norm / activation op, then the cast op (fullgraph; see compile_fused_sources)
+            return None  # MXTRAIN_COMPILE_FUSED_SOURCES=0 under compile: the norm / activation op, then the cast op
         if rowwise and columnwise:
             spec, axes = (self.row_spec, (1, 0)) if self.one_spec else (None, ())
         else:
@@ -202,7 +202,7 @@ class Quantizer:
         if (not settings.fp8_fused_casts or src.ndim != 2
                 or src.dtype not in (torch.float32, torch.bfloat16, torch.float16)
                 or (torch.compiler.is_compiling() and not settings.compile_fused_sources)):
-            return None  # compiled: the activation op, then the cast op (fullgraph; see compile_fused_sources)
+            return None  # MXTRAIN_COMPILE_FUSED_SOURCES=0 under compile: the activation op, then the cast op
         if rowwise and columnwise and self.shared:
             groups = [(self.row_spec, (1, 0))]
         else:

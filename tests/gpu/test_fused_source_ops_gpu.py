@@ -3,8 +3,8 @@ activation_backward_cast and the fused FP8 casts enter the graph as registered o
 implementation (CUDA C++ or Triton) is chosen at run time as in eager. So a compiled LayerNormLinear / LayerNormMLP
 with the fused casts gives eager's outputs and gradients bit for bit, with no graph break. Skipped without CUDA.
 
-``compile_fused_sources=True`` opens the modules' gate that otherwise keeps the fused casts out of compiled
-graphs (mxtrain/modules/_common.py ``source_operands``, mxtrain/modules/_float8.py ``fused_float8_operands``).
+``compile_fused_sources`` (the default; ``MXTRAIN_COMPILE_FUSED_SOURCES=0`` turns it off) keeps the fused casts in
+compiled graphs (mxtrain/modules/_quantizer.py ``quantize_source``, ``quantize_fused``).
 """
 
 import os
@@ -74,7 +74,7 @@ def test_fused_modules_fullgraph_with_fused_casts_equal_eager_bitwise(module, ac
         with mxtrain.mx_autocast(recipe=rec):
             return module(x)
     seen: set = set()
-    with config.override(compile_fused_sources=True):
+    with config.override(compile_fused_sources=True):  # the default
         torch._dynamo.reset()
         compiled = _run(torch.compile(step, fullgraph=True, backend=_inductor_recording(seen)), m, x, dy)
         eager = _run(step, m, x, dy)

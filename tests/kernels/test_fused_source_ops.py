@@ -223,7 +223,7 @@ def test_compiled_float8_amax_group_is_refused():
 @pytest.mark.parametrize("recipe,act", [("Float8CurrentScaling", "gelu"), ("Float8BlockScaling", "relu")])
 def test_layernorm_mlp_fullgraph_with_fused_float8_casts_equal_eager(recipe, act):
     """LayerNormMLP under an FP8 recipe with its fused casts in the compiled graph (Triton's, on the interpreter:
-    backend="triton"; compile_fused_sources opens the modules' gate): outputs and gradients equal eager's."""
+    backend="triton"; compile_fused_sources, the default): outputs and gradients equal eager's."""
     import mxtrain
     from mxtrain import config
 
@@ -252,7 +252,7 @@ def test_layernorm_mlp_fullgraph_with_fused_float8_casts_equal_eager(recipe, act
             if isinstance(mod, torch.fx.GraphModule):
                 seen.update(str(n.target) for n in mod.graph.nodes if n.op == "call_function")
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-    with config.override(backend="triton", compile_fused_sources=True):
+    with config.override(backend="triton"):
         torch._dynamo.reset()
         compiled = run(torch.compile(step, fullgraph=True, backend=backend))
         eager = run(step)
