@@ -103,6 +103,10 @@ def test_compiled_module_under_torch_checkpoint_updates_once_per_step():
         return counts, m.recipe_state.amax_history.clone()
 
     torch._dynamo.reset()
+    if torch.cuda.is_available():
+        # dynamo saves the CUDA RNG state around a trace, which initialises CUDA: inside a checkpoint's forward
+        # torch.utils.checkpoint refuses that (CPU tensors on a machine with a GPU)
+        torch.cuda.init()
     eager, compiled = run(False), run(True)
     assert compiled[0] == eager[0] == [0, 1, 2]
     assert torch.equal(compiled[1], eager[1])

@@ -22,7 +22,7 @@ import mxtrain  # noqa: E402
 from mxtrain.formats import MX_FORMAT_NAMES  # noqa: E402
 from mxtrain.kernels import cast, dequantize as dq  # noqa: E402
 from mxtrain.kernels import dispatch  # noqa: E402
-from mxtrain.modules import _common  # noqa: E402
+from mxtrain.modules import _quantizer  # noqa: E402
 from mxtrain.quantization import quantize_mx  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location(
@@ -263,11 +263,11 @@ def test_layernorm_mlp_bf16_values_bit_identical(monkeypatch, activation, mx_con
         out = orig(*a, **kw)
         seen.append((bool(out.values), bool(out.planes)))
         return out
-    monkeypatch.setattr(_common, "quantize", spy)
+    monkeypatch.setattr(_quantizer, "quantize", spy)
     run()
     # operands used at once as values; the wgrad plane forward keeps (ln_out's) as codes
     assert any(v for v, _ in seen) and any(c for _, c in seen)
-    monkeypatch.setattr(_common, "quantize", orig)
+    monkeypatch.setattr(_quantizer, "quantize", orig)
     mx_config(carry_values=False)
     without = run()
     for a, b in zip(with_values, without):
