@@ -399,10 +399,10 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, pa
         if data_flat is not None:
             codes = data_flat[lo * per_index:hi * per_index]
         else:
-            codes = unpack_codes(data[lo:hi], fmt) if unpack else data[lo:hi]
-            if group == 2 and (not codes.is_contiguous() or codes.storage_offset() % 2):
-                codes = codes.clone(memory_format=torch.contiguous_format)  # a uint16 view needs an even offset
-            codes = (codes.view(torch.uint16) if group == 2 else codes).reshape(-1)
+            codes = (unpack_codes(data[lo:hi], fmt) if unpack else data[lo:hi]).contiguous().view(-1)
+            if group == 2:
+                # a uint16 view needs an even offset (a one-row chunk of a strided plane is contiguous anywhere)
+                codes = (codes.clone() if codes.storage_offset() % 2 else codes).view(torch.uint16)
         m = r * per_index
         idx = scratch.get("idx", m, torch.int32).copy_(codes)
         if direct:
