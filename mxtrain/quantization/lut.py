@@ -85,9 +85,9 @@ _CONSTS: dict[tuple, torch.Tensor] = {}
 
 
 def _const(value: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """A 0-d CPU tensor holding ``value``: the operand of the chunks' bitwise ops. With a Python int
-    torch wraps the scalar anew on every call and takes a slower kernel (a 256K-element shift ran
-    2-3x as long), and these ops run a few times per chunk."""
+    """A 0-d CPU tensor holding ``value``: the operand of the chunks' bitwise ops. A Python int is
+    wrapped in a new tensor on every call, host work done while holding the GIL that the chunk
+    threads share."""
     key = (value, dtype)
     t = _CONSTS.get(key)
     if t is None:
@@ -212,7 +212,8 @@ class Scratch:
     which on some machines takes longer than the pass that first writes it.
 
     A buffer is raw bytes seen through any dtype and shape; the views are kept, so a chunk of the
-    usual size gets its buffers without new view ops (each is Python work that holds the GIL).
+    usual size gets its buffers without new view calls (host work done while holding the GIL that
+    the chunk threads share).
     """
 
     def __init__(self, device: torch.device):
