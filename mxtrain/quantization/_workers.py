@@ -35,8 +35,6 @@ import torch
 ENABLED = True
 # at::internal::GRAIN_SIZE: torch runs an op of fewer elements inline, without a team, anyway
 MIN_ELEMENTS = 1 << 15
-# Helpers only for CPUs that nothing else wants now (see idle_cpus); False: one per torch thread
-LOAD_AWARE = True
 
 _local = threading.local()
 _OMP_UNRESOLVED = object()
@@ -153,29 +151,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-_CPUS: int | None = None
-
-
-def _runnable_tasks() -> int | None:
-    """Tasks running or waiting to run on this machine now (the kernel's count in /proc/loadavg,
-    the calling thread included), or None where it cannot be read."""
-    try:
-        with open("/proc/loadavg", "rb") as f:
-            return int(f.read().split()[3].split(b"/")[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def idle_cpus() -> int | None:
-    """CPUs of this process's affinity that no runnable task wants now (the caller counts as one
-    taker), or None where that cannot be told."""
-    global _CPUS
-    if _CPUS is None:
-        _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    runnable = _runnable_tasks()
-    return None if runnable is None else max(0, _CPUS - runnable)
-
-
 def _usable(tensors: Sequence[torch.Tensor]) -> bool:
     return (ENABLED and not getattr(_local, "worker", False)
             and all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
@@ -193,11 +168,7 @@ def run_chunks(fn: Callable[[int, int, object], None], chunks: Sequence[tuple[in
     whether workers run the chunks: only for plain CPU tensors of at least
     :data:`MIN_ELEMENTS` elements, when torch has more than one thread, outside
     dispatch modes and outside a worker; the calling thread takes chunks as well
-    (one-threaded for the call), up to one thread per torch thread in all, and
-    with :data:`LOAD_AWARE` one helper per idle CPU at most (:func:`idle_cpus`):
-    a helper without a CPU of its own only time-slices with the other tasks and
-    the caller, and every handover of the GIL between them waits on the
-    scheduler. With no idle CPU the caller takes every chunk, one-threaded.
+    (one-threaded for the call), up to one thread per torch thread in all.
     Otherwise the chunks run inline here, with torch's threads. Exceptions from
     ``fn`` are re-raised here.
     """
@@ -210,10 +181,6 @@ def run_chunks(fn: Callable[[int, int, object], None], chunks: Sequence[tuple[in
     n = min(threads, len(chunks))
     omp = _omp_set_num_threads()
     helpers = n - 1 if omp is not None else n  # with omp, the caller is one of the n
-    if LOAD_AWARE and omp is not None:
-        idle = idle_cpus()
-        if idle is not None:
-            helpers = min(helpers, idle)
     pool = _pool
     job = _Job(fn, chunks, make_state)
     if helpers:

@@ -14,10 +14,8 @@ from mxtrain.quantization import _workers, fake_quantize_mx, lut, quantize_mx
 
 
 @pytest.fixture
-def two_threads(monkeypatch):
-    """torch with two intra-op threads (the workers' trigger), restored afterwards; a helper for every
-    thread whatever the machine's load (the load-aware count is tested on its own)."""
-    monkeypatch.setattr(_workers, "LOAD_AWARE", False)
+def two_threads():
+    """torch with two intra-op threads (the workers' trigger), restored afterwards."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -139,37 +137,3 @@ def test_inference_mode_outputs(two_threads):
         fake = fake_quantize_mx(x, "fp8_e4m3")
     assert got.is_inference() and q.planes[0].data.is_inference()
     assert torch.equal(_bits(got), _bits(expected)) and torch.equal(_bits(fake), _bits(expected))
-
-
-@pytest.mark.parametrize("runnable,helpers", [(1, 1), (2, 0), (9, 0)])
-def test_helpers_only_for_idle_cpus(runnable, helpers, two_threads, monkeypatch):
-    """With LOAD_AWARE, a call starts one helper per CPU that no runnable task wants (the caller is
-    one of them); with none idle the caller takes every chunk, one-threaded."""
-    if _workers._omp_set_num_threads() is None:
-        pytest.skip("torch's omp_set_num_threads is not reachable here (the caller only waits there)")
-    monkeypatch.setattr(_workers, "LOAD_AWARE", True)
-    monkeypatch.setattr(_workers, "_CPUS", 2)
-    monkeypatch.setattr(_workers, "_runnable_tasks", lambda: runnable)
-    assert _workers.idle_cpus() == max(0, 2 - runnable)
-    asked, ensure = [], _workers._Pool.ensure
-    monkeypatch.setattr(_workers._Pool, "ensure", lambda self, n: (asked.append(n), ensure(self, n))[1])
-    seen = _record_chunks()
-    assert sorted(s[0] for s in seen) == list(range(40))
-    assert asked == ([helpers] if helpers else [])
-    if not helpers:
-        assert {s[1:] for s in seen} == {(threading.current_thread().name, 1, False)}
-    _assert_thread_counts_kept()
-    # the bits never depend on who took the chunks
-    x = _input()
-    monkeypatch.setattr(_workers, "LOAD_AWARE", False)
-    expected = _run_all(x, "fp4_e2m1", "even")
-    monkeypatch.setattr(_workers, "LOAD_AWARE", True)
-    assert all(torch.equal(a, b) for a, b in zip(_run_all(x, "fp4_e2m1", "even"), expected))
-
-
-def test_runnable_tasks_reads_the_kernel_count():
-    n = _workers._runnable_tasks()
-    if n is None:
-        pytest.skip("no /proc/loadavg here")
-    assert n >= 1  # this thread is running while it reads
-    assert _workers.idle_cpus() >= 0
