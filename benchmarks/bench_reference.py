@@ -64,6 +64,7 @@ import datetime
 import importlib
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -515,6 +516,10 @@ def _mxtrain_workers():
 def time_alternating(variants, repeats, warmup):
     """Times of each ``(fn, threads, workers)`` variant, called in turn so that outside load hits all alike.
 
+    Each round calls the variants in its own shuffled order (seeded by the round): a call can be
+    slowed by the one before it (benchmarks/RESULTS.md, 2026-11-26), and a fixed cycle would give
+    every variant the same predecessor in every round.
+
     Returns ``{name: (median, min, max) ms}`` and ``{name: last output}``.
     """
     workers = _mxtrain_workers()
@@ -537,7 +542,7 @@ def time_alternating(variants, repeats, warmup):
                 call(name)
         for i in range(repeats):
             names = list(variants)
-            names = names[i % len(names):] + names[:i % len(names)]  # rotate who goes first
+            random.Random(i).shuffle(names)
             for name in names:
                 t, outs[name] = call(name)
                 times[name].append(t)
@@ -612,7 +617,7 @@ def record_load(table, args, mx_info, notes, load_start, command):
         f.write(f"- torch {torch.__version__}, Python {platform.python_version()}\n")
         f.write(f"- input: fp32 {args.size}x{args.size} randn (seed {args.seed}), block {BLOCK_SIZE} along the "
                 f"last axis; ms per call: median (min-max) of {args.repeats} after {args.warmup} warm-up, "
-                "the variants called in turn\n")
+                "the variants called in a shuffled order per round (seeded by the round)\n")
         if mx_info:
             f.write(f"- microxcaling {mx_info['commit'] or '(unknown commit)'}: "
                     "`mx.mx_ops.quantize_mx_op(x, specs, elem_format=fmt, block_size=32, axes=[-1], round=R)`\n")

@@ -48,7 +48,7 @@ from mxtrain.quantization import _workers
 from mxtrain.quantization.rounding import (
     FP32_ABS_MASK, FP32_EXP_MASK, FP32_MANT_BITS, code_table, element_codes, grid_value, round_to_grid,
 )
-from mxtrain.quantization.scale import _inverse_scale_values, _tables_for, scale_values, shared_exponent_bytes
+from mxtrain.quantization.scale import _inverse_scale_values, _tables_for, shared_exponent_bytes
 
 ROUNDINGS = ("even", "nearest", "floor")
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -79,6 +79,20 @@ def _representatives(fmt: ElemFormat, rounding: str) -> torch.Tensor:
         i = torch.stack((i, i | 1), dim=-1).reshape(-1)
     # int64 -> int32 keeps the low 32 bits: the sign bit lands in bit 31
     return i.to(torch.int32).view(torch.float32)
+
+
+_CONSTS: dict[tuple, torch.Tensor] = {}
+
+
+def _const(value: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A 0-d CPU tensor holding ``value``: the operand of the chunks' bitwise ops. A Python int is
+    wrapped in a new tensor on every call, host work done while holding the GIL that the chunk
+    threads share."""
+    key = (value, dtype)
+    t = _CONSTS.get(key)
+    if t is None:
+        t = _CONSTS[key] = torch.tensor(value, dtype=dtype)
+    return t
 
 
 _ENCODE: dict[tuple, torch.Tensor] = {}
@@ -195,64 +209,96 @@ def decode_table(fmt: ElemFormat, packed: bool, group: int, device: torch.device
 
 class Scratch:
     """Chunk buffers reused by every chunk of one call: fresh memory costs a page fault per 4 KiB,
-    which on some machines takes longer than the pass that first writes it."""
+    which on some machines takes longer than the pass that first writes it.
+
+    A buffer is raw bytes seen through any dtype and shape; the views are kept, so a chunk of the
+    usual size gets its buffers without new view calls (host work done while holding the GIL that
+    the chunk threads share).
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
         self._bufs: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}
 
-    def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._bufs.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            buf = self._bufs[name] = torch.empty(n, dtype=dtype, device=self.device)
-        return buf[:n]
+    def get(self, name: str, n: int, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """``n`` elements of ``dtype`` of buffer ``name`` (contiguous, flat or in ``shape``)."""
+        key = (name, n, dtype, shape)
+        view = self._views.get(key)
+        if view is None:
+            nbytes = n * dtype.itemsize
+            buf = self._bufs.get(name)
+            if buf is None or buf.numel() < nbytes:
+                buf = self._bufs[name] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                self._views = {k: v for k, v in self._views.items() if k[0] != name}
+            view = buf[:nbytes].view(dtype)
+            if shape is not None:
+                view = view.view(shape)
+            self._views[key] = view
+        return view
 
 
 def table_index(y: torch.Tensor, fmt: ElemFormat, rounding: str, scratch: Scratch | None = None) -> torch.Tensor:
     """int32 table index of every element of contiguous fp32 ``y`` (flat)."""
     scratch = scratch or Scratch(y.device)
-    n = y.numel()
+    return _index_of_bits(y.view(-1).view(torch.int32), fmt, rounding, scratch)
+
+
+def _index_of_bits(bits: torch.Tensor, fmt: ElemFormat, rounding: str, scratch: Scratch) -> torch.Tensor:
+    """:func:`table_index` of the flat int32 bits of ``y``."""
+    n = bits.numel()
     k = index_shift(fmt)
-    bits = y.view(-1).view(torch.int32)
     # an arithmetic shift, then the mask: the logical shift of the bits (int32 has no unsigned shift)
-    idx = torch.bitwise_right_shift(bits, k, out=scratch.get("idx", n, torch.int32))
-    idx.bitwise_and_((1 << (32 - k)) - 1)
+    idx = torch.bitwise_right_shift(bits, _const(k), out=scratch.get("idx", n, torch.int32))
+    idx.bitwise_and_(_const((1 << (32 - k)) - 1))
     if rounding == "even":
-        sticky = torch.bitwise_and(bits, (1 << k) - 1, out=scratch.get("sticky", n, torch.int32)).clamp_max_(1)
-        idx = sticky.add_(idx, alpha=2)
+        sticky = torch.bitwise_and(bits, _const((1 << k) - 1), out=scratch.get("sticky", n, torch.int32))
+        idx = sticky.clamp_max_(_const(1)).add_(idx, alpha=2)
     return idx
 
 
 def _chunk_blocks(chunk: torch.Tensor, bs: int, nblocks: int, scratch: Scratch) -> torch.Tensor:
-    """Contiguous fp32 ``[r, nblocks, bs]`` of a ``[r, length]`` chunk (a view when it already is one)."""
+    """Contiguous fp32 ``[r * nblocks, bs]`` of a ``[r, length]`` chunk (a view when it already is one)."""
     r, length = chunk.shape
     padded = nblocks * bs
     if chunk.dtype == torch.float32 and length == padded and chunk.is_contiguous():
-        return chunk.view(r, nblocks, bs)
-    buf = scratch.get("x", r * padded, torch.float32).view(r, padded)
+        return chunk.view(r * nblocks, bs)
+    buf = scratch.get("x", r * padded, torch.float32, (r, padded))
     buf[:, :length].copy_(chunk)
     if padded > length:
         buf[:, length:].zero_()
-    return buf.view(r, nblocks, bs)
+    return scratch.get("x", r * padded, torch.float32, (r * nblocks, bs))
 
 
 def _scaled(blocks: torch.Tensor, fmt: ElemFormat, scale_mode: str, scale_out: torch.Tensor,
             scratch: Scratch) -> torch.Tensor:
-    """``y = blocks / scale`` (exact), as the reference's ``_scaled_blocks``; the scale bytes go to ``scale_out``."""
-
-    mag = torch.bitwise_and(blocks.view(torch.int32), FP32_ABS_MASK,
-                            out=scratch.get("y", blocks.numel(), torch.int32).view(blocks.shape))
-    amax = mag.amax(dim=-1)
+    """``y = blocks / scale`` (exact), as the reference's ``_scaled_blocks``, for contiguous fp32 ``blocks``
+    ``[nb, bs]``; the scale bytes go to the flat ``scale_out`` ``[nb]``. ``y`` is scratch ``"y"``."""
+    nb, bs = blocks.shape
+    n = nb * bs
+    mag = torch.bitwise_and(blocks.view(torch.int32), _const(FP32_ABS_MASK),
+                            out=scratch.get("y", n, torch.int32, (nb, bs)))
     tables = scale_table(fmt, scale_mode, blocks.device)
     if tables is not None:
-        e = torch.bitwise_right_shift(amax, FP32_MANT_BITS).view(-1).long()
-        torch.index_select(tables[0], 0, e, out=scale_out.view(-1))
-        inv = tables[1].index_select(0, e).view(amax.shape)
+        e = torch.amax(mag, dim=-1, out=scratch.get("amax", nb, torch.int32))
+        e = torch.bitwise_right_shift(e, _const(FP32_MANT_BITS), out=e)  # int32 indices: no widening pass
+        torch.index_select(tables[0], 0, e, out=scale_out)
+        torch.index_select(tables[1], 0, e, out=scratch.get("inv", nb, torch.float32))
+        inv = scratch.get("inv", nb, torch.float32, (nb, 1))
     else:
-        scale = shared_exponent_bytes(amax, fmt, scale_mode)
+        scale = shared_exponent_bytes(mag.amax(dim=-1), fmt, scale_mode)
         scale_out.copy_(scale)
-        inv = _inverse_scale_values(scale)
-    return torch.mul(blocks, inv.unsqueeze(-1), out=mag.view(torch.float32))
+        inv = _inverse_scale_values(scale).unsqueeze(-1)
+    return torch.mul(blocks, inv, out=scratch.get("y", n, torch.float32, (nb, bs)))
+
+
+def _scale_values(scale: torch.Tensor, scratch: Scratch) -> torch.Tensor:
+    """fp32 ``2**(byte - 127)`` of flat scale bytes ``[nb]``, as ``[nb, 1]`` (as :func:`scale_values`,
+    with one int32 copy and a lookup instead of a widening copy and advanced indexing)."""
+    nb = scale.numel()
+    idx = scratch.get("scale_idx", nb, torch.int32).copy_(scale)
+    torch.index_select(_tables_for(scale.device)[0], 0, idx, out=scratch.get("scale_val", nb, torch.float32))
+    return scratch.get("scale_val", nb, torch.float32, (nb, 1))
 
 
 def _chunks(rows: int, padded: int, elements: int):
@@ -263,19 +309,29 @@ def _chunks(rows: int, padded: int, elements: int):
 
 def quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemFormat, scale_mode: str, rounding: str,
                   pack: bool, codes: torch.Tensor, scale: torch.Tensor, chunk_elements: int) -> None:
-    """Codes (packed if ``pack``) and scale bytes of ``rows`` ``[R, length]`` into ``codes`` and contiguous ``scale``."""
+    """Codes (packed if ``pack``) and scale bytes of ``rows`` ``[R, length]`` into contiguous ``codes`` and
+    ``scale``."""
     from mxtrain.quantization.packing import pack_codes
 
     table = encode_table(fmt, rounding, rows.device)
     scale_table(fmt, scale_mode, rows.device)  # cached before the workers look it up
     padded = nblocks * bs
     direct = not pack or fmt.bits == 8
+    # whole-call views, sliced per chunk (one op each instead of a slice and reshapes)
+    x_blocks = rows.view(-1, bs) if rows.dtype == torch.float32 and rows.shape[1] == padded \
+        and rows.is_contiguous() else None
+    codes_flat, scale_flat = codes.view(-1), scale.view(-1)
 
     def chunk(lo: int, hi: int, scratch: Scratch) -> None:
         r = hi - lo
-        y = _scaled(_chunk_blocks(rows[lo:hi], bs, nblocks, scratch), fmt, scale_mode, scale[lo:hi], scratch)
-        idx = table_index(y, fmt, rounding, scratch)
-        c = codes[lo:hi].view(-1) if direct else scratch.get("codes", r * padded, torch.uint8)
+        n = r * padded
+        if x_blocks is not None:
+            blocks = x_blocks[lo * nblocks:hi * nblocks]
+        else:
+            blocks = _chunk_blocks(rows[lo:hi], bs, nblocks, scratch)
+        _scaled(blocks, fmt, scale_mode, scale_flat[lo * nblocks:hi * nblocks], scratch)
+        idx = _index_of_bits(scratch.get("y", n, torch.int32), fmt, rounding, scratch)
+        c = codes_flat[lo * padded:hi * padded] if direct else scratch.get("codes", n, torch.uint8)
         torch.index_select(table, 0, idx, out=c)
         if not direct:
             if can_pack(fmt):
@@ -295,15 +351,17 @@ def fake_quantize_rows(rows: torch.Tensor, bs: int, nblocks: int, fmt: ElemForma
     padded = nblocks * bs
     length = rows.shape[1]
     direct = out.dtype == torch.float32 and padded == length and out.is_contiguous()
-    scale = torch.empty(rows.shape[0], nblocks, dtype=torch.uint8, device=rows.device)
+    scale = torch.empty(rows.shape[0] * nblocks, dtype=torch.uint8, device=rows.device)
 
     def chunk(lo: int, hi: int, scratch: Scratch) -> None:
         r = hi - lo
-        y = _scaled(_chunk_blocks(rows[lo:hi], bs, nblocks, scratch), fmt, scale_mode, scale[lo:hi], scratch)
-        idx = scratch.get("idx64", y.numel(), torch.int64).copy_(table_index(y, fmt, rounding, scratch))
-        vals = out[lo:hi] if direct else y  # y is dead once indexed
+        n = r * padded
+        s = scale[lo * nblocks:hi * nblocks]
+        _scaled(_chunk_blocks(rows[lo:hi], bs, nblocks, scratch), fmt, scale_mode, s, scratch)
+        idx = _index_of_bits(scratch.get("y", n, torch.int32), fmt, rounding, scratch)  # int32, taken as it is
+        vals = out[lo:hi] if direct else scratch.get("y", n, torch.float32)  # y is dead once indexed
         torch.index_select(table, 0, idx, out=vals.view(-1))
-        vals.view(r, nblocks, bs).mul_(scale_values(scale[lo:hi]).unsqueeze(-1))
+        vals.view(r * nblocks, bs).mul_(_scale_values(s, scratch))
         if not direct:
             out[lo:hi] = vals.view(r, padded)[:, :length]
 
@@ -316,9 +374,11 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, pa
     from mxtrain.quantization.packing import unpack_codes
 
     nblocks = scale.shape[-1]
+    bs = padded // nblocks
     length = out.shape[1]
+    nbytes = data.shape[1]
     direct = out.dtype == torch.float32 and padded == length and out.is_contiguous()
-    group = decode_group(fmt, packed, data.shape[1])
+    group = decode_group(fmt, packed, nbytes)
     unpack = group is None  # packed fp6: unpack each chunk, then decode codes
     if unpack:
         packed, group = False, decode_group(fmt, False, padded)
@@ -326,20 +386,35 @@ def dequantize_rows(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, pa
         group = 1  # a uint16 view needs an even byte offset
     table = decode_table(fmt, packed, group, data.device)
     _tables_for(data.device)  # scale_values' table, cached before the workers look it up
+    # whole-call views, sliced per chunk
+    data_flat = data.view(-1) if data.is_contiguous() and not unpack else None
+    if data_flat is not None and group == 2:
+        data_flat = data_flat.view(torch.uint16)
+    per_index = nbytes // group if not unpack else padded // group  # table indices per row
+    scale_flat = scale.reshape(-1)
+    out_words = out.view(-1).view(table.dtype) if direct else None  # one table word per index
+    out_blocks = out.view(-1, bs) if direct else None
 
     def chunk(lo: int, hi: int, scratch: Scratch) -> None:
         r = hi - lo
-        codes = data[lo:hi]
-        if unpack:
-            codes = unpack_codes(codes, fmt)
-        if group == 2:
-            codes = codes.contiguous().view(torch.uint16)
-        idx = scratch.get("idx64", codes.numel(), torch.int64).view(codes.shape).copy_(codes).view(-1)
-        vals = out[lo:hi] if direct else scratch.get("vals", r * padded, torch.float32).view(r, padded)
-        torch.index_select(table, 0, idx, out=vals.view(table.dtype).view(-1))
-        vals.view(r, nblocks, -1).mul_(scale_values(scale[lo:hi]).unsqueeze(-1))
+        if data_flat is not None:
+            codes = data_flat[lo * per_index:hi * per_index]
+        else:
+            codes = (unpack_codes(data[lo:hi], fmt) if unpack else data[lo:hi]).contiguous().view(-1)
+            if group == 2:
+                # a uint16 view needs an even offset (a one-row chunk of a strided plane is contiguous anywhere)
+                codes = (codes.clone() if codes.storage_offset() % 2 else codes).view(torch.uint16)
+        m = r * per_index
+        idx = scratch.get("idx", m, torch.int32).copy_(codes)
+        if direct:
+            torch.index_select(table, 0, idx, out=out_words[lo * per_index:hi * per_index])
+            vals = out_blocks[lo * nblocks:hi * nblocks]
+        else:
+            torch.index_select(table, 0, idx, out=scratch.get("vals", m, table.dtype))
+            vals = scratch.get("vals", r * padded, torch.float32, (r * nblocks, bs))
+        vals.mul_(_scale_values(scale_flat[lo * nblocks:hi * nblocks], scratch))
         if not direct:
-            out[lo:hi] = vals[:, :length]
+            out[lo:hi] = vals.view(r, padded)[:, :length]
 
     _run(chunk, data.shape[0], padded, chunk_elements, data.device, (data, scale, out))
 
@@ -372,8 +447,10 @@ def pack_into(codes: torch.Tensor, fmt: ElemFormat, out: torch.Tensor, scratch: 
     scratch = scratch or Scratch(codes.device)
     wide = torch.int16 if fmt.bits == 4 else torch.int32
     w = codes.view(wide)
-    packed = torch.bitwise_right_shift(w, 4 if fmt.bits == 4 else 6, out=scratch.get("pack", w.numel(), wide).view(w.shape))
+    packed = torch.bitwise_right_shift(w, _const(4 if fmt.bits == 4 else 6, wide),
+                                       out=scratch.get("pack", w.numel(), wide).view(w.shape))
     packed.bitwise_or_(w)  # 4-bit: low byte c0 | c1 << 4 (codes < 16)
     if fmt.bits == 2:
-        packed.bitwise_or_(torch.bitwise_right_shift(w, 12)).bitwise_or_(torch.bitwise_right_shift(w, 18))
+        packed.bitwise_or_(torch.bitwise_right_shift(w, _const(12, wide))).bitwise_or_(
+            torch.bitwise_right_shift(w, _const(18, wide)))
     out.copy_(packed)  # integer narrowing keeps the low byte

@@ -330,3 +330,39 @@ def test_inputs_that_require_grad(reference):
     _assert_same_values(fake.detach(), ref_fake.detach())
     with torch.no_grad():
         _assert_same_values(fake_quantize_mx(w, "fp8_e4m3"), ref_fake.detach())
+
+
+@pytest.mark.parametrize("name", MX_FORMAT_NAMES)
+def test_one_row_chunks_of_planes_with_odd_row_strides(name, reference, monkeypatch):
+    """Rows of a plane one byte apart from a packed neighbour: every one-row chunk is contiguous at an
+    odd byte offset (the byte-pair lookup reads a copy there), the whole plane is not contiguous."""
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(11))
+    for rounding in ROUNDINGS:
+        q = quantize_mx(x, name, rounding=rounding)
+        p = q.planes[0]
+        monkeypatch.setattr(lut, "LUT_CHUNK_ELEMENTS", 64)  # one row per chunk
+        wide = torch.zeros(p.data.shape[0], p.data.shape[1] + 1, dtype=torch.uint8)
+        wide[:, :-1] = p.data
+        q2 = MXTensor(planes=(MXPlane(data=wide[:, :-1], scale=p.scale, axis=p.axis, packed=p.packed),),
+                      fmt=q.fmt, block_size=q.block_size, shape=q.shape, dtype=q.dtype)
+        with reference:
+            ref = quantize_mx(x, name, rounding=rounding)
+            ref_deq = ref.dequantize()
+            ref_deq16 = ref.dequantize(torch.bfloat16)
+        _assert_same_mx(q, ref)
+        _assert_same_values(q2.dequantize(), ref_deq)
+        _assert_same_values(q2.dequantize(torch.bfloat16), ref_deq16)
+
+
+def test_scratch_views_follow_a_regrown_buffer():
+    """A buffer seen through several dtypes and shapes: after it grows, every view is of the new one."""
+    s = lut.Scratch(torch.device("cpu"))
+    small = s.get("b", 4, torch.int32)
+    assert s.get("b", 4, torch.int32) is small  # a kept view: no new view op
+    s.get("b", 4, torch.float32, (2, 2)).fill_(1.5)
+    assert small.view(torch.float32).tolist() == [1.5] * 4  # one buffer through two dtypes
+    s.get("b", 64, torch.float32).fill_(2.0)  # grows
+    again = s.get("b", 4, torch.int32)
+    assert again is not small and again.data_ptr() == s.get("b", 64, torch.float32).data_ptr()
+    assert again.view(torch.float32).tolist() == [2.0] * 4
+    assert s.get("b", 4, torch.float32, (4, 1)).shape == (4, 1)
