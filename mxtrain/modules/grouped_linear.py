@@ -34,9 +34,12 @@ from torch import nn
 from mxtrain import config
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import dequantize
-from mxtrain.modules._common import apply_module_fn, check_input, check_mx_operands, release_mx_operands
+from mxtrain.modules._common import (
+    apply_module_fn, check_input, check_mx_operands, recipe_generator, release_mx_operands,
+)
+from mxtrain.modules._quantizer import make_quantizers
 from mxtrain.modules._recipe_state import RecipeStateMixin
-from mxtrain.modules.linear import _functional_quantizers, init_linear_, mx_linear_backward, mx_linear_forward
+from mxtrain.modules.linear import init_linear_, mx_linear_backward, mx_linear_forward
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import Float8Tensor
 from mxtrain.recipes.float8 import Float8RoleSpec
@@ -232,18 +235,19 @@ def _values(op, axis: int) -> torch.Tensor:
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, splits, quantizers, num_gemms, *params):
+        # quantizers: each expert's GemmQuantizers (one recipe: expert 0's specs stand for all of them)
         weights, biases = params[:num_gemms], (params[num_gemms:] or (None,) * num_gemms)
         needs_wgrad = any(ctx.needs_input_grad[4:4 + num_gemms])
         needs_dgrad = ctx.needs_input_grad[0]
-        recipe = quantizers.recipe
-        recipes = [quantizers[f"expert{e}"] for e in range(num_gemms)]  # each expert's GemmQuantizers
+        q0 = quantizers[0]
         n_out = weights[0].shape[0]
-        x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: recipes[e].input, True, needs_wgrad)
-        keep_dgrad = needs_dgrad and recipes[0].weight.keeps_dgrad_plane()  # FP8: the dgrad plane from forward's cast
+        x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: quantizers[e].input, True,
+                                 needs_wgrad)
+        keep_dgrad = needs_dgrad and q0.weight.keeps_dgrad_plane()  # FP8: the dgrad plane from forward's cast
         w_ops = grouped_operands(lambda: _stack_rows(list(weights)), weights, [n_out] * num_gemms,
-                                 lambda e: recipes[e].weight, True, keep_dgrad)
+                                 lambda e: quantizers[e].weight, True, keep_dgrad)
         y = None
-        specs = [recipe.role("fprop_input"), recipe.role("fprop_weight")]
+        specs = [q0.input.row_spec, q0.weight.row_spec]  # fprop_input, fprop_weight
         if x_ops.full is not None and w_ops.full is not None and _grouped_gemm_ok(x, specs, (x.shape[1], n_out)):
             w = _expert_stack(_values(w_ops.full[0], 1), num_gemms, n_out)
             ctx.offs = _offsets(x_ops.ends[0], x.device)
@@ -255,7 +259,7 @@ class _GroupedLinearFn(torch.autograd.Function):
                     y = y.float() + torch.stack([b.float() for b in biases])[rows]
                 y = y.to(x.dtype)
         if y is None:
-            ys = [mx_linear_forward(x, weights[e], biases[e], recipes[e], needs_wgrad, needs_dgrad,
+            ys = [mx_linear_forward(x, weights[e], biases[e], quantizers[e], needs_wgrad, needs_dgrad,
                                     x_operands=x_ops.expert(e), w_operands=_pair(w_ops.expert(e)))[0]
                   for e in range(num_gemms) if splits[e] > 0]
             y = torch.cat(ys) if ys else x.new_empty(0, n_out)
@@ -264,7 +268,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         x_hp = x if (needs_wgrad and isinstance(_first(x_ops, 1), torch.Tensor)) else None
         ctx.save_for_backward(x_hp, *weights)
         ctx.x_ops = None if x_hp is not None else x_ops
-        ctx.w_ops, ctx.recipe, ctx.recipes, ctx.splits = w_ops, recipe, recipes, splits
+        ctx.w_ops, ctx.quantizers, ctx.splits = w_ops, quantizers, splits
         ctx.has_bias = biases[0] is not None
         ctx.dtypes = (x.dtype, [w.dtype for w in weights], [None if b is None else b.dtype for b in biases])
         return y
@@ -273,20 +277,20 @@ class _GroupedLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         check_mx_operands(ctx, "GroupedLinear")
         x_hp, *weights = ctx.saved_tensors
-        num_gemms, splits, recipes = len(weights), ctx.splits, ctx.recipes
+        num_gemms, splits, quantizers = len(weights), ctx.splits, ctx.quantizers
         need_dx = ctx.needs_input_grad[0]
         need_w = ctx.needs_input_grad[4:4 + num_gemms]
         need_b = ctx.needs_input_grad[4 + num_gemms:] if ctx.has_bias else (False,) * num_gemms
         x_ops = ctx.x_ops if x_hp is None else grouped_operands(
             lambda: x_hp, x_hp.split(splits), splits, lambda e: None, True, True)
         dy = dy.contiguous()
-        dy_ops = grouped_operands(lambda: dy, dy.split(splits), splits, lambda e: recipes[e].grad_output,
+        dy_ops = grouped_operands(lambda: dy, dy.split(splits), splits, lambda e: quantizers[e].grad_output,
                                   need_dx, any(need_w), at_once=True)
         w_cols = ctx.w_ops
         if need_dx and _first(w_cols, 1) is None:  # MX: the dgrad plane is cast in backward, used at once
             # (on CUDA the cast writes its bf16 values, as it does for mxtrain.Linear's weight parameter)
             w_cols = grouped_operands(lambda: _stack_rows(weights), weights, [weights[0].shape[0]] * num_gemms,
-                                      lambda e: recipes[e].weight, False, True, at_once=True)
+                                      lambda e: quantizers[e].weight, False, True, at_once=True)
         out = _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
         if out is None:
             out = _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
@@ -316,7 +320,7 @@ def _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_
             dbs.append(torch.zeros(w.shape[0], dtype=b_dtypes[e], device=w.device) if need_b[e] else None)
             continue
         start = sum(ctx.splits[:e])
-        dx, dw, db = mx_linear_backward(dy[start:start + n], x_ops.expert(e)[1], w, ctx.recipes[e],
+        dx, dw, db = mx_linear_backward(dy[start:start + n], x_ops.expert(e)[1], w, ctx.quantizers[e],
                                         need_dx, need_w[e], x_dtype, w_dtypes[e],
                                         w_col=_pair(w_cols.expert(e))[1] if need_dx else None,
                                         bias_dtype=b_dtypes[e] if need_b[e] else None,
@@ -330,12 +334,13 @@ def _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_
 
 def _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b):
     """dgrad and wgrad as one grouped GEMM each (see :func:`_grouped_gemm_ok`); None where they do not apply."""
-    recipe, num_gemms = ctx.recipe, len(weights)
+    q0, num_gemms = ctx.quantizers[0], len(weights)
     n_out, n_in = weights[0].shape
     if dy_ops.full is None or x_ops.full is None or (need_dx and w_cols.full is None):
         return None
-    specs = ([recipe.role("dgrad_grad_output"), recipe.role("dgrad_weight")] if need_dx else []) + (
-        [recipe.role("wgrad_grad_output"), recipe.role("wgrad_input")] if any(need_w) else [])
+    # dgrad_grad_output, dgrad_weight; wgrad_grad_output, wgrad_input
+    specs = ([q0.grad_output.row_spec, q0.weight.col_spec] if need_dx else []) + (
+        [q0.grad_output.col_spec, q0.input.col_spec] if any(need_w) else [])
     if not _grouped_gemm_ok(dy, specs, (n_in, n_out)):
         return None
     dx = dw = None
@@ -390,9 +395,10 @@ def mx_grouped_linear(x, m_splits, weights, biases=None) -> torch.Tensor:
         ys = [F.linear(xe, w, None if biases is None else biases[e]) for e, (xe, w) in enumerate(
             zip(x.split(splits), weights))]
         return torch.cat(ys)
-    return _GroupedLinearFn.apply(x, splits, _functional_quantizers(
-        recipe, x.device, tuple(f"expert{e}" for e in range(len(weights)))), len(weights),
-                                  *weights, *(biases or ()))
+    # no module keeps them (nor a DelayedScaling state, which the cast then asks for): the experts share one
+    # GEMM's quantizers, as mx_linear's, built for this call
+    q = make_quantizers(recipe, None, ("",), recipe_generator(recipe, x.device))[""]
+    return _GroupedLinearFn.apply(x, splits, (q,) * len(weights), len(weights), *weights, *(biases or ()))
 
 
 class GroupedLinear(RecipeStateMixin, nn.Module):
@@ -443,10 +449,10 @@ class GroupedLinear(RecipeStateMixin, nn.Module):
         recipe = get_recipe()
         if recipe is None:
             return mx_grouped_linear(x, splits, self.weights, self.biases)
-        return apply_module_fn(_GroupedLinearFn, self.weights, x, splits, self.forward_quantizers(recipe, x.device),
-                               self.num_gemms,
-                                      *self.weights,
-                                      *(self.biases or ()))
+        quantizers = self.forward_quantizers(recipe, x.device)
+        return apply_module_fn(_GroupedLinearFn, self.weights, x, splits,
+                               tuple(quantizers[f"expert{e}"] for e in range(self.num_gemms)), self.num_gemms,
+                               *self.weights, *(self.biases or ()))
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
