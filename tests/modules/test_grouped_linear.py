@@ -209,3 +209,27 @@ def test_bad_inputs_raise_clearly():
         gl_module.GroupedLinear(0, 8, 4)
     # a tensor of counts works as a list does
     assert m(x, torch.tensor([1, 2, 3])).shape == (6, 4)
+
+
+@pytest.mark.parametrize("recipe", [mxtrain.MXFP8Recipe, mxtrain.Float8CurrentScaling, mxtrain.Float8BlockScaling])
+def test_functional_form_equals_the_module(recipe):
+    """mxtrain.modules.mx_grouped_linear (its own quantizers, shared by the experts) computes what GroupedLinear does,
+    forward and every gradient bit for bit, with an expert without tokens."""
+    from mxtrain.modules import mx_grouped_linear
+
+    torch.manual_seed(0)
+    layer = mxtrain.GroupedLinear(3, 40, 24)
+    weights = [w.detach().clone().requires_grad_() for w in layer.weights]
+    biases = [b.detach().clone().requires_grad_() for b in layer.biases]
+    splits = [5, 0, 9]
+    x = torch.randn(sum(splits), 40)
+    dy = torch.randn(sum(splits), 24)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with mxtrain.mx_autocast(recipe=recipe()):
+        ya = layer(xa, splits)
+        yb = mx_grouped_linear(xb, splits, weights, biases)
+    ya.backward(dy)
+    yb.backward(dy)
+    assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
+    for p, q in zip(layer.weights + layer.biases, weights + biases):
+        assert torch.equal(p.grad, q.grad)
