@@ -158,7 +158,9 @@ def mx_op_outputs(mxt: MXTensor, axes, keep, deq, pack: bool, who: str) -> list[
                 raise RuntimeError(f"{who} returned a plane with packed={p.packed}, asked for {pack}")
             out += [p.data.contiguous(), p.scale.contiguous()]
         if ax in deq:
-            out.append(_values_layout(mxt.dequantized_values(ax), ax))
+            # in logical layout, row-major, as the CUDA and Triton casts write them (eager's layout): a layout of
+            # the op's own would cost a transposed copy of every columnwise values plane under compile
+            out.append(mxt.dequantized_values(ax).contiguous())
     return out
 
 
@@ -188,7 +190,7 @@ def mx_op_fake_outputs(like: torch.Tensor, shape, fmt: str, block_size: int, axe
             out += [like.new_empty((*lead, nbytes), dtype=torch.uint8),
                     like.new_empty((*lead, nblocks), dtype=torch.uint8)]
         if ax in deq:
-            out.append(like.new_empty([*lead, shape[ax]], dtype=dequantized_dtype).movedim(-1, ax))
+            out.append(like.new_empty(list(shape), dtype=dequantized_dtype))
     return out
 
 

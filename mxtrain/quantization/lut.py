@@ -74,7 +74,7 @@ def index_shift(fmt: ElemFormat) -> int:
 def _representatives(fmt: ElemFormat, rounding: str) -> torch.Tensor:
     """fp32 ``y`` for every table index: ``i << k`` (and ``(i << k) | 1`` at index ``2i + 1`` for even)."""
     k = index_shift(fmt)
-    i = torch.arange(1 << (32 - k), dtype=torch.int64) << k
+    i = torch.arange(1 << (32 - k), dtype=torch.int64, device="cpu") << k
     if rounding == "even":
         i = torch.stack((i, i | 1), dim=-1).reshape(-1)
     # int64 -> int32 keeps the low 32 bits: the sign bit lands in bit 31
@@ -91,7 +91,7 @@ def _const(value: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     key = (value, dtype)
     t = _CONSTS.get(key)
     if t is None:
-        t = _CONSTS[key] = torch.tensor(value, dtype=dtype)
+        t = _CONSTS[key] = torch.tensor(value, dtype=dtype, device="cpu")  # not the default device (meta, cuda)
     return t
 
 
@@ -153,7 +153,7 @@ def scale_table(fmt: ElemFormat, scale_mode: str, device: torch.device) -> tuple
     if key not in _SCALES:
         tables = None
         if scale_mode == "floor":
-            e = torch.arange(256, dtype=torch.int32) << FP32_MANT_BITS
+            e = torch.arange(256, dtype=torch.int32, device="cpu") << FP32_MANT_BITS
             ref = shared_exponent_bytes(e, fmt, scale_mode)
             same = all(torch.equal(ref, shared_exponent_bytes(e | m, fmt, scale_mode)) for m in (1, 0x7FFFFF))
             if same:
@@ -165,9 +165,9 @@ def scale_table(fmt: ElemFormat, scale_mode: str, device: torch.device) -> tuple
 def _byte_values(fmt: ElemFormat, packed: bool) -> torch.Tensor:
     """fp32 ``[256, m]``: the values of the codes in one byte (m = 1, or 8 / bits when packed)."""
     values = code_table(fmt)
-    b = torch.arange(256)
+    b = torch.arange(256, device="cpu")
     if not packed or fmt.bits == 8:
-        full = torch.full((256,), float("nan"))  # bytes above the largest code never occur
+        full = torch.full((256,), float("nan"), device="cpu")  # bytes above the largest code never occur
         full[: values.numel()] = values
         return full[:, None]
     per = 8 // fmt.bits
@@ -199,7 +199,7 @@ def decode_table(fmt: ElemFormat, packed: bool, group: int, device: torch.device
     if table is None:
         per_byte = _byte_values(fmt, packed)
         if group == 2:
-            v = torch.arange(1 << 16)
+            v = torch.arange(1 << 16, device="cpu")
             first, second = (v & 0xFF, v >> 8) if _LITTLE_ENDIAN else (v >> 8, v & 0xFF)
             per_byte = torch.cat((per_byte[first], per_byte[second]), dim=-1)
         words = per_byte.contiguous().view(_WORD[per_byte.shape[-1] * 4])

@@ -633,6 +633,10 @@ def scenario_fault(rank, world, device, out, resume: bool, tag: str):
         if rank == 0:
             with open(log, "a") as f:
                 f.write(json.dumps({"step": step, "loss": loss, "resumed_from": start}) + "\n")
+        if fault_step >= 0:
+            # rank 0's line of this step is written before rank 1 may crash at the next one (torchrun kills
+            # rank 0 when rank 1 dies: on a loaded machine it sometimes came before the write)
+            torch.distributed.barrier()
         if (step + 1) % 2 == 0:
             save_checkpoint(ckpt_dir, step + 1, model, opt)
     return {"start": start}

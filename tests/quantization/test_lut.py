@@ -366,3 +366,23 @@ def test_scratch_views_follow_a_regrown_buffer():
     assert again is not small and again.data_ptr() == s.get("b", 64, torch.float32).data_ptr()
     assert again.view(torch.float32).tolist() == [2.0] * 4
     assert s.get("b", 4, torch.float32, (4, 1)).shape == (4, 1)
+
+
+def test_cached_constants_ignore_the_default_device():
+    """The CPU quantizer's cached constants and tables are CPU tensors even when a call runs under another default
+    device (a meta-device model build, torch.set_default_device): that call may fail, later CPU calls must not."""
+    import importlib
+
+    from mxtrain.quantization import quantize_mx
+
+    lut = importlib.import_module("mxtrain.quantization.lut")
+    x = torch.randn(64, 64)
+    want = quantize_mx(x, "fp8_e4m3").dequantize()
+    lut._CONSTS.clear()
+    with torch.device("meta"):
+        try:
+            quantize_mx(x, "fp8_e4m3").dequantize()
+        except (RuntimeError, NotImplementedError):
+            pass
+    got = quantize_mx(x, "fp8_e4m3").dequantize()
+    assert got.device.type == "cpu" and torch.equal(got, want)
