@@ -183,7 +183,9 @@ def chain(op: str, device: torch.device, backend: str | None = None, start: str 
     """The implementations a call of ``op`` on ``device`` would try, in order."""
     settings = config.current()
     ck = (op, device, backend, start, id(settings))
-    hit = _CHAINS.get(ck)
+    # while tracing, neither read nor write the cache: dynamo would guard on its contents (a recompile each
+    # time an eager call adds the key)
+    hit = None if torch.compiler.is_compiling() else _CHAINS.get(ck)
     if hit is not None:
         return hit[1]
     _load()

@@ -110,7 +110,9 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
             else:
                 if not hasattr(p, "mx_gathered_plane") and _reduces_amax(uses):
                     # the same casts, of one zero row: the same collectives as a rank with tokens for this expert
-                    # makes, in the same order; an amax of 0 changes no MAX (DelayedScaling records it)
+                    # makes, in the same order; an amax of 0 changes no MAX. DelayedScaling records it: an expert
+                    # that no rank gave tokens in its first steps then leaves the fresh-slot start with a history
+                    # of zeros (scale 1, as Transformer Engine starts) and recovers after one step with tokens
                     cast(e, p.new_zeros(1, p.shape[-1]))
                 per_expert.append(None)
         return _Operands(splits=splits, per_expert=per_expert)

@@ -123,15 +123,15 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 _FUNCTIONAL: list = [None]  # the quantizers mx_linear built last (recipe and generator alike: reused)
 
 
-def _functional_quantizers(recipe, device: torch.device, gemms: tuple[str, ...] = ("",)):
-    """The quantizers of a functional form (mx_linear, mx_grouped_linear) for ``recipe``: no module keeps
-    them (nor a DelayedScaling state, which the cast then asks for)."""
+def _functional_quantizers(recipe, device: torch.device):
+    """The quantizers of ``mx_linear`` for ``recipe``: no module keeps them (nor a DelayedScaling state,
+    which the cast then asks for)."""
     gen = recipe_generator(recipe, device)
     if torch.compiler.is_compiling():
-        return make_quantizers(recipe, None, gemms, gen)
+        return make_quantizers(recipe, None, ("",), gen)
     kept = _FUNCTIONAL[0]
-    if kept is None or kept.recipe is not recipe or kept.generator is not gen or tuple(kept.gemms) != gemms:
-        kept = _FUNCTIONAL[0] = make_quantizers(recipe, None, gemms, gen)
+    if kept is None or kept.recipe is not recipe or kept.generator is not gen:
+        kept = _FUNCTIONAL[0] = make_quantizers(recipe, None, ("",), gen)
     return kept
 
 

@@ -158,7 +158,7 @@ def test_compiled_generator_seed_is_refused():
         fn(x)  # eagerly the Generator is drawn from
 
 
-# The fused FP8 casts of LayerNormMLP under the FP8 recipes (mxtrain/modules/_float8.py fused_float8_operands)
+# The fused FP8 casts of LayerNormMLP under the FP8 recipes (mxtrain/modules/_quantizer.py Quantizer.quantize_fused)
 
 
 @pytest.mark.parametrize("pre", ["none", "act", "grad"])
@@ -189,7 +189,7 @@ def _flat8(q) -> list[torch.Tensor]:
 
 
 def _float8_casts(h, da, scale):
-    """The fused FP8 casts as fused_float8_operands calls them: current scaling (the second group reusing the
+    """The fused FP8 casts as Quantizer.quantize_fused calls them: current scaling (the second group reusing the
     first's amax), delayed scaling, 1x128 blocks; forward (act) and backward (grad, dbias)."""
     q1, _ = tensor_cast_float8(h, "fp8_e4m3", rowwise=True, columnwise=True, act="gelu")
     q2, db2 = tensor_cast_float8(h, "fp8_e5m2", rowwise=False, columnwise=True, act="gelu", grad=da, dbias=True)
