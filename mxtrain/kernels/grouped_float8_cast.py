@@ -72,20 +72,33 @@ def _expert_maxima(a, ex, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _grouped_amax_kernel(x_ptr, ends_ptr, part_ptr, T, K, E, stride_xm, SEG, UNIFORM: tl.constexpr,
-                         X_BF16: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """This tile's max |x| per expert (NaN counts as +Inf) into ``part[program, :E]``, reduced after."""
+def _load_tile(x_ptr, T, K, stride_xm, X_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's ``(pid_m, pid_n, rows, cols, mask, values as fp32)`` of ``x``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     mask = (rm[:, None] < T) & (rn[None, :] < K)
     v = _load_f32(x_ptr, rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask, X_BF16)
+    return pid_m, pid_n, rm, rn, mask, v
+
+
+@triton.jit
+def _store_tile_maxima(part_ptr, v, ex, E, pid_m, pid_n, BLOCK_E: tl.constexpr):
+    """This tile's max |v| per expert (NaN counts as +Inf) into ``part[program, :E]``."""
     a = tl.where(v == v, tl.abs(v), float("inf"))
-    ex, _, _ = _row_experts(ends_ptr, rm, T, E, SEG, UNIFORM, BLOCK_E)
     eidx = tl.arange(0, BLOCK_E)
     prog = (pid_m * tl.num_programs(1) + pid_n).to(tl.int64)
     tl.store(part_ptr + prog * E + eidx, _expert_maxima(a, ex, BLOCK_E), mask=eidx < E)
+
+
+@triton.jit
+def _grouped_amax_kernel(x_ptr, ends_ptr, part_ptr, T, K, E, stride_xm, SEG, UNIFORM: tl.constexpr,
+                         X_BF16: tl.constexpr, BLOCK_E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """This tile's max |x| per expert (NaN counts as +Inf) into ``part[program, :E]``, reduced after."""
+    pid_m, pid_n, rm, rn, mask, v = _load_tile(x_ptr, T, K, stride_xm, X_BF16, BM, BN)
+    ex, _, _ = _row_experts(ends_ptr, rm, T, E, SEG, UNIFORM, BLOCK_E)
+    _store_tile_maxima(part_ptr, v, ex, E, pid_m, pid_n, BLOCK_E)
 
 
 @triton.jit
@@ -101,19 +114,12 @@ def _grouped_cast_kernel(x_ptr, ends_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr,
     ``part[program, :E]``; 1: the scale computed from ``amax[e]`` (current scaling). The first program writes
     every expert's ``scale_inv``. ROW: the codes ``[T, K]``; COL: each expert's transpose, ``[K, m_e]`` at
     element ``K * start_e`` (or, COL_STACKED, the ``[K, T]`` transpose of the whole tensor)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < T) & (rn[None, :] < K)
-    v = _load_f32(x_ptr, rm[:, None].to(tl.int64) * stride_xm + rn[None, :], mask, X_BF16)
+    pid_m, pid_n, rm, rn, mask, v = _load_tile(x_ptr, T, K, stride_xm, X_BF16, BM, BN)
     ex, start, count = _row_experts(ends_ptr, rm, T, E, SEG, UNIFORM, BLOCK_E)
     eidx = tl.arange(0, BLOCK_E)
     first = (eidx < E) & ((eidx * 0 + pid_m + pid_n) == 0)  # vector math only
     if MODE == 0:
-        a = tl.where(v == v, tl.abs(v), float("inf"))
-        prog = (pid_m * tl.num_programs(1) + pid_n).to(tl.int64)
-        tl.store(part_ptr + prog * E + eidx, _expert_maxima(a, ex, BLOCK_E), mask=eidx < E)
+        _store_tile_maxima(part_ptr, v, ex, E, pid_m, pid_n, BLOCK_E)
         s = tl.load(scale_ptr + ex * stride_scale, mask=rm < T, other=1.0)
         s_all = tl.load(scale_ptr + eidx * stride_scale, mask=eidx < E, other=1.0)
     else:

@@ -34,12 +34,9 @@ from torch import nn
 from mxtrain import config
 from mxtrain.autocast import get_recipe
 from mxtrain.kernels.dispatch import dequantize
-from mxtrain.modules._common import (
-    apply_module_fn, check_input, check_mx_operands, recipe_generator, release_mx_operands,
-)
-from mxtrain.modules._quantizer import make_quantizers
+from mxtrain.modules._common import apply_module_fn, check_input, check_mx_operands, release_mx_operands
 from mxtrain.modules._recipe_state import RecipeStateMixin
-from mxtrain.modules.linear import init_linear_, mx_linear_backward, mx_linear_forward
+from mxtrain.modules.linear import _functional_quantizers, init_linear_, mx_linear_backward, mx_linear_forward
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import Float8Tensor
 from mxtrain.recipes.float8 import Float8RoleSpec
@@ -397,9 +394,9 @@ def mx_grouped_linear(x, m_splits, weights, biases=None) -> torch.Tensor:
         ys = [F.linear(xe, w, None if biases is None else biases[e]) for e, (xe, w) in enumerate(
             zip(x.split(splits), weights))]
         return torch.cat(ys)
-    # no module keeps them (nor a DelayedScaling state, which the cast then asks for): the experts share one
-    # GEMM's quantizers, as mx_linear's, built for this call
-    q = make_quantizers(recipe, None, ("",), recipe_generator(recipe, x.device))[""]
+    # no module keeps them (nor a DelayedScaling state, which the cast then asks for): the experts share
+    # mx_linear's one-GEMM quantizers
+    q = _functional_quantizers(recipe, x.device)[""]
     return _GroupedLinearFn.apply(x, splits, (q,) * len(weights), len(weights), *weights, *(biases or ()))
 
 

@@ -124,8 +124,8 @@ _FUNCTIONAL: list = [None]  # the quantizers mx_linear built last (recipe and ge
 
 
 def _functional_quantizers(recipe, device: torch.device):
-    """The quantizers of ``mx_linear`` for ``recipe``: no module keeps them (nor a DelayedScaling state,
-    which the cast then asks for)."""
+    """The one-GEMM quantizers of the functional forms (``mx_linear``, ``mx_grouped_linear``) for ``recipe``:
+    no module keeps them (nor a DelayedScaling state, which the cast then asks for)."""
     gen = recipe_generator(recipe, device)
     if torch.compiler.is_compiling():
         return make_quantizers(recipe, None, ("",), gen)
