@@ -3,7 +3,8 @@
 # tests spread over pytest-xdist workers, and a short summary at the end.
 #
 #   scripts/run_gpu_tests.sh            the whole suite (tests/)
-#   scripts/run_gpu_tests.sh --quick    the tests marked gpu (tests/gpu and any other CUDA-only test)
+#   scripts/run_gpu_tests.sh --quick    the tests marked gpu (tests/gpu and any other CUDA-only test), less the
+#                                       sweeps marked exhaustive (one representative case of each stays)
 #   scripts/run_gpu_tests.sh --quick -k cast     further arguments go to pytest
 #
 # MXTRAIN_TEST_WORKERS sets the number of xdist workers (default: the CPU count, at most 8, which
@@ -61,8 +62,8 @@ sleep 5  # the build takes its lock before any worker asks for the extension
 common=(-p no:cacheprovider -q -rfE --durations=15 -n "$workers")
 status=0
 if [[ "$tier" == quick ]]; then
-    echo "== quick tier: tests -m gpu, $workers workers, OMP_NUM_THREADS=$OMP_NUM_THREADS"
-    python3 -m pytest "${common[@]}" --dist worksteal -m gpu tests "${args[@]}" 2>&1 | tee "$log_dir/main.log"
+    echo "== quick tier: tests -m 'gpu and not exhaustive', $workers workers, OMP_NUM_THREADS=$OMP_NUM_THREADS"
+    python3 -m pytest "${common[@]}" --dist worksteal -m "gpu and not exhaustive" tests "${args[@]}" 2>&1 | tee "$log_dir/main.log"
     status=${PIPESTATUS[0]}
     parts=(main)
 else

@@ -31,6 +31,13 @@ helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(helpers)
 
 DEV = torch.device("cuda")
+# the quick tier (scripts/run_gpu_tests.sh --quick) keeps these formats of each sweep; the full tier runs every one
+QUICK_FORMATS = ("fp8_e4m3", "fp4_e2m1")
+
+
+def sweep(values, quick):
+    """``values`` as parametrize cases, those outside ``quick`` marked exhaustive (full tier only)."""
+    return [v if v in quick else pytest.param(v, marks=pytest.mark.exhaustive) for v in values]
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +95,7 @@ def test_cast_fp8_hw_conversion(mx_config, fmt, hw, kernel_layout):
         check_cast(adv, fmt, block_size=32, axis=(-1, 0), scale_mode=mode, rounding="even")
 
 
-@pytest.mark.parametrize("fmt", MX_FORMAT_NAMES)
+@pytest.mark.parametrize("fmt", sweep(MX_FORMAT_NAMES, QUICK_FORMATS))
 def test_cast_ragged_adversarial_all_modes(fmt, kernel_layout):
     """Ragged 1000x1480 adversarial fp32 (subnormals, ties, specials), every scale mode and deterministic rounding."""
     x = helpers.adversarial_matrix(1000, 1480, seed=4).to(DEV)
@@ -141,6 +148,7 @@ def test_cast_values_8192(fmt, kernel_layout):
     assert row.planes == () and helpers.values_equal(row.dequantized_values(1), deq[1])
 
 
+@pytest.mark.exhaustive  # test_cast_ragged_adversarial_all_modes covers the ragged values planes in the quick tier
 def test_cast_values_ragged_fp32_every_dtype(kernel_layout):
     x = helpers.adversarial_matrix(1000, 1480, seed=13).to(DEV)
     for fmt in MX_FORMAT_NAMES:
@@ -194,7 +202,8 @@ def test_dispatch_prefers_triton_on_cuda():
     assert dispatch._resolve(None, x.device, dispatch._DEQUANTIZE_IMPLS) in ("triton", "cuda")
 
 
-@pytest.mark.parametrize("recipe", ("MXFP8Recipe", "MXFP6Recipe", "MXFP4Recipe", "MXINT8Recipe"))
+@pytest.mark.parametrize("recipe", sweep(("MXFP8Recipe", "MXFP6Recipe", "MXFP4Recipe", "MXINT8Recipe"),
+                                         ("MXFP8Recipe", "MXFP4Recipe")))
 @pytest.mark.parametrize("activation,norm", (("gelu", "LayerNorm"), ("swiglu", "RMSNorm")))
 def test_layernorm_mlp_triton_vs_reference_backend(monkeypatch, recipe, activation, norm, mx_config):
     """The module on GPU gives the same output and grads with the kernel casts as with the reference casts
