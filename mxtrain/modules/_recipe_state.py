@@ -121,10 +121,14 @@ class RecipeStateMixin:
         # runs leaves dynamo a view of it without the state (a KeyError). Its id guards recompile per module.
         _prepare_state_while_tracing(self, recipe)
         state = self.__dict__[_ATTR]
+        # the slots without history, read on the host while tracing: dynamo guards on the state's host-side
+        # record of them, so the first step's graph (their casts take the scale from the tensor cast, as an
+        # eager first step's do) is traced again, without, once the update has seasoned them
+        fresh = state.unseasoned() if hasattr(state, "unseasoned") else frozenset()
         if not torch.is_grad_enabled():  # evaluation: cast with the scales of now, record nothing
-            return self._quantizers(recipe, FrozenState(state), device)
+            return self._quantizers(recipe, FrozenState(state, None, fresh), device)
         state.update(recipe)
-        return self._quantizers(recipe, state, device)
+        return self._quantizers(recipe, FirstStepState(state, fresh) if fresh else state, device)
 
     def gather_quantizers(self, recipe, gemm: str = "", *, update: bool = True):
         """The quantizers (:class:`~mxtrain.modules._quantizer.GemmQuantizers`) an FSDP2 pre-all-gather casts
@@ -263,10 +267,27 @@ class FrozenState:
     # two frozen views of one state with the same scales are the same state to a role spec: FSDP2's
     # pre-gather and the module's own (recomputed) forward each make one, and their specs must agree
     def __eq__(self, other) -> bool:
-        return isinstance(other, FrozenState) and other.state is self.state and other.scales is self.scales
+        return type(other) is FrozenState and other.state is self.state and other.scales is self.scales
 
     def __hash__(self) -> int:
         return hash((id(self.state), id(self.scales)))
+
+
+class FirstStepState(FrozenState):
+    """A compiled training forward's view of a state whose slots ``fresh`` have no history yet: those casts take
+    the scale from the tensor cast (:meth:`FrozenState.scale_for`), every cast records its amax into the state."""
+
+    def __init__(self, state, fresh: frozenset) -> None:
+        super().__init__(state, None, fresh)
+
+    def record(self, slot: str, amax: torch.Tensor) -> None:
+        self.state.record(slot, amax)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is FirstStepState and other.state is self.state and other.fresh_slots == self.fresh_slots
+
+    def __hash__(self) -> int:
+        return hash((id(self.state), self.fresh_slots))
 
 
 def capture_scales(queue: deque):

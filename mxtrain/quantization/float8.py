@@ -576,9 +576,17 @@ class DelayedScalingState:
         self._group = getattr(recipe, "amax_reduction_group", None)
 
     def fresh(self, slot: str) -> bool:
-        """Whether ``slot`` has no history yet: no eager update has taken an amax recorded for it. Never
-        while compiling (a compiled graph casts every slot with its delayed scale)."""
+        """Whether ``slot`` has no history yet: no update has taken an amax recorded for it. Never while
+        compiling: a compiled forward learns its fresh slots from :meth:`unseasoned` when it is traced, and
+        casts through a view that knows them (``FirstStepState``)."""
         return slot not in self._seasoned and not torch.compiler.is_compiling()
+
+    def unseasoned(self) -> frozenset:
+        """The slots that the next update leaves without history: none seasoned, none recorded by an eager
+        step since the last update (host-side; while tracing, dynamo guards on both). A compiled update
+        seasons every slot (it cannot read on the host which were recorded): a slot that a compiled first
+        step does not cast stays on scale 1 until its amax enters the history."""
+        return frozenset(s for s in self.slots if s not in self._seasoned and s not in self._recorded_host)
 
     def scale_for(self, slot: str, fmt: str, device: torch.device, *, source: torch.Tensor | None = None,
                   amax: torch.Tensor | None = None) -> torch.Tensor:
