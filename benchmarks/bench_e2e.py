@@ -13,7 +13,9 @@ alternated round by round in one process on one GPU. Sides:
   ``mx:<recipe>+graph``: the whole step (forward, backward, optimizer) captured once in a CUDA graph and
   replayed (``mxtrain.make_graphed_step``); ``mx:<recipe>+compile``: the model under ``torch.compile``
   (fullgraph: the fused norm / activation casts are registered ops); ``+unfused`` with ``+compile``: the norm /
-  activation op, then the cast op, under compile (``MXTRAIN_COMPILE_FUSED_SOURCES=0``).
+  activation op, then the cast op, under compile (``MXTRAIN_COMPILE_FUSED_SOURCES=0``). The mxtrain model computes
+  its loss with ``mxtrain.cross_entropy`` (one pass over the logits each way); ``+torchloss`` takes its logits and
+  computes the loss as the ``hf`` sides do (``F.cross_entropy(logits.float(), targets)``).
 
 Throughput is timed with CUDA events over ``--steps`` steps after ``--warmup`` steps (compiling and capturing
 happen in the warm-up); ``vs hf`` divides by the ``hf`` side of the same round. ``issue ms`` is the host's
@@ -87,6 +89,7 @@ def hf_config(name: str, layers: int | None):
     if layers is not None:
         fields["num_hidden_layers"] = layers
     cfg = LlamaConfig(**fields)
+    cfg.use_cache = False  # training: no KV cache (a DynamicCache per forward made compiled HF layers recompile)
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -94,9 +97,12 @@ def hf_config(name: str, layers: int | None):
 def parse_side(side: str) -> tuple[str, str | None, frozenset]:
     """``side`` -> (kind, recipe spec, modes): kind in hf / ao / mx, modes a subset of {compile, graph}."""
     base, *modes = side.split("+")
-    bad = set(modes) - {"compile", "graph", "bf16ag", "unfused"}
+    bad = set(modes) - {"compile", "graph", "bf16ag", "unfused", "torchloss"}
     if bad or len(set(modes)) != len(modes):
-        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph, unfused or bf16ag, got {modes}")
+        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph, unfused, torchloss or bf16ag, "
+                         f"got {modes}")
+    if "torchloss" in modes and not base.startswith("mx:"):
+        raise ValueError(f"side {side!r}: +torchloss applies to mx:<recipe> sides (the others compute it so)")
     if "unfused" in modes and not (base.startswith("mx:") and "compile" in modes):
         raise ValueError(f"side {side!r}: +unfused applies to mx:<recipe>+compile sides (no fused casts under compile)")
     modes = frozenset(modes)
@@ -147,10 +153,16 @@ def build(side: str, cfg, device, seed: int):
     # one settings object for every step: the kernel registry caches its decisions per settings object
     unfused = dataclasses.replace(mx_config.current(), compile_fused_sources=False) if "unfused" in modes else None
 
+    torchloss = "torchloss" in modes
+
     def step(ids, targets):
         settings = mx_config.use(unfused) if unfused is not None else contextlib.nullcontext()
         with settings, mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
-            loss = fwd(ids, targets)
+            if torchloss:
+                logits = fwd(ids)
+                loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+            else:
+                loss = fwd(ids, targets)
         loss.backward()
         return loss
     return step, list(model.parameters())
@@ -206,7 +218,11 @@ def build_fsdp(side: str, cfg, device, seed: int):
     def step(ids, targets):
         if kind == "mx":
             with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
-                loss = model(ids, targets)
+                if "torchloss" in modes:
+                    logits = model(ids)
+                    loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+                else:
+                    loss = model(ids, targets)
         else:
             logits = model(input_ids=ids).logits
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))

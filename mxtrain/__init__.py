@@ -12,8 +12,8 @@ from mxtrain import formats, recipes
 from mxtrain.autocast import get_recipe, is_autocast_enabled, mx_autocast
 from mxtrain.formats import ElemFormat, parse_elemwise_format, parse_format
 from mxtrain.modules import (
-    Conv1d, Conv2d, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, mx_linear,
-    weight_cast_cache,
+    Conv1d, Conv2d, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, cross_entropy,
+    mx_linear, weight_cast_cache,
 )
 from mxtrain.modules.activation_checkpoint import checkpoint
 from mxtrain.quantization import MXTensor, fake_quantize_mx, quantize_elemwise, quantize_mx
@@ -35,7 +35,7 @@ __all__ = [
     "Float8Tensor", "quantize_float8", "fake_quantize_float8", "convert", "unconvert", "Conversion",
     "make_graphed_step", "weight_cast_cache",
     "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "Conv1d", "Conv2d", "mx_linear",
-    "GroupedLinear",
+    "GroupedLinear", "cross_entropy",
     "checkpoint",
     "MXTensor", "quantize_mx", "fake_quantize_mx", "quantize_elemwise",
     "ElemFormat", "parse_format", "parse_elemwise_format", "formats", "recipes",

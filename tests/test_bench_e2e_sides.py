@@ -18,3 +18,10 @@ def test_unfused_mode_needs_an_mx_compile_side():
             bench_e2e.parse_side(side)
     with pytest.raises(ValueError, match="modes after"):
         bench_e2e.parse_side("mx:mxfp8+compile+compile")
+
+
+def test_torchloss_mode_is_for_mx_sides():
+    assert bench_e2e.parse_side("mx:fp8_current+compile+torchloss")[2] == frozenset({"compile", "torchloss"})
+    for side in ("hf+torchloss", "ao-tensorwise+torchloss"):
+        with pytest.raises(ValueError, match=r"\+torchloss applies to mx:<recipe> sides"):
+            bench_e2e.parse_side(side)

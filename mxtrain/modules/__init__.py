@@ -11,9 +11,10 @@ from mxtrain.modules.grouped_linear import GroupedLinear, mx_grouped_linear
 from mxtrain.modules.layernorm_linear import LayerNormLinear
 from mxtrain.modules.layernorm_mlp import LayerNormMLP
 from mxtrain.modules.linear import Linear, mx_linear
+from mxtrain.modules.loss import cross_entropy
 from mxtrain.modules.normalization import LayerNorm, RMSNorm
 
 __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "Conv1d", "Conv2d", "Conv3d",
            "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "GroupNorm", "BatchNorm1d", "BatchNorm2d",
            "BatchNorm3d", "GroupedLinear", "mx_grouped_linear", "mx_linear", "mx_conv", "mx_conv_transpose",
-           "ACTIVATIONS", "weight_cast_cache", "checkpoint"]
+           "ACTIVATIONS", "weight_cast_cache", "checkpoint", "cross_entropy"]
