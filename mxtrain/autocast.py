@@ -22,6 +22,7 @@ current thread and asyncio task:
 from __future__ import annotations
 
 import contextvars
+import threading
 import functools
 from typing import Callable, TypeVar
 
@@ -40,12 +41,13 @@ _DEFAULT_RECIPE = MXFP8Recipe()
 class _Frame:
     """One entered ``mx_autocast``: its recipe (None = disabled) and how to undo it."""
 
-    __slots__ = ("recipe", "owner", "token")
+    __slots__ = ("recipe", "owner", "token", "outer")
 
     def __init__(self, recipe: Recipe | None, owner: "mx_autocast") -> None:
         self.recipe = recipe
         self.owner = owner
         self.token: contextvars.Token | None = None
+        self.outer: _Frame | None = None  # this thread's mirror before this entry
 
 
 # Keeping the reset token in the frame (not on the mx_autocast object) makes one
@@ -57,6 +59,12 @@ _ACTIVE_FRAME: contextvars.ContextVar[_Frame | None] = contextvars.ContextVar(
 # Recipes of the mx_autocast blocks entered inside a function torch.compile is tracing: dynamo cannot trace
 # ContextVar.set, but it follows (and replays) a list's appends and pops, so get_recipe() sees them while tracing.
 _TRACED_RECIPES: list = []
+
+# This thread's innermost eager frame, mirrored from _ACTIVE_FRAME for torch.compile: dynamo cannot read a
+# ContextVar (a graph break in every module when mx_autocast is entered outside the compiled function), but it
+# reads a threading.local's attribute and guards on it. Eager code reads the ContextVar only; the mirror can
+# differ from it only in a context copied to another thread or in interleaved asyncio tasks, while compiling.
+_THREAD_FRAME = threading.local()
 
 
 class mx_autocast:
@@ -96,6 +104,8 @@ class mx_autocast:
             return self.recipe
         frame = _Frame(self.recipe, self)
         frame.token = _ACTIVE_FRAME.set(frame)
+        frame.outer = getattr(_THREAD_FRAME, "frame", None)
+        _THREAD_FRAME.frame = frame
         return self.recipe
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -108,6 +118,8 @@ class mx_autocast:
             raise RuntimeError("mx_autocast exited out of order: the innermost active "
                                "mx_autocast is not this one")
         _ACTIVE_FRAME.reset(frame.token)
+        if getattr(_THREAD_FRAME, "frame", None) is frame:
+            _THREAD_FRAME.frame = frame.outer
         return False  # never swallow the exception
 
     def __call__(self, func: _F) -> _F:
@@ -128,8 +140,11 @@ class mx_autocast:
 
 def get_recipe() -> Recipe | None:
     """The recipe of the innermost active ``mx_autocast`` in this context, or None when MX is off."""
-    if _TRACED_RECIPES and torch.compiler.is_compiling():
-        return _TRACED_RECIPES[-1]
+    if torch.compiler.is_compiling():
+        if _TRACED_RECIPES:
+            return _TRACED_RECIPES[-1]
+        frame = getattr(_THREAD_FRAME, "frame", None)
+        return None if frame is None else frame.recipe
     frame = _ACTIVE_FRAME.get()
     return None if frame is None else frame.recipe
 

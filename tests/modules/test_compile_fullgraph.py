@@ -156,3 +156,31 @@ def test_compile_fused_sources_switch(monkeypatch):
             assert q.quantize_fused(src, True, False, act="gelu") is None
     assert config.from_environ({"MXTRAIN_COMPILE_FUSED_SOURCES": "0"}).compile_fused_sources is False
     assert config.from_environ({}).compile_fused_sources is True
+
+
+@pytest.mark.parametrize("make", [lambda: mxtrain.Linear(64, 40),
+                                  lambda: mxtrain.LayerNormLinear(64, 40, normalization="RMSNorm"),
+                                  lambda: mxtrain.LayerNormMLP(64, 96, activation="swiglu", normalization="RMSNorm")],
+                         ids=["Linear", "LayerNormLinear", "LayerNormMLP"])
+def test_autocast_entered_outside_the_compiled_function(make):
+    """mx_autocast around a compiled module (as a training loop writes it): no graph break (dynamo cannot read
+    the autocast's ContextVar; it reads the thread's mirror), equal to eager bit for bit, and another recipe or
+    none on a later call is seen (the graph is guarded on it, never reused stale)."""
+    torch.manual_seed(0)
+    m = make()
+    x, dy = torch.randn(2, 16, 64), torch.randn(2, 16, 40 if not isinstance(m, mxtrain.LayerNormMLP) else 64)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True)
+
+    def under(recipe, fn):
+        def call(module, xx):
+            with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
+                return fn(xx)
+        return call
+    for recipe in (mxtrain.Float8CurrentScaling(), mxtrain.MXFP8Recipe(), None):
+        got, want = _run(under(recipe, compiled), m, x, dy), _run(under(recipe, m), m, x, dy)
+        if recipe is None:  # plain torch ops: inductor's own reductions (the bias gradient) round differently
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            assert not torch.equal(got[0], _run(under(mxtrain.MXFP8Recipe(), m), m, x, dy)[0])
+        else:
+            _assert_same(got, want)
