@@ -264,6 +264,11 @@ class FrozenState:
     def updates(self) -> int:
         return self.state.updates
 
+    @property
+    def amax_reduction_group(self):
+        """The underlying state's amax reduction group (see ``DelayedScalingState.amax_reduction_group``)."""
+        return self.state.amax_reduction_group
+
     # two frozen views of one state with the same scales are the same state to a role spec: FSDP2's
     # pre-gather and the module's own (recomputed) forward each make one, and their specs must agree
     def __eq__(self, other) -> bool:

@@ -575,6 +575,12 @@ class DelayedScalingState:
         self._margin, self._power_of_2 = recipe.margin, bool(recipe.power_of_2_scales)
         self._group = getattr(recipe, "amax_reduction_group", None)
 
+    @property
+    def amax_reduction_group(self):
+        """The process group the amaxes are all-reduced over (the recipe's ``amax_reduction_group`` as of the last
+        update or :meth:`follow_recipe`; None: this rank's own)."""
+        return self._group
+
     def fresh(self, slot: str) -> bool:
         """Whether ``slot`` has no history yet: no update has taken an amax recorded for it. Never while
         compiling: a compiled forward learns its fresh slots from :meth:`unseasoned` when it is traced, and
