@@ -112,7 +112,7 @@ class RecipeStateMixin:
     def _traced_forward_quantizers(self, recipe, device: torch.device):
         """forward_quantizers while torch.compile traces: the state is made (and placed) for real at trace time,
         so that its tensors are the graph's inputs; the update is one registered op that mutates them."""
-        if _ACTIVE_SETTINGS:
+        if _ACTIVE_SETTINGS and _setting_entered_here():
             raise NotImplementedError(
                 f"{type(recipe).__name__} under torch.compile inside mxtrain.checkpoint (its recompute replays the "
                 "scales of the forward, kept on the host) cannot be compiled yet; compile the checkpointed function's "
@@ -305,19 +305,30 @@ def replay_scales(queue: deque):
     return _setting(_REPLAY, deque(queue))
 
 
-# the capture / replay contexts entered now, as a plain list that torch.compile can read (not a ContextVar)
+# how many capture / replay contexts this context (thread, task) has entered
+_SETTINGS_HERE: contextvars.ContextVar = contextvars.ContextVar("mxtrain_recipe_settings", default=0)
+# how many are entered in the whole process, as a plain list that torch.compile can read and guard on (a
+# ContextVar it can do neither): a trace that finds one asks _setting_entered_here() whether it is its own
 _ACTIVE_SETTINGS: list = []
 
 
 @contextlib.contextmanager
 def _setting(var: contextvars.ContextVar, value):
-    token = var.set(value)
+    token, here = var.set(value), _SETTINGS_HERE.set(_SETTINGS_HERE.get() + 1)
     _ACTIVE_SETTINGS.append(var)
     try:
         yield
     finally:
         _ACTIVE_SETTINGS.pop()
+        _SETTINGS_HERE.reset(here)
         var.reset(token)
+
+
+@torch.compiler.assume_constant_result
+def _setting_entered_here() -> bool:
+    """Whether the calling context is inside a capture / replay context (read for real while tracing: dynamo
+    cannot read a ContextVar; its guard on ``_ACTIVE_SETTINGS`` retraces when any thread enters or leaves one)."""
+    return _SETTINGS_HERE.get() > 0
 
 
 def _prepare_state_while_tracing(module, recipe) -> None:
