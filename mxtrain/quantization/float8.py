@@ -685,8 +685,16 @@ class DelayedScalingState:
 
     @property
     def updates(self) -> int:
-        """Updates that found recorded amaxes so far (a device read once a compiled update has run)."""
+        """Updates that found recorded amaxes so far. A device read (a host sync) once a compiled update has run:
+        for checkpoints and inspection, not for every step (there: :attr:`eager_updates`)."""
         return int(self.gen) if self._compiled_updates else self._updates
+
+    @property
+    def eager_updates(self) -> int:
+        """The eager updates that found amaxes recorded by eager casts: read on the host only, never a device
+        sync. Equal to :attr:`updates` while every update and cast ran eagerly; an update inside a compiled graph
+        is not counted (the host does not see it run)."""
+        return self._updates
 
     @property
     def pending_amax(self) -> torch.Tensor:
