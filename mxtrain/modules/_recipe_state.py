@@ -65,10 +65,15 @@ class RecipeStateMixin:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.__dict__[_KEY] = _new_key(self)
+        self._take_own_key()
 
     def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) gets its own key
         super().__setstate__(state)
+        self._take_own_key()
+
+    def _take_own_key(self) -> None:
+        """Give this module the key a trace finds it by (see ``_new_key``); a module built from another's
+        ``__dict__`` (``mxtrain.convert``'s recipe pinning) must call it."""
         self.__dict__[_KEY] = _new_key(self)
 
     @property
@@ -382,7 +387,11 @@ def _prepare_state_while_tracing(module, recipe) -> None:
     :meth:`RecipeStateMixin._prepare_state` (a tensor the compiled graph made could not be written by its
     backward, where gradients' amaxes are recorded). Older dynamo (torch 2.11) passes only constants and tensors
     to such a function: the module goes by its key tensor, the recipe by id (alive while the trace runs)."""
-    _prepare_by_key(getattr(module, _KEY), id(recipe))  # not via __dict__: see _traced_forward_quantizers
+    key = getattr(module, _KEY, None)  # not via __dict__: see _traced_forward_quantizers
+    if key is None:  # a module built without __init__ (and without _take_own_key): correct, one graph per module
+        _prepare_by_id(id(module), id(recipe))
+    else:
+        _prepare_by_key(key, id(recipe))
 
 
 @torch.compiler.assume_constant_result
@@ -393,6 +402,14 @@ def _prepare_by_key(key: torch.Tensor, recipe_id: int) -> bool:
         raise RuntimeError("mxtrain: a recipe-state key that leads to no live module reached a trace; the module "
                            "was copied or rebuilt without RecipeStateMixin.__init__/__setstate__")
     module._prepare_state(ctypes.cast(recipe_id, ctypes.py_object).value)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def _prepare_by_id(module_id: int, recipe_id: int) -> bool:
+    import ctypes
+    module, recipe = (ctypes.cast(i, ctypes.py_object).value for i in (module_id, recipe_id))
+    module._prepare_state(recipe)
     return True
 
 

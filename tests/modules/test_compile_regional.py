@@ -32,10 +32,17 @@ def _train(layers, recipe, steps=3):
     return out
 
 
-def _compiles(n, recipe):
+def _converted(n):
+    """``n`` torch Linear layers converted by mxtrain.convert (built without their class's __init__)."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(n)))
+    mxtrain.convert(model, keep_output_layer=False)
+    return list(model)
+
+
+def _compiles(n, recipe, make=lambda n: [mxtrain.Linear(32, 32) for _ in range(n)]):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    eager = [mxtrain.Linear(32, 32) for _ in range(n)]
+    eager = make(n)
     plain = copy.deepcopy(eager)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = [torch.compile(m, backend=counter) for m in plain]
@@ -54,3 +61,8 @@ def test_layers_compiled_apart_share_their_graphs(name):
     recipe = RECIPES[name]()
     few, many = _compiles(2, recipe), _compiles(10, recipe)  # 10 > dynamo's recompile_limit of 8
     assert many == few, (few, many)
+
+
+def test_converted_layers_compiled_apart_share_their_graphs():
+    recipe = RECIPES["delayed"]()
+    assert _compiles(2, recipe, _converted) == _compiles(10, recipe, _converted)
