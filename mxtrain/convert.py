@@ -142,6 +142,8 @@ def _transplant(new_cls: type, old: nn.Module) -> nn.Module:
     new = new_cls.__new__(new_cls)
     for k, v in old.__dict__.items():
         new.__dict__[k] = OrderedDict(v) if isinstance(v, OrderedDict) else (dict(v) if type(v) is dict else v)
+    if hasattr(new, "_take_own_key"):  # a recipe-state module: old's key leads to old
+        new._take_own_key()
     return new
 
 

@@ -615,7 +615,11 @@ class MXAllGatherWeight(torch.Tensor):
             buf = torch.cat([buf, buf.new_zeros((rows - buf.shape[0], k))])
         axes = {axis for _, axis in uses}
         what = "both" if len(axes) > 1 else ("rowwise" if 1 in axes else "columnwise")
-        updates = spec.state.updates if spec.scaling == "delayed" else None
+        # host-side only (no device sync per step): FSDP2 gathers eagerly, and the update before this cast took
+        # every amax recorded so far, so the forward's own update (compiled or not) finds nothing new and leaves
+        # the scales as cast here; only a later eager update with new amaxes makes these codes stale (not seen:
+        # a compiled forward of a module called twice per gather, whose second update finds the first's amaxes)
+        updates = spec.state.eager_updates if spec.scaling == "delayed" else None
         return (buf,), {
             "kind": "fp8", "what": what, "shape": tuple(orig_size), "dtype": param_dtype, "world": world,
             "fmt": fmt, "block": spec.block, "scale_inv": scale_inv, "amax": amax,
@@ -840,7 +844,7 @@ class MXGatheredWeight(torch.Tensor):
         if entry is None or entry[0] != spec:
             return None
         if isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed":
-            if spec.state.updates != self._state.delayed_updates:
+            if spec.state.eager_updates != self._state.delayed_updates:
                 return None  # the module's scales were updated after the cast: these codes are stale
             spec.state.record(spec.slot, entry[1].amax)  # what the module's own cast of the weight records
         return entry[1]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections import deque
 
 import torch
@@ -48,6 +49,7 @@ EXTRA_STATE_KEY = "_extra_state"
 _ATTR = "_mxtrain_recipe_state"
 _QUANTIZERS = "_mxtrain_quantizers"  # the quantizers of the last recipe (and state binding) this module ran
 _UNPLACED = "_mxtrain_recipe_state_unplaced"  # set by a load: place the state on the next update
+_KEY = "_mxtrain_recipe_state_key"  # a tensor that leads a trace-time call back to its module (see _new_key)
 
 
 def _state_types() -> dict:
@@ -60,6 +62,19 @@ STATE_TYPES = _state_types()  # state_dict()["kind"] -> class with from_state_di
 
 class RecipeStateMixin:
     """Mix into an ``nn.Module`` (before the torch base) to give it per-module recipe state."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._take_own_key()
+
+    def __setstate__(self, state) -> None:  # a copy (deepcopy, pickle) gets its own key
+        super().__setstate__(state)
+        self._take_own_key()
+
+    def _take_own_key(self) -> None:
+        """Give this module the key a trace finds it by (see ``_new_key``); a module built from another's
+        ``__dict__`` (``mxtrain.convert``'s recipe pinning) must call it."""
+        self.__dict__[_KEY] = _new_key(self)
 
     @property
     def recipe_state(self):
@@ -107,18 +122,30 @@ class RecipeStateMixin:
     def __getstate__(self):
         state = super().__getstate__()
         state.pop(_QUANTIZERS, None)  # rebuilt on the next forward (a generator does not pickle)
+        state.pop(_KEY, None)  # made anew by __setstate__ (a weak reference does not pickle)
         return state
 
     def _traced_forward_quantizers(self, recipe, device: torch.device):
-        """forward_quantizers while torch.compile traces: the state is made (and placed) for real at trace time,
-        so that its tensors are the graph's inputs; the update is one registered op that mutates them."""
-        if _ACTIVE_SETTINGS:
+        """forward_quantizers while torch.compile traces: the state is made (and placed) for real at trace time
+        (or at a graph break, where graphs may break), so that its tensors are the graph's inputs; the update is
+        one registered op that mutates them. Nothing here guards on the module itself: layers compiled apart
+        share their graphs."""
+        if _ACTIVE_SETTINGS and _setting_entered_here():
             raise NotImplementedError(
                 f"{type(recipe).__name__} under torch.compile inside mxtrain.checkpoint (its recompute replays the "
                 "scales of the forward, kept on the host) cannot be compiled yet; compile the checkpointed function's "
                 "callers without mxtrain.checkpoint, or run it eagerly")
-        # always, even for a state an eager step made: reading the module's __dict__ in the trace before this
-        # runs leaves dynamo a view of it without the state (a KeyError). Its id guards recompile per module.
+        if not torch.is_grad_enabled() and self.__dict__.get(_ATTR) is None:
+            # evaluation of a module that never trained: as eager, a state of this forward's own, kept nowhere
+            # (read only: its tensors may be the graph's own)
+            return self._quantizers(recipe, _evaluation_state(recipe, self.recipe_state_gemms(), device), device)
+        if not _tracing_one_graph() and self.__dict__.get(_ATTR) is None:
+            # a module without state yet: made eagerly at a graph break, so that the graph traced after it finds
+            # a state, and the next such module (a sibling layer compiled apart) runs the same graphs, not a
+            # recompile of its own (dynamo's guards would not find the state the trace made for the first one)
+            _prepare_at_graph_break(self, recipe)
+        # always, even for a state an eager step made. The reads of the module's __dict__ above found a state
+        # or ended the graph: one that found none before this made it would leave dynamo a view without it
         _prepare_state_while_tracing(self, recipe)
         state = self.__dict__[_ATTR]
         # the slots without history, read on the host while tracing: dynamo guards on the state's host-side
@@ -264,6 +291,15 @@ class FrozenState:
     def updates(self) -> int:
         return self.state.updates
 
+    @property
+    def eager_updates(self) -> int:
+        return self.state.eager_updates
+
+    @property
+    def amax_reduction_group(self):
+        """The underlying state's amax reduction group (see ``DelayedScalingState.amax_reduction_group``)."""
+        return self.state.amax_reduction_group
+
     # two frozen views of one state with the same scales are the same state to a role spec: FSDP2's
     # pre-gather and the module's own (recomputed) forward each make one, and their specs must agree
     def __eq__(self, other) -> bool:
@@ -300,27 +336,73 @@ def replay_scales(queue: deque):
     return _setting(_REPLAY, deque(queue))
 
 
-# the capture / replay contexts entered now, as a plain list that torch.compile can read (not a ContextVar)
+# how many capture / replay contexts this context (thread, task) has entered
+_SETTINGS_HERE: contextvars.ContextVar = contextvars.ContextVar("mxtrain_recipe_settings", default=0)
+# how many are entered in the whole process, as a plain list that torch.compile can read and guard on (a
+# ContextVar it can do neither): a trace that finds one asks _setting_entered_here() whether it is its own
 _ACTIVE_SETTINGS: list = []
 
 
 @contextlib.contextmanager
 def _setting(var: contextvars.ContextVar, value):
-    token = var.set(value)
+    token, here = var.set(value), _SETTINGS_HERE.set(_SETTINGS_HERE.get() + 1)
     _ACTIVE_SETTINGS.append(var)
     try:
         yield
     finally:
         _ACTIVE_SETTINGS.pop()
+        _SETTINGS_HERE.reset(here)
         var.reset(token)
+
+
+@torch.compiler.assume_constant_result
+def _setting_entered_here() -> bool:
+    """Whether the calling context is inside a capture / replay context (read for real while tracing: dynamo
+    cannot read a ContextVar; its guard on ``_ACTIVE_SETTINGS`` retraces when any thread enters or leaves one)."""
+    return _SETTINGS_HERE.get() > 0
+
+
+def _evaluation_state(recipe, gemms, device: torch.device) -> FrozenState:
+    """What an evaluation forward of a module without state casts with: a fresh state (every slot without
+    history: its casts take the scale from the tensor), viewed frozen; the module keeps none, as in eager."""
+    state = recipe.make_state()
+    if hasattr(state, "follow_recipe"):
+        state.follow_recipe(recipe)
+    for gemm in gemms:
+        state._ensure_slots(delayed_slots(recipe, gemm), device)
+    return FrozenState(state, None, frozenset(state.slots))
+
+
+def _new_key(module) -> torch.Tensor:
+    """An empty meta tensor that refers back to ``module``: what a trace hands to :func:`_prepare_by_key`. Dynamo
+    passes a tensor to such a function as itself and guards it as a tensor (dtype, shape), the same for every
+    module; the module itself (or its id) it would guard by identity: one recompile per module."""
+    key = torch.empty(0, device="meta")
+    key._mxtrain_module = weakref.ref(module)
+    return key
 
 
 def _prepare_state_while_tracing(module, recipe) -> None:
     """Runs for real while torch.compile traces ``module``'s forward, before the trace reads the state:
     :meth:`RecipeStateMixin._prepare_state` (a tensor the compiled graph made could not be written by its
-    backward, where gradients' amaxes are recorded). Older dynamo (torch 2.11) passes only constants to such a
-    function: the module and recipe go by id, both alive while the trace runs."""
-    _prepare_by_id(id(module), id(recipe))
+    backward, where gradients' amaxes are recorded). Older dynamo (torch 2.11) passes only constants and tensors
+    to such a function: the module goes by its key tensor, the recipe by id (alive while the trace runs)."""
+    key = getattr(module, _KEY, None)  # not via __dict__: see _traced_forward_quantizers
+    if key is None:  # a module built without __init__ (and without _take_own_key): correct, one graph per module
+        _prepare_by_id(id(module), id(recipe))
+    else:
+        _prepare_by_key(key, id(recipe))
+
+
+@torch.compiler.assume_constant_result
+def _prepare_by_key(key: torch.Tensor, recipe_id: int) -> bool:
+    import ctypes
+    module = key._mxtrain_module()
+    if module is None or module.__dict__.get(_KEY) is not key:
+        raise RuntimeError("mxtrain: a recipe-state key that leads to no live module reached a trace; the module "
+                           "was copied or rebuilt without RecipeStateMixin.__init__/__setstate__")
+    module._prepare_state(ctypes.cast(recipe_id, ctypes.py_object).value)
+    return True
 
 
 @torch.compiler.assume_constant_result
@@ -329,6 +411,23 @@ def _prepare_by_id(module_id: int, recipe_id: int) -> bool:
     module, recipe = (ctypes.cast(i, ctypes.py_object).value for i in (module_id, recipe_id))
     module._prepare_state(recipe)
     return True
+
+
+@torch.compiler.disable
+def _prepare_at_graph_break(module, recipe) -> None:
+    module._prepare_state(recipe)
+
+
+@torch.compiler.assume_constant_result
+def _tracing_one_graph() -> bool:
+    """Whether the function torch.compile traces now may not break its graph (``fullgraph=True``, or graph breaks
+    made errors); read for real while tracing. True where it cannot be told: never break then."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tx = InstructionTranslator.current_tx()
+        return bool(tx.one_graph or getattr(tx, "error_on_graph_break", False))
+    except Exception:  # noqa: BLE001  (a private API of dynamo: without it, keep the graph whole)
+        return True
 
 
 # wrappers whose attribute name torch's distributed state dicts leave out of parameter names

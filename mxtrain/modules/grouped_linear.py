@@ -130,10 +130,8 @@ def _reduces_amax(uses) -> bool:
             continue
         if spec.scaling == "current" and spec.amax_reduction_group is not None:
             return True
-        if spec.scaling == "delayed" and spec.state is not None:
-            state = getattr(spec.state, "state", spec.state)  # a FrozenState's underlying state
-            if getattr(state, "_group", None) is not None:
-                return True
+        if spec.scaling == "delayed" and spec.state is not None and spec.state.amax_reduction_group is not None:
+            return True
     return False
 
 

@@ -575,6 +575,12 @@ class DelayedScalingState:
         self._margin, self._power_of_2 = recipe.margin, bool(recipe.power_of_2_scales)
         self._group = getattr(recipe, "amax_reduction_group", None)
 
+    @property
+    def amax_reduction_group(self):
+        """The process group the amaxes are all-reduced over (the recipe's ``amax_reduction_group`` as of the last
+        update or :meth:`follow_recipe`; None: this rank's own)."""
+        return self._group
+
     def fresh(self, slot: str) -> bool:
         """Whether ``slot`` has no history yet: no update has taken an amax recorded for it. Never while
         compiling: a compiled forward learns its fresh slots from :meth:`unseasoned` when it is traced, and
@@ -679,8 +685,16 @@ class DelayedScalingState:
 
     @property
     def updates(self) -> int:
-        """Updates that found recorded amaxes so far (a device read once a compiled update has run)."""
+        """Updates that found recorded amaxes so far. A device read (a host sync) once a compiled update has run:
+        for checkpoints and inspection, not for every step (there: :attr:`eager_updates`)."""
         return int(self.gen) if self._compiled_updates else self._updates
+
+    @property
+    def eager_updates(self) -> int:
+        """The eager updates that found amaxes recorded by eager casts: read on the host only, never a device
+        sync. Equal to :attr:`updates` while every update and cast ran eagerly; an update inside a compiled graph
+        is not counted (the host does not see it run)."""
+        return self._updates
 
     @property
     def pending_amax(self) -> torch.Tensor:

@@ -169,3 +169,36 @@ def test_recipe_decides_the_shape_check():
         assert enable_quantized_all_gather(m, world_size=2, recipe=recipe) == ["0.fc1_weight", "0.fc2_weight",
                                                                                "1.weight"]
     assert m[0].fc1_weight._info.gemm == "fc1" and m[1].weight._info.gemm == ""  # DelayedScaling slots
+
+
+def test_delayed_gathered_plane_check_reads_nothing_on_the_host(monkeypatch):
+    """Whether a gathered FP8 weight cast with a module's delayed scales is still current is decided on the host:
+    after a compiled update (the state's update count then lives on the device) it read the device every step."""
+    from mxtrain.quantization.float8 import quantize_float8
+    from mxtrain.recipes.float8 import Float8RoleSpec
+    recipe = mxtrain.DelayedScaling(amax_history_len=4)
+    m = mxtrain.Linear(32, 16)
+
+    def step(module, x):
+        with mxtrain.mx_autocast(recipe=recipe):
+            return module(x)
+    torch._dynamo.reset()
+    fn = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for _ in range(2):
+        fn(m, torch.randn(8, 32)).sum().backward()
+    state = m.recipe_state
+    slot = next(s for s in state.slots if s.endswith("weight"))
+    fmt = state.formats[state.slots[slot]]
+    spec = Float8RoleSpec(fmt, "delayed", "weight", state=state, slot=slot)
+    plane = quantize_float8(m.weight.detach(), fmt, scale=state.scale_for(slot, fmt, m.weight.device))
+    gathered = _GatheredState(name="w", inner=[torch.empty(0, dtype=torch.uint8)])
+    gathered.planes, gathered.delayed_updates = {1: (spec, plane)}, state.eager_updates  # as a gather leaves them
+    w = MXGatheredWeight(m.weight.shape, m.weight.dtype, m.weight.device, gathered)
+
+    def refuse(*a, **k):
+        raise AssertionError("host read of a tensor")
+    for name in ("item", "tolist", "__bool__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    assert w.mx_gathered_plane(spec, 1) is plane
+    state.update(recipe)  # takes the amax the plane's use recorded: new scales, the plane is stale
+    assert w.mx_gathered_plane(spec, 1) is None

@@ -179,3 +179,54 @@ def test_update_reads_nothing_on_the_host(monkeypatch):
     state.update(recipe)
     state.record("input", torch.ones(()))
     state.update(recipe)
+
+
+def test_checkpoint_context_of_another_thread_leaves_a_compiled_forward_alone():
+    """mxtrain.checkpoint's scale capture is per context: while another thread is inside one, a compiled
+    DelayedScaling forward on this thread compiles and runs (it raised: the setting was process-wide); on its
+    own thread it still raises."""
+    import threading
+    from collections import deque
+    from mxtrain.modules._recipe_state import capture_scales
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with capture_scales(deque()):
+            inside.set()
+            leave.wait(60)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    try:
+        assert inside.wait(60)
+        torch._dynamo.reset()
+        m = mxtrain.Linear(32, 16)
+        x = torch.randn(4, 32)
+        fn = torch.compile(_step(mxtrain.DelayedScaling()), fullgraph=True)
+        fn(m, x).sum().backward()
+        assert m.recipe_state is not None and m.recipe_state.slots
+    finally:
+        leave.set()
+        other.join()
+    with capture_scales(deque()), pytest.raises(Exception, match="inside mxtrain.checkpoint .* cannot be compiled"):
+        fn(m, x)
+
+
+def test_compiled_evaluation_of_an_untrained_module_keeps_no_state():
+    """A no_grad forward of a module that never trained leaves it without state, compiled as eager (the compiled
+    one made and kept a state), casts as eager's does, and a compiled training step after it still equals eager."""
+    recipe = mxtrain.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(0)
+    m_e = mxtrain.Linear(32, 16)
+    m_c = mxtrain.Linear(32, 16)
+    m_c.load_state_dict(m_e.state_dict())
+    x = torch.randn(8, 32)
+    torch._dynamo.reset()
+    fn = torch.compile(_step(recipe), fullgraph=True)
+    with torch.no_grad():
+        y_e, y_c = _step(recipe)(m_e, x), fn(m_c, x)
+    assert torch.equal(y_e, y_c)
+    assert m_e.recipe_state is None and m_c.recipe_state is None
+    y_e, y_c = _step(recipe)(m_e, x), fn(m_c, x)
+    assert torch.equal(y_e, y_c)
+    assert all(torch.equal(a, b) for a, b in zip(m_e.recipe_state.tensors(), m_c.recipe_state.tensors()))

@@ -233,3 +233,22 @@ def test_functional_form_equals_the_module(recipe):
     assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad)
     for p, q in zip(layer.weights + layer.biases, weights + biases):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_reduces_amax_reads_the_states_public_group():
+    """GroupedLinear asks a DelayedScaling state (and its frozen / first-step views) for its amax reduction group
+    through the public ``amax_reduction_group``, not the state's private fields."""
+    from types import SimpleNamespace
+    from mxtrain.modules._recipe_state import FirstStepState, FrozenState
+    from mxtrain.modules.grouped_linear import _reduces_amax
+    from mxtrain.quantization.float8 import DelayedScalingState
+    from mxtrain.recipes.float8 import Float8RoleSpec
+
+    group = object()  # stands for a process group: only compared with None here
+    state = DelayedScalingState(2)
+    for g, want in ((None, False), (group, True)):
+        state.follow_recipe(SimpleNamespace(margin=0, power_of_2_scales=False, amax_reduction_group=g))
+        for view in (state, FrozenState(state), FirstStepState(state, frozenset({"input"}))):
+            assert view.amax_reduction_group is g
+            spec = Float8RoleSpec("fp8_e4m3", "delayed", "input", state=view, slot="input")
+            assert _reduces_amax([(spec, 1)]) is want
