@@ -22,8 +22,9 @@ def test_needs_cuda():
         mxtrain.make_graphed_step(lambda: None)
 
 
-def _training(recipe_spec: str, seed: int = 0):
-    """A two-module model with its optimizer and static batch buffers, on the GPU in bf16."""
+def _training(recipe_spec: str, seed: int = 0, compile: bool = False):
+    """A two-module model with its optimizer and static batch buffers, on the GPU in bf16 (``compile``: the
+    model under torch.compile, its fused casts as registered ops in the graph)."""
     torch.manual_seed(seed)
     f = dict(device="cuda", dtype=torch.bfloat16)
     model = torch.nn.Sequential(mxtrain.LayerNormMLP(256, 512, activation="swiglu", normalization="RMSNorm", **f),
@@ -31,10 +32,11 @@ def _training(recipe_spec: str, seed: int = 0):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
     x = torch.empty(64, 256, **f)
     recipe = mxtrain.recipe_from_string(recipe_spec)
+    fwd = torch.compile(model) if compile else model
 
     def step():
         with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
-            loss = model(x).float().square().mean()
+            loss = fwd(x).float().square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
@@ -44,19 +46,23 @@ def _training(recipe_spec: str, seed: int = 0):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("recipe", ["none", "mxfp8", "fp8_current", "fp8_delayed", "fp8_block"])
-def test_replays_equal_eager_steps(recipe):
+def test_replays_equal_eager_steps(recipe, compiled):
+    """Captured steps replay the uncaptured ones bit for bit; ``compiled``: both sides run the compiled model
+    (as bench_e2e's +compile+graph sides), so the registered fused casts are captured from a compiled graph."""
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randn(64, 256, device="cuda", generator=g).bfloat16() for _ in range(6)]
 
     warmup = 2  # DelayedScaling makes its update's index tensors at its second forward: before the capture
-    model_e, x_e, step_e = _training(recipe)
+    torch._dynamo.reset()
+    model_e, x_e, step_e = _training(recipe, compile=compiled)
     losses_e = []
     for b in [batches[0]] * (warmup - 1) + batches:
         x_e.copy_(b)
         losses_e.append(step_e().clone())
 
-    model_g, x_g, step_g = _training(recipe)
+    model_g, x_g, step_g = _training(recipe, compile=compiled)
     x_g.copy_(batches[0])
     replay = mxtrain.make_graphed_step(step_g, warmup=warmup)  # batch 0's steps are the (eager) warm-up
     losses_g = []
