@@ -17,6 +17,8 @@ steps (``--stat``, min by default: the least disturbed step) of:
   the FP8 and MX casts are one kernel each where the CPU runs the reference's few ops;
 * ``disp`` : microseconds per gather in the two subclasses' ``__torch_dispatch__`` (FSDP's views, the
   optimizer's ops on the sharded weights, module reads of the gathered weight);
+* ``calls``: Python and builtin function calls in one more step (cProfile's count, the timers off): what
+  the machine's load does not move;
 * ``vs hp``: the step's extra CPU time over the same recipe with FSDP's own high-precision all-gathers
   (the ``+bf16ag`` mode of the recipe, run in the same call), per quantized all-gather.
 
@@ -225,10 +227,21 @@ def run_mode(mode, args, device, rank, profile: bool):
         ops_gathers = all_gather_stats()["gathers"]
     finally:
         timer.close()
+    # and one counting the Python and builtin function calls of a step (cProfile's count, the timers
+    # unpatched): a figure of the host's work that the machine's load does not move
+    counter = cProfile.Profile()
+    counter.enable()
+    with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
+        loss = forward_loss(model, x, args)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    counter.disable()
+    py_calls = sum(nc for (_, nc, _, _, _) in pstats.Stats(counter).stats.values())
     # the least disturbed step: other work on the machine only adds time
     med = lambda k: (min if args.stat == "min" else statistics.median)(r.get(k, 0.0) for r in rows)  # noqa: E731
     res = {"mode": mode, "step_ms": 1e3 * med("step"), "step_cpu_ms": 1e3 * med("step_cpu"),
-           "gathers": rows[-1]["gathers"], "ars": rows[-1]["ars"]}
+           "gathers": rows[-1]["gathers"], "ars": rows[-1]["ars"], "calls": py_calls}
     n = max(1, res["gathers"])
     for k in ("pre", "post", "fill", "disp", "allreduce"):
         res[k + "_us"] = 1e6 * med(k) / n
@@ -291,8 +304,8 @@ def main():
               f"{device.type} ranks ({dist.get_backend()}), {args.batch} x {args.seq} tokens per rank, {args.stat} of "
               f"{args.steps} steps after {args.warmup} (thread CPU time); torch {torch.__version__}; {datetime.date.today()}\n")
         print(f"| {'mode':<20} | round | step ms | step CPU ms | gathers | amax ARs | pre us | amax AR us | post us | fill us | disp us | "
-              "vs hp us | pre ops | post ops |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "vs hp us | pre ops | post ops | calls |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         hp = {}
         for r in results:
             recipe, _, ag = r["mode"].partition("+")
@@ -303,7 +316,7 @@ def main():
                      if ag not in ("", "bf16ag") and base is not None and r["gathers"] else "")
             print(f"| {r['mode']:<20} | {r['round']} | {r['step_ms']:.1f} | {r['step_cpu_ms']:.1f} | {r['gathers']} | {r['ars']} | {r['pre_us']:.0f} | "
                   f"{r['allreduce_us']:.0f} | {r['post_us']:.0f} | {r['fill_us']:.0f} | {r['disp_us']:.0f} | {extra} | "
-                  f"{r['pre_ops']:.1f} | {r['post_ops']:.1f} |")
+                  f"{r['pre_ops']:.1f} | {r['post_ops']:.1f} | {r['calls']} |")
         syncs = {(r["mode"], k): v for r in results if r["round"] == 0 for k, v in r["syncs"].items()}
         print("\nOps in the hooks that would wait for the GPU (or copy across devices) on CUDA data, per step:")
         for (mode, what), v in sorted(syncs.items()):
