@@ -163,12 +163,18 @@ def _cached_field_names(obj) -> tuple[str, ...] | None:
         return names
 
 
+_PLAIN = frozenset((int, float, bool, str, type(None)))
+
+
 def _flatten(obj, flat: list, field_names=_field_names):
     if isinstance(obj, torch.Tensor):
         flat.append(obj)
         return ("t", len(flat) - 1)
     if isinstance(obj, tuple):
-        return ("tuple", tuple(_flatten(o, flat, field_names) for o in obj))
+        for o in obj:
+            if type(o) not in _PLAIN:
+                return ("tuple", tuple(_flatten(o, flat, field_names) for o in obj))
+        return ("v", obj)  # a shape or a block: kept whole (a node per element cost a call each, twice)
     if obj is None or isinstance(obj, (str, int, float, torch.dtype, torch.device)):
         return ("v", obj)  # before the dataclass test: dynamo (torch 2.11) cannot trace hasattr on torch.dtype
     names = field_names(obj)
