@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 import weakref
@@ -224,6 +225,34 @@ _PRESERVE = {
 _MUTATES_FIRST_ARG: dict = {}
 
 
+def _map_flat(cls, fn, args, kwargs):
+    """``pytree.tree_map_only(cls, fn, (args, kwargs))`` for what aten ops take: tensors, scalars and
+    one level of lists / tuples (``Tensor[]``). Walking pytree costs tens of microseconds per op, and the
+    optimizer sends a few ops per weight and step through ``__torch_dispatch__``; anything nested deeper
+    (or a dict) goes to pytree as before."""
+    def one(a):
+        if isinstance(a, cls):
+            return fn(a)
+        if type(a) in (list, tuple):
+            if not any(isinstance(t, (cls, list, tuple, dict)) for t in a):
+                return a
+            if any(isinstance(t, (list, tuple, dict)) and type(t) is not torch.Size for t in a):
+                raise _Nested
+            return type(a)(fn(t) if isinstance(t, cls) else t for t in a)
+        if isinstance(a, (list, tuple, dict)) and type(a) is not torch.Size:  # a namedtuple, a dict: pytree's
+            raise _Nested
+        return a
+
+    try:
+        return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+    except _Nested:
+        return pytree.tree_map_only(cls, fn, (tuple(args), kwargs))
+
+
+class _Nested(Exception):
+    pass
+
+
 def _mutates_first_arg(func) -> bool:
     return _written_args(func)[0]
 
@@ -318,7 +347,7 @@ class MXAllGatherWeight(torch.Tensor):
             info = info or t._info
             return t._data
 
-        plain_args, plain_kwargs = pytree.tree_map_only(cls, unwrap, (args, kwargs))
+        plain_args, plain_kwargs = _map_flat(cls, unwrap, args, kwargs)
         out = func(*plain_args, **plain_kwargs)
         mutates_first, written = _written_args(func)
         if written:
@@ -404,6 +433,10 @@ class MXAllGatherWeight(torch.Tensor):
         _STATS.elements += self.numel()
         _STATS.planes[meta["what"]] = _STATS.planes.get(meta["what"], 0) + 1
         return inputs, meta
+
+    # FSDP2 reads this hook's signature on every gather (inspect.signature, tens of microseconds a call);
+    # a stored __signature__ is what inspect returns without building it again
+    fsdp_pre_all_gather.__signature__ = inspect.signature(fsdp_pre_all_gather)
 
     def _local_rows(self, orig_size, world: int) -> int:
         n = orig_size[0]
@@ -884,7 +917,8 @@ class MXGatheredWeight(torch.Tensor):
                 return torch.empty(t.shape, dtype=t.dtype, device=t.device)
             return t.high_precision()
 
-        return func(*pytree.tree_map_only(cls, unwrap, args), **pytree.tree_map_only(cls, unwrap, kwargs))
+        plain_args, plain_kwargs = _map_flat(cls, unwrap, args, kwargs)
+        return func(*plain_args, **plain_kwargs)
 
 
 # --------------------------------------------------------------------------- setup

@@ -130,7 +130,10 @@ def save_for_backward(ctx, *tensors: torch.Tensor | None, **operands) -> None:
     activation checkpointing frees them after the forward and recomputes them, saved-tensor hooks
     (CPU offload) see them. Only their structure stays on ``ctx``. Read back with :func:`saved_tensors`."""
     flat: list = []
-    ctx.mx_operand_layout = (len(tensors), {name: _flatten(op, flat) for name, op in operands.items()})
+    # eager: the field names of each operand type from a cache (dataclasses.fields builds them per call);
+    # traced: not read nor written (dynamo would guard on the cache's contents)
+    names = _field_names if torch.compiler.is_compiling() else _cached_field_names
+    ctx.mx_operand_layout = (len(tensors), {name: _flatten(op, flat, names) for name, op in operands.items()})
     ctx.save_for_backward(*tensors, *flat)
 
 
@@ -141,16 +144,42 @@ def saved_tensors(ctx) -> tuple[list, dict]:
     return list(saved[:n]), {name: _unflatten(node, saved, n) for name, node in layout.items()}
 
 
-def _flatten(obj, flat: list):
+def _field_names(obj) -> tuple[str, ...] | None:
+    """The field names of a dataclass instance, or None for anything else."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return tuple(f.name for f in dataclasses.fields(obj))
+    return None
+
+
+_FIELD_NAMES: dict = {}
+
+
+def _cached_field_names(obj) -> tuple[str, ...] | None:
+    cls = type(obj)
+    try:
+        return _FIELD_NAMES[cls]
+    except KeyError:
+        names = _FIELD_NAMES[cls] = _field_names(obj)
+        return names
+
+
+_PLAIN = frozenset((int, float, bool, str, type(None)))
+
+
+def _flatten(obj, flat: list, field_names=_field_names):
     if isinstance(obj, torch.Tensor):
         flat.append(obj)
         return ("t", len(flat) - 1)
     if isinstance(obj, tuple):
-        return ("tuple", tuple(_flatten(o, flat) for o in obj))
+        for o in obj:
+            if type(o) not in _PLAIN:
+                return ("tuple", tuple(_flatten(o, flat, field_names) for o in obj))
+        return ("v", obj)  # a shape or a block: kept whole (a node per element cost a call each, twice)
     if obj is None or isinstance(obj, (str, int, float, torch.dtype, torch.device)):
         return ("v", obj)  # before the dataclass test: dynamo (torch 2.11) cannot trace hasattr on torch.dtype
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return ("dc", type(obj), {f.name: _flatten(getattr(obj, f.name), flat) for f in dataclasses.fields(obj)})
+    names = field_names(obj)
+    if names is not None:
+        return ("dc", type(obj), {name: _flatten(getattr(obj, name), flat, field_names) for name in names})
     return ("v", obj)
 
 

@@ -279,7 +279,10 @@ class Float8Tensor(PlaneLookup):
 
     def only(self, axis: int) -> "Float8Tensor":
         """A Float8Tensor holding just the plane for ``axis`` (what a use keeps, not both)."""
-        return self if len(self.planes) == 1 else replace(self, planes=(self.plane(axis),))
+        if len(self.planes) == 1:
+            return self
+        # built directly: dataclasses.replace walks the fields on every call (twice per GEMM operand)
+        return Float8Tensor((self.plane(axis),), self.fmt, self.shape, self.dtype, self.amax)
 
     def to(self, *args, **kwargs) -> "Float8Tensor":
         return replace(self, planes=tuple(p.to(*args, **kwargs) for p in self.planes),

@@ -46,7 +46,10 @@ class PlaneLookup:
     shared by :class:`MXTensor` and :class:`~mxtrain.quantization.float8.Float8Tensor`."""
 
     def _find(self, axis: int):
-        return next((p for p in self.planes if p.axis == axis), None)
+        for p in self.planes:
+            if p.axis == axis:
+                return p
+        return None
 
     def _plane_at(self, axis: int | None):
         """The plane for ``axis`` (negative counts from the end; the first plane when None), or None."""

@@ -202,3 +202,60 @@ def test_delayed_gathered_plane_check_reads_nothing_on_the_host(monkeypatch):
     assert w.mx_gathered_plane(spec, 1) is plane
     state.update(recipe)  # takes the amax the plane's use recorded: new scales, the plane is stale
     assert w.mx_gathered_plane(spec, 1) is None
+
+
+def test_flat_unwrap_matches_pytree():
+    """The subclasses' __torch_dispatch__ unwraps arguments in one flat pass; whatever the shape of the
+    arguments, it gives what pytree.tree_map_only gives (nested ones go to pytree itself)."""
+    import collections
+
+    import torch.utils._pytree as pytree
+
+    from mxtrain.distributed.fsdp import _map_flat
+
+    info = _WeightInfo(name="w")
+    a, b, c = (MXAllGatherWeight(torch.randn(2, 3), info) for _ in range(3))
+    pair = collections.namedtuple("pair", "x y")
+    cases = [
+        ((a, 2.0), {}),
+        ((a, b), {"alpha": 0.5}),
+        (([a, b], [c, torch.ones(1)], 1), {}),  # Tensor[] arguments (foreach ops)
+        ((a, torch.Size([3, 2])), {}),
+        ((a, [1, 2]), {"out": c}),
+        (([[a], b],), {}),  # nested deeper: pytree's walk
+        ((pair(a, b),), {}),
+        ((a,), {"d": {"k": b}}),
+        ((), {}),
+    ]
+    unwrap = lambda t: t._data  # noqa: E731
+
+    def same(x, y):
+        if isinstance(x, torch.Tensor):
+            return x is y
+        if isinstance(x, (list, tuple)):
+            # pytree rebuilds a torch.Size as a plain tuple; the flat pass keeps it (an op's int[] either way)
+            kinds = {type(x), type(y)}
+            return ((len(kinds) == 1 or kinds == {tuple, torch.Size}) and len(x) == len(y)
+                    and all(same(p, q) for p, q in zip(x, y)))
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        return x == y
+
+    for args, kwargs in cases:
+        want = pytree.tree_map_only(MXAllGatherWeight, unwrap, (args, kwargs))
+        got = _map_flat(MXAllGatherWeight, unwrap, args, kwargs)
+        assert same(got[0], tuple(want[0])) and same(got[1], want[1]), (args, kwargs)
+    # a foreach op over wrapped weights writes their data and bumps its version (the FP8 amax reuse reads it)
+    before = [t._data.clone() for t in (a, b)]
+    versions = [t._data._version for t in (a, b)]
+    torch._foreach_mul_([a, b], 2.0)
+    assert all(torch.equal(t._data, 2 * v) for t, v in zip((a, b), before))
+    assert all(t._data._version > v for t, v in zip((a, b), versions))
+
+
+def test_pre_all_gather_signature_is_the_one_fsdp_expects():
+    import inspect
+
+    w = MXAllGatherWeight(torch.randn(2, 3), _WeightInfo(name="w"))
+    params = list(inspect.signature(w.fsdp_pre_all_gather).parameters)
+    assert params == ["mesh", "orig_size", "contiguous_orig_stride", "module", "mp_policy"]
