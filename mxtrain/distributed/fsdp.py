@@ -420,6 +420,8 @@ class MXAllGatherWeight(torch.Tensor):
             inputs, meta = self._high_precision_input(orig_size, world, param_dtype)
         else:
             inputs, meta = self._mx_input(uses, orig_size, world, param_dtype)
+        # a forward gather that also serves backward (no reshard in between): a traced module may save its planes
+        meta["kept"] = phase == TrainingState.FORWARD and len(roles) > 1
         layout = (inputs[0].numel(), inputs[0].dtype)
         outputs = fsdp_param.all_gather_outputs
         if outputs and (outputs[0].numel() != layout[0] * world or outputs[0].dtype != layout[1]):
@@ -662,8 +664,10 @@ class MXAllGatherWeight(torch.Tensor):
         (buf,) = all_gather_outputs
         if out is None:
             state = _GatheredState(name=self._info.name, inner=[buf.new_empty(0, dtype=torch.uint8)],
-                                   activation_checkpointing=self._info.activation_checkpointing)
+                                   activation_checkpointing=self._info.activation_checkpointing,
+                                   owner=weakref.ref(self))
             result = MXGatheredWeight(metadata["shape"], param_dtype, buf.device, state)
+            state.anchor = _GatheredAnchor.make(state, metadata["shape"], param_dtype, buf.device)
         else:
             if not isinstance(out, MXGatheredWeight):
                 raise RuntimeError(f"mxtrain MX all-gather: expected out to be an MXGatheredWeight, got {type(out)}")
@@ -691,9 +695,13 @@ class _GatheredState:
     planes: dict = field(default_factory=dict)  # axis -> (role spec, MXTensor / Float8Tensor holding that one plane)
     delayed_updates: int | None = None  # DelayedScaling: the state's update count the FP8 codes were cast at
     activation_checkpointing: bool = False
+    owner: Any = None  # weakref to the sharded MXAllGatherWeight (its FSDPParam holds the unsharded parameter)
+    kept: bool = False  # this gather also serves the backward (no reshard between forward and backward)
+    anchor: Any = None  # the _GatheredAnchor traced modules take in place of the weight (made on first use)
 
     def fill(self, buf: torch.Tensor, meta: dict) -> None:
         world, shape = meta["world"], meta["shape"]
+        self.kept = meta.get("kept", False)
         if meta["kind"] == "fp8":
             self._fill_fp8(buf, meta)
             return
@@ -919,6 +927,62 @@ class MXGatheredWeight(torch.Tensor):
 
         plain_args, plain_kwargs = _map_flat(cls, unwrap, args, kwargs)
         return func(*plain_args, **plain_kwargs)
+
+
+    def mx_traced_weight(self):
+        """What a module traced by ``torch.compile`` hands its autograd function in place of this weight (a
+        :class:`_GatheredAnchor`), or a string saying why it cannot be traced.
+
+        Dynamo does not take this subclass for a tensor (its ``__torch_dispatch__`` is its own and it has no
+        ``__tensor_flatten__``): it traces ``mx_gathered_plane`` as Python, lifts the plane tensors as graph
+        inputs, and the weight itself never enters the graph, so its gradient would be dropped. The anchor
+        is the weight's graph input: its gradient goes to FSDP's unsharded parameter. The backward graph
+        reads the planes the forward saw, so only a gather that serves both passes (no reshard after
+        forward) traces; DelayedScaling (amax records, stale-code check) runs eagerly."""
+        s = self._state
+        if s.anchor is None or s.owner is None or s.owner() is None:
+            return f"{s.name} was not all-gathered by FSDP2"
+        if not s.kept:
+            return (f"{s.name} is gathered again before backward (FSDP2 reshards it after forward), and a traced "
+                    "backward can only read the planes its forward saw; fully_shard(..., reshard_after_forward=False) "
+                    "traces it")
+        if any(isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed" for spec, _ in s.planes.values()):
+            return f"{s.name} carries DelayedScaling codes (their amax records and staleness check run eagerly)"
+        return s.anchor
+
+
+class _GatheredAnchor(torch.Tensor):
+    """A traced module's stand-in for an :class:`MXGatheredWeight`: a plain tensor to dynamo (one stored
+    element, expanded to the weight's shape; no op reads it) that answers the Quantizer as the gathered
+    weight does, and whose gradient, once accumulated, moves to FSDP's unsharded parameter (which FSDP2's
+    post-backward reduce-scatters), as eager autograd puts it there."""
+
+    mx_gathered_plane = MXGatheredWeight.mx_gathered_plane
+    mx_keep_dgrad_plane = MXGatheredWeight.mx_keep_dgrad_plane
+    high_precision = MXGatheredWeight.high_precision
+
+    @staticmethod
+    def make(state, shape, dtype, device) -> "_GatheredAnchor":
+        data = torch.zeros((), dtype=dtype, device=device).expand(tuple(shape))
+        anchor = torch.Tensor._make_subclass(_GatheredAnchor, data, True)
+        anchor._state = state
+        anchor.register_post_accumulate_grad_hook(_anchor_grad_to_param)
+        return anchor
+
+
+def _anchor_grad_to_param(anchor: torch.Tensor) -> None:
+    grad, anchor.grad = anchor.grad, None
+    owner = anchor._state.owner()
+    if owner is None or grad is None:
+        return
+    param = _find_fsdp_param(owner)[0].unsharded_param
+    if not param.requires_grad:
+        return
+    with torch.no_grad():  # what AccumulateGrad does to the parameter in eager
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad += grad
 
 
 # --------------------------------------------------------------------------- setup

@@ -335,25 +335,36 @@ def check_input(x: torch.Tensor, features: int, name: str, what: str = "last dim
                          f"({what} must be {features})")
 
 
-_WARNED_EAGER_GATHERED = []
+_WARNED_EAGER_GATHERED: set = set()
 
 
 @torch.compiler.disable
-def _apply_eagerly(fn, *args):
-    if not _WARNED_EAGER_GATHERED:
-        _WARNED_EAGER_GATHERED.append(True)
+def _apply_eagerly(fn, why: str, *args):
+    if why not in _WARNED_EAGER_GATHERED:
+        _WARNED_EAGER_GATHERED.add(why)
         warnings.warn("torch.compile with FSDP2 quantized all-gathers (mxtrain.distributed."
-                      "enable_quantized_all_gather): mxtrain's modules run their GEMM path eagerly, one graph break "
-                      "each (the gathered weights' gradient is lost when traced); the rest of the block stays compiled. "
-                      "FSDP2 with its own bf16 all-gathers compiles whole.", RuntimeWarning, stacklevel=2)
+                      f"enable_quantized_all_gather): this module runs its GEMM path eagerly, one graph break: {why}",
+                      RuntimeWarning, stacklevel=2)
     return fn.apply(*args)
 
 
 def apply_module_fn(fn, weights, *args):
-    """``fn.apply(*args)`` for a module's autograd function; under ``torch.compile``, run eagerly (one graph
-    break) when one of ``weights`` arrived from an FSDP2 quantized all-gather: traced, the gradient of that
-    gathered-weight tensor subclass never reached FSDP's parameter (the GEMM weights of a compiled layer got
-    no gradient at all), so such modules stay out of the graph until the subclass can be traced."""
-    if torch.compiler.is_compiling() and any(hasattr(w, "mx_gathered_plane") for w in weights):
-        return _apply_eagerly(fn, *args)
+    """``fn.apply(*args)`` for a module's autograd function. Under ``torch.compile``, a weight all-gathered by
+    FSDP2 in MX / FP8 (``MXGatheredWeight``) is handed to ``fn`` as its traced stand-in (``mx_traced_weight``):
+    dynamo takes the gathered subclass for a Python object, not a tensor, so passed as it is its gradient never
+    left the graph (every GEMM weight of a compiled block got none). Where the stand-in cannot serve (a weight
+    gathered again for backward, DelayedScaling) the function runs eagerly (one graph break) with a warning
+    naming why."""
+    if not (torch.compiler.is_compiling() and any(hasattr(w, "mx_gathered_plane") for w in weights)):
+        return fn.apply(*args)
+    args = list(args)
+    for w in weights:
+        if not hasattr(w, "mx_gathered_plane"):
+            continue
+        traced = w.mx_traced_weight() if hasattr(w, "mx_traced_weight") else "an MXAllGatherWeight outside FSDP2"
+        if isinstance(traced, str):
+            return _apply_eagerly(fn, traced, *args)
+        for i in range(len(args)):
+            if args[i] is w:
+                args[i] = traced
     return fn.apply(*args)
