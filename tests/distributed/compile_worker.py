@@ -1,6 +1,7 @@
 """``fsdp_worker.py compile``: FSDP2 with quantized all-gathers and compiled blocks (``torch.compile`` of each
-block, as torchtitan does): every weight must get the gradient the eager run gives. Per recipe, the names of the
-parameters without a gradient and of those differing from eager (test_fsdp_compile.py reads them)."""
+block, as torchtitan does): every weight must get the gradient the eager run gives. Per recipe and
+``reshard_after_forward``, the names of the parameters without a gradient and of those differing from eager, the
+eager-fallback warnings and dynamo's graph breaks (test_fsdp_compile.py reads them)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from mxtrain.distributed import enable_quantized_all_gather
 WIDTH, FFN, TOKENS = 64, 128, 16
 
 
-def build(recipe, compiled: bool, device):
+def build(recipe, compiled: bool, device, reshard: bool = True):
     torch.manual_seed(0)
     blocks = nn.ModuleList([mxtrain.LayerNormMLP(WIDTH, FFN, normalization="RMSNorm"),
                             mxtrain.LayerNormLinear(WIDTH, WIDTH, normalization="RMSNorm"),
@@ -25,18 +26,25 @@ def build(recipe, compiled: bool, device):
             blocks[i] = torch.compile(blk, backend="aot_eager")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for blk in blocks:
-        fully_shard(blk, mp_policy=mp)
+        fully_shard(blk, mp_policy=mp, reshard_after_forward=reshard)
     return blocks
 
 
-def grads(recipe, compiled: bool, device, rank: int) -> dict:
-    blocks = build(recipe, compiled, device)
+def grads(recipe, compiled: bool, device, rank: int, reshard: bool = True, steps: int = 1) -> dict:
+    blocks = build(recipe, compiled, device, reshard)
     torch.manual_seed(1 + rank)
-    x = torch.randn(TOKENS, WIDTH, device=device)
-    with mxtrain.mx_autocast(recipe=recipe):
-        for blk in blocks:
-            x = blk(x)
-    x.float().square().mean().backward()
+    x0 = torch.randn(TOKENS, WIDTH, device=device)
+    for step in range(steps):  # later steps: gathers of updated weights into the buffers the graphs saw
+        if step:
+            with torch.no_grad():
+                for p in blocks.parameters():
+                    p -= 0.5 * p.grad
+                    p.grad = None
+        x = x0
+        with mxtrain.mx_autocast(recipe=recipe):
+            for blk in blocks:
+                x = blk(x)
+        x.float().square().mean().backward()
     return {name.replace("_orig_mod.", ""): None if p.grad is None else p.grad.full_tensor().clone()
             for name, p in blocks.named_parameters()}
 
@@ -44,16 +52,26 @@ def grads(recipe, compiled: bool, device, rank: int) -> dict:
 def scenario_compile(rank: int, device) -> dict:
     import warnings
 
+    from torch._dynamo.utils import counters
+
+    import mxtrain.modules._common as common
+
     result = {}
     warnings.simplefilter("always")
-    for name in ("fp8_current", "mxfp8"):
+    for name, reshard in (("fp8_current", True), ("mxfp8", True), ("fp8_current", False), ("mxfp8", False)):
         recipe = mxtrain.recipe_from_string(name)
-        eager = grads(recipe, False, device, rank)
+        eager = grads(recipe, False, device, rank, reshard, steps=2)
+        torch._dynamo.reset()
+        counters.clear()
+        common._WARNED_EAGER_GATHERED.clear()
         with warnings.catch_warnings(record=True) as seen:
-            compiled = grads(recipe, True, device, rank)
-        result[name] = {
+            compiled = grads(recipe, True, device, rank, reshard, steps=2)
+        result[f"{name}-{'reshard' if reshard else 'keep'}"] = {
             "params": sorted(eager),
-            "warned": sum("run their GEMM path eagerly" in str(w.message) for w in seen),
+            "warned": sorted({str(w.message).split("one graph break: ")[1].split(" ")[0] for w in seen
+                              if "runs its GEMM path eagerly" in str(w.message)}),
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"],
             "no_grad": sorted(n for n, g in compiled.items() if g is None or not g.abs().max() > 0),
             "differ": sorted(n for n, g in compiled.items()
                              if g is not None and eager.get(n) is not None and not torch.equal(g, eager[n])),
