@@ -208,6 +208,9 @@ class _WeightInfo:
     gemm: str = ""  # LayerNormMLP's "fc1" / "fc2": the GEMM whose DelayedScaling slots the weight uses
     recipe: Any = None  # the recipe of the last forward all-gather (backward reuses it)
     recipe_seen: bool = False
+    # traced by torch.compile: every gather sends both planes, so that the backward's gather refills, in place, the
+    # buffers whose views the traced forward saved for its backward (see MXGatheredWeight.mx_traced_weight)
+    traced: bool = False
 
 
 # Ops whose results stay MXAllGatherWeight: what FSDP2 does to build and pad the
@@ -389,7 +392,11 @@ class MXAllGatherWeight(torch.Tensor):
         else:  # an unshard outside forward/backward (user-called unshard) before any forward
             recipe = get_recipe()
 
-        if phase == TrainingState.FORWARD:
+        if not info.traced and _compiled_group(group):
+            info.traced = True
+        if info.traced and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
+            roles = [FPROP, DGRAD]
+        elif phase == TrainingState.FORWARD:
             # One gather must also serve backward when the weight is not resharded in between.
             # (FSDP gathers under no_grad, so the caller's grad mode is not visible here; only
             # inference_mode, which no_grad leaves on, says that no backward will follow.)
@@ -420,8 +427,9 @@ class MXAllGatherWeight(torch.Tensor):
             inputs, meta = self._high_precision_input(orig_size, world, param_dtype)
         else:
             inputs, meta = self._mx_input(uses, orig_size, world, param_dtype)
-        # a forward gather that also serves backward (no reshard in between): a traced module may save its planes
-        meta["kept"] = phase == TrainingState.FORWARD and len(roles) > 1
+        # a forward gather whose planes serve backward (not gathered again, or gathered again with the same layout
+        # into the same buffers): a traced module may save them for its backward
+        meta["kept"] = phase == TrainingState.FORWARD and (info.traced or len(roles) > 1)
         layout = (inputs[0].numel(), inputs[0].dtype)
         outputs = fsdp_param.all_gather_outputs
         if outputs and (outputs[0].numel() != layout[0] * world or outputs[0].dtype != layout[1]):
@@ -731,12 +739,15 @@ class _GatheredState:
                 numel = math.prod(shard_shape)
                 src = per_rank[:, src_off:src_off + numel].view(world, *shard_shape)
                 dst = arena[dst_off:dst_off + numel * world]
-                if p["axis"] == 1:  # rowwise [rows, ...]: ranks stack along dim 0
-                    full.append(dst.view(world, *shard_shape).copy_(src).view(world * shard_shape[0], -1))
-                else:  # columnwise [K, rows...]: the sharded dim is the stored last dim
-                    dst2 = dst.view(shard_shape[0], world, shard_shape[1])
-                    dst2.copy_(src.permute(1, 0, 2))
-                    full.append(dst2.view(shard_shape[0], world * shard_shape[1]))
+                # a refill (the same bytes, as FSDP2's own copy-out) must not fail the version check of the
+                # planes a traced forward saved for its backward
+                with torch.autograd._unsafe_preserve_version_counter(arena):
+                    if p["axis"] == 1:  # rowwise [rows, ...]: ranks stack along dim 0
+                        full.append(dst.view(world, *shard_shape).copy_(src).view(world * shard_shape[0], -1))
+                    else:  # columnwise [K, rows...]: the sharded dim is the stored last dim
+                        dst2 = dst.view(shard_shape[0], world, shard_shape[1])
+                        dst2.copy_(src.permute(1, 0, 2))
+                        full.append(dst2.view(shard_shape[0], world * shard_shape[1]))
                 src_off += numel
                 dst_off += numel * world
             mxt = MXTensor(planes=(MXPlane(data=full[0], scale=full[1], axis=p["axis"], packed=p["packed"]),),
@@ -767,7 +778,8 @@ class _GatheredState:
                     _free(arena)
                     arena = self.inner[0] = torch.empty(n * k, dtype=torch.uint8, device=buf.device)
                 col = arena.view(fp8).view(k, n)
-                col.copy_(row.t())
+                with torch.autograd._unsafe_preserve_version_counter(arena):  # as in fill
+                    col.copy_(row.t())
                 plane = Float8Plane(col, scale_inv if block is None else scale_inv.t().contiguous(), 0, block)
             planes[axis] = (spec, Float8Tensor((plane,), meta["fmt"], (n, k), meta["dtype"], meta["amax"]))
         self.planes, self.delayed_updates = planes, meta["updates"]
@@ -805,7 +817,8 @@ class _GatheredState:
                             axis=p["axis"], packed=p["packed"])
             shard = MXTensor._unchecked((plane,), p["fmt"], p["block_size"], (rows, *shape[1:]), dtype,
                                         p["scale_mode"], p["rounding"], p["whole_axis"])
-            triton_dequantize_shards(shard, world, step, step, full, p["axis"])
+            with torch.autograd._unsafe_preserve_version_counter(arena):  # as in fill
+                triton_dequantize_shards(shard, world, step, step, full, p["axis"])
             src_off += nd + ns
             planes[p["axis"]] = (p["spec"], MXTensor._unchecked((), p["fmt"], p["block_size"], shape, dtype,
                                                                 p["scale_mode"], p["rounding"], p["whole_axis"],
@@ -937,18 +950,45 @@ class MXGatheredWeight(torch.Tensor):
         ``__tensor_flatten__``): it traces ``mx_gathered_plane`` as Python, lifts the plane tensors as graph
         inputs, and the weight itself never enters the graph, so its gradient would be dropped. The anchor
         is the weight's graph input: its gradient goes to FSDP's unsharded parameter. The backward graph
-        reads the planes the forward saw, so only a gather that serves both passes (no reshard after
-        forward) traces; DelayedScaling (amax records, stale-code check) runs eagerly."""
+        reads the planes the forward saw, so it traces where those serve backward: no reshard after forward,
+        or a weight whose gathers all send both planes (``_WeightInfo.traced``: FSDP2 then refills the same
+        buffers before backward). A weight traced for the first time by a module that is not itself the
+        ``torch.compile`` wrapper FSDP2 manages runs its first step eagerly (see :meth:`mx_trace_next_gathers`).
+        DelayedScaling (amax records, stale-code check) runs eagerly."""
         s = self._state
         if s.anchor is None or s.owner is None or s.owner() is None:
             return f"{s.name} was not all-gathered by FSDP2"
         if not s.kept:
-            return (f"{s.name} is gathered again before backward (FSDP2 reshards it after forward), and a traced "
-                    "backward can only read the planes its forward saw; fully_shard(..., reshard_after_forward=False) "
-                    "traces it")
+            return (f"{s.name} was gathered for forward only (its backward plane comes in a later gather, which a "
+                    "traced backward cannot see); its gathers send both planes from now on, and it traces from the "
+                    "next step")
         if any(isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed" for spec, _ in s.planes.values()):
             return f"{s.name} carries DelayedScaling codes (their amax records and staleness check run eagerly)"
         return s.anchor
+
+
+    def mx_trace_next_gathers(self) -> None:
+        """From the next all-gather on, send both planes in every gather of this weight, in one layout, so that
+        a traced module can save the forward's planes for its backward (the backward gather refills them)."""
+        owner = self._state.owner() if self._state.owner is not None else None
+        if owner is not None:
+            owner._info.traced = True
+
+
+@functools.cache
+def _optimized_module_type():
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch without dynamo
+        return None
+    return OptimizedModule
+
+
+def _compiled_group(group) -> bool:
+    """Whether an FSDP2 group was made by ``fully_shard`` of a ``torch.compile`` wrapper (a block compiled before
+    ``fully_shard``, as torchtitan compiles each transformer block): its weights will be traced."""
+    cls = _optimized_module_type()
+    return cls is not None and any(isinstance(m, cls) for m in getattr(group, "modules", ()))
 
 
 class _GatheredAnchor(torch.Tensor):

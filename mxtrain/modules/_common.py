@@ -339,7 +339,10 @@ _WARNED_EAGER_GATHERED: set = set()
 
 
 @torch.compiler.disable
-def _apply_eagerly(fn, why: str, *args):
+def _apply_eagerly(fn, weights, why: str, *args):
+    for w in weights:
+        if hasattr(w, "mx_trace_next_gathers"):
+            w.mx_trace_next_gathers()
     if why not in _WARNED_EAGER_GATHERED:
         _WARNED_EAGER_GATHERED.add(why)
         warnings.warn("torch.compile with FSDP2 quantized all-gathers (mxtrain.distributed."
@@ -352,9 +355,9 @@ def apply_module_fn(fn, weights, *args):
     """``fn.apply(*args)`` for a module's autograd function. Under ``torch.compile``, a weight all-gathered by
     FSDP2 in MX / FP8 (``MXGatheredWeight``) is handed to ``fn`` as its traced stand-in (``mx_traced_weight``):
     dynamo takes the gathered subclass for a Python object, not a tensor, so passed as it is its gradient never
-    left the graph (every GEMM weight of a compiled block got none). Where the stand-in cannot serve (a weight
-    gathered again for backward, DelayedScaling) the function runs eagerly (one graph break) with a warning
-    naming why."""
+    left the graph (every GEMM weight of a compiled block got none). Where the stand-in cannot serve yet (a
+    weight gathered for forward only: until its gathers carry both planes, from the next step on) or at all
+    (DelayedScaling) the function runs eagerly (one graph break) with a warning naming why."""
     if not (torch.compiler.is_compiling() and any(hasattr(w, "mx_gathered_plane") for w in weights)):
         return fn.apply(*args)
     args = list(args)
@@ -363,7 +366,7 @@ def apply_module_fn(fn, weights, *args):
             continue
         traced = w.mx_traced_weight() if hasattr(w, "mx_traced_weight") else "an MXAllGatherWeight outside FSDP2"
         if isinstance(traced, str):
-            return _apply_eagerly(fn, traced, *args)
+            return _apply_eagerly(fn, weights, traced, *args)
         for i in range(len(args)):
             if args[i] is w:
                 args[i] = traced
