@@ -36,14 +36,12 @@ def build(recipe, compiled: bool, device, reshard: bool = True, inner: bool = Fa
 
 
 def grads(recipe, compiled: bool, device, rank: int, reshard: bool = True, steps: int = 1, inner: bool = False,
-          after_first=None) -> dict:
+          after_step=None) -> dict:
     blocks = build(recipe, compiled, device, reshard, inner)
     torch.manual_seed(1 + rank)
     x0 = torch.randn(TOKENS, WIDTH, device=device)
     for step in range(steps):  # later steps: gathers of updated weights into the buffers the graphs saw
         if step:
-            if after_first is not None and step == 1:
-                after_first()
             with torch.no_grad():
                 for p in blocks.parameters():
                     p -= 0.5 * p.grad
@@ -53,6 +51,8 @@ def grads(recipe, compiled: bool, device, rank: int, reshard: bool = True, steps
             for blk in blocks:
                 x = blk(x)
         x.float().square().mean().backward()
+        if after_step is not None:
+            after_step()
     return {re.sub(r"^(\d+)\.0\.", r"\1.", name.replace("_orig_mod.", "")):
             None if p.grad is None else p.grad.full_tensor().clone() for name, p in blocks.named_parameters()}
 
@@ -74,22 +74,21 @@ def scenario_compile(rank: int, device) -> dict:
         torch._dynamo.reset()
         counters.clear()
         common._WARNED_EAGER_GATHERED.clear()
-        first = {}
+        steps = []
 
-        def after_first():
-            first["graph_breaks"] = sum(counters["graph_break"].values())
+        def after_step():
+            steps.append((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]))
             counters.clear()
 
         with warnings.catch_warnings(record=True) as seen:
-            compiled = grads(recipe, True, device, rank, reshard, steps=3, inner=inner, after_first=after_first)
+            compiled = grads(recipe, True, device, rank, reshard, steps=3, inner=inner, after_step=after_step)
         ref = eager[name, reshard]
         result[f"{name}-{'reshard' if reshard else 'keep'}{'-inner' if inner else ''}"] = {
             "params": sorted(ref),
             "warned": sorted({str(w.message).split("one graph break: ")[1].split(" ")[0] for w in seen
                               if "runs its GEMM path eagerly" in str(w.message)}),
-            "first_graph_breaks": first["graph_breaks"],
-            "later_graph_breaks": sum(counters["graph_break"].values()),
-            "later_graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": [b for b, _ in steps],  # per step
+            "graphs": [g for _, g in steps],  # graphs compiled, per step
             "no_grad": sorted(n for n, g in compiled.items() if g is None or not g.abs().max() > 0),
             "differ": sorted(n for n, g in compiled.items()
                              if g is not None and ref.get(n) is not None and not torch.equal(g, ref[n])),
