@@ -209,8 +209,9 @@ class _WeightInfo:
     recipe: Any = None  # the recipe of the last forward all-gather (backward reuses it)
     recipe_seen: bool = False
     # traced by torch.compile: every gather sends both planes, so that the backward's gather refills, in place, the
-    # buffers whose views the traced forward saved for its backward (see MXGatheredWeight.mx_traced_weight)
-    traced: bool = False
+    # buffers whose views the traced forward saved for its backward (see MXGatheredWeight.mx_traced_weight);
+    # None until the first gather looks at the FSDP group
+    traced: bool | None = None
 
 
 # Ops whose results stay MXAllGatherWeight: what FSDP2 does to build and pad the
@@ -392,8 +393,8 @@ class MXAllGatherWeight(torch.Tensor):
         else:  # an unshard outside forward/backward (user-called unshard) before any forward
             recipe = get_recipe()
 
-        if not info.traced and _compiled_group(group):
-            info.traced = True
+        if info.traced is None:
+            info.traced = _compiled_group(group)
         if info.traced and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
             roles = [FPROP, DGRAD]
         elif phase == TrainingState.FORWARD:
@@ -704,8 +705,8 @@ class _GatheredState:
     delayed_updates: int | None = None  # DelayedScaling: the state's update count the FP8 codes were cast at
     activation_checkpointing: bool = False
     owner: Any = None  # weakref to the sharded MXAllGatherWeight (its FSDPParam holds the unsharded parameter)
-    kept: bool = False  # this gather also serves the backward (no reshard between forward and backward)
-    anchor: Any = None  # the _GatheredAnchor traced modules take in place of the weight (made on first use)
+    kept: bool = False  # the planes serve backward too (not gathered again, or refilled in place before it)
+    anchor: Any = None  # the _GatheredAnchor traced modules take in place of the weight (made with the state)
 
     def fill(self, buf: torch.Tensor, meta: dict) -> None:
         world, shape = meta["world"], meta["shape"]
@@ -941,7 +942,6 @@ class MXGatheredWeight(torch.Tensor):
         plain_args, plain_kwargs = _map_flat(cls, unwrap, args, kwargs)
         return func(*plain_args, **plain_kwargs)
 
-
     def mx_traced_weight(self):
         """What a module traced by ``torch.compile`` hands its autograd function in place of this weight (a
         :class:`_GatheredAnchor`), or a string saying why it cannot be traced.
@@ -965,7 +965,6 @@ class MXGatheredWeight(torch.Tensor):
         if any(isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed" for spec, _ in s.planes.values()):
             return f"{s.name} carries DelayedScaling codes (their amax records and staleness check run eagerly)"
         return s.anchor
-
 
     def mx_trace_next_gathers(self) -> None:
         """From the next all-gather on, send both planes in every gather of this weight, in one layout, so that
