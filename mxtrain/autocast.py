@@ -22,8 +22,8 @@ current thread and asyncio task:
 from __future__ import annotations
 
 import contextvars
-import threading
 import functools
+import threading
 from typing import Callable, TypeVar
 
 import torch

@@ -30,11 +30,16 @@ except Exception as exc:  # ImportError, or a broken install
 __all__ = [
     "HAVE_TRITON", "triton", "tl", "interpret_mode", "kernels_available", "device_supported",
     "launch_options", "FormatConsts", "format_consts", "SCALE_MODE_IDS", "ROUNDING_IDS", "is_pow2",
-    "decode_codes",
+    "decode_codes", "bf16_bits",
 ]
 
 SCALE_MODE_IDS = {"floor": 0, "rceil": 1, "even": 2}
 ROUNDING_IDS = {"even": 0, "nearest": 1, "floor": 2, "stochastic": 3}
+
+
+def bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    """A bf16 tensor as its int16 bits (the interpreter has no bf16; kernels widen them exactly), others as given."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 def interpret_mode() -> bool:

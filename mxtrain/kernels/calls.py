@@ -18,7 +18,7 @@ from mxtrain.quantization._validate import check_float_tensor, normalize_axes
 from mxtrain.quantization.mx import _check_common
 
 __all__ = ["CastSpec", "QuantizeCall", "DequantizeCall", "DequantizeShardsCall", "Float8QuantizeCall",
-           "BlockCastCall", "GroupedFloat8CastCall", "GemmCall", "values_request", "VALUES_DTYPES"]
+           "BlockCastCall", "GroupedFloat8CastCall", "CrossEntropyCall", "GemmCall", "values_request", "VALUES_DTYPES"]
 
 VALUES_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
@@ -234,6 +234,24 @@ class GroupedFloat8CastCall:
     def key(self):
         return (_meta(self.x), _meta(self.ends), _meta(self.scale), self.rows_per_expert, self.num_experts, self.fmt,
                 self.rowwise, self.columnwise, self.col_layout)
+
+
+class CrossEntropyCall:
+    """The loss of ``logits [N, V]`` against ``targets [N]`` (int64; ``ignore_index`` rows count nothing):
+    :mod:`mxtrain.kernels.cross_entropy`'s arguments; the backward's also ``lse [N]`` (the forward's) and
+    ``scale`` (0-d fp32: the gradient of every counted row's loss)."""
+
+    __slots__ = ("logits", "targets", "ignore_index", "lse", "scale")
+
+    def __init__(self, logits, targets, ignore_index, lse=None, scale=None):
+        self.logits, self.targets, self.ignore_index, self.lse, self.scale = logits, targets, ignore_index, lse, scale
+
+    @property
+    def device(self) -> torch.device:
+        return self.logits.device
+
+    def key(self):
+        return _meta(self.logits), _meta(self.targets), self.ignore_index
 
 
 class GemmCall:

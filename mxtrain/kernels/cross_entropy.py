@@ -15,37 +15,17 @@ sums run in another order than torch's: results agree to fp32 rounding, not bit 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from mxtrain.kernels import registry
-from mxtrain.kernels._triton_utils import HAVE_TRITON, device_supported, interpret_mode, launch_options, tl, triton
+from mxtrain.kernels.calls import CrossEntropyCall
+from mxtrain.kernels._triton_utils import (HAVE_TRITON, bf16_bits, device_supported, interpret_mode, launch_options,
+                                            tl, triton)
 from mxtrain.kernels.ids import DTYPE_IDS
 
 __all__ = ["cross_entropy_forward", "cross_entropy_backward", "LOGIT_DTYPES"]
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclasses.dataclass(frozen=True)
-class CrossEntropyCall:
-    """``logits`` [N, V], ``targets`` [N] (int64; ``ignore_index`` rows count nothing); for the backward also
-    ``lse`` [N] (the forward's) and ``scale`` (0-d fp32: the gradient of every counted row's loss)."""
-
-    logits: torch.Tensor
-    targets: torch.Tensor
-    ignore_index: int
-    lse: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
-
-    def key(self):
-        x = self.logits
-        return x.device, x.dtype, x.shape[1], x.stride(1), self.targets.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.logits.device
 
 
 def _make_call(*, logits, targets, ignore_index=-100, lse=None, scale=None):
@@ -137,9 +117,6 @@ if HAVE_TRITON:
         g = tl.where(t != ignore_index, g, 0.0)
         _store_out(g_ptr + row * stride_g + cols, _round_to_dtype(g, OUT_KIND), mask, OUT_KIND)
 
-    def _bits(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
     def _triton_supports(call: CrossEntropyCall) -> str | None:
         x = call.logits
         if not device_supported(x.device):
@@ -154,7 +131,7 @@ if HAVE_TRITON:
         loss = torch.empty(n, dtype=torch.float32, device=x.device)
         lse = torch.empty(n, dtype=torch.float32, device=x.device)
         if n:
-            _ce_forward_kernel[(n,)](_bits(x), t, loss, lse, v, x.stride(0), call.ignore_index,
+            _ce_forward_kernel[(n,)](bf16_bits(x), t, loss, lse, v, x.stride(0), call.ignore_index,
                                      IN_KIND=DTYPE_IDS[x.dtype], BLOCK=min(4096, triton.next_power_of_2(max(v, 1))),
                                      num_warps=8, **launch_options())
         return loss, lse
@@ -166,7 +143,7 @@ if HAVE_TRITON:
         if g.numel():
             block = min(4096, triton.next_power_of_2(v))
             _ce_backward_kernel[(n, triton.cdiv(v, block))](
-                _bits(x), t, call.lse, call.scale, _bits(g), v, x.stride(0), g.stride(0), call.ignore_index,
+                bf16_bits(x), t, call.lse, call.scale, bf16_bits(g), v, x.stride(0), g.stride(0), call.ignore_index,
                 OUT_KIND=DTYPE_IDS[x.dtype], BLOCK=block, num_warps=8, **launch_options())
         return g
 

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from mxtrain import config
-from mxtrain.kernels._triton_utils import interpret_mode
+from mxtrain.kernels._triton_utils import bf16_bits, interpret_mode
 from mxtrain.kernels.cast import _act_bwd, _activation, _round_to_dtype, _store_out, _widen
 from mxtrain.kernels import registry
 from mxtrain.kernels.calls import BlockCastCall, Float8QuantizeCall
@@ -271,10 +271,6 @@ FUSED_ACTIVATIONS = PLAIN_ACTIVATION_IDS
 FUSED_ACTIVATION_GRADS = {name: ACTIVATION_IDS[name] for name in ("gelu", "relu", "silu")}
 
 
-def _bits_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 def _prologue(who: str, x, rowwise, columnwise, act, grad):
     """Validate a fused cast's source arguments; returns ``(x, g, x bits, g bits, kernel constexprs)``."""
     if x.ndim != 2 or x.dtype not in DTYPE_IDS:
@@ -301,7 +297,7 @@ def _prologue(who: str, x, rowwise, columnwise, act, grad):
                                                         else FUSED_ACTIVATION_GRADS)[act],
                X_BF16=x.dtype == torch.bfloat16, G_BF16=g.dtype == torch.bfloat16, OUT_KIND=DTYPE_IDS[x.dtype],
                GPU=not interpret_mode())
-    return x, g, _bits_view(x), _bits_view(g), src
+    return x, g, bf16_bits(x), bf16_bits(g), src
 
 
 def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwise: bool = True,
@@ -400,7 +396,7 @@ def _triton_block_cast(call: BlockCastCall) -> tuple[Float8Tensor, torch.Tensor 
         _block_cast_kernel[grid](
             src_x, src_g, _bytes(row_, dummy), rsi if row_ is not None else dummy, _bytes(col_, dummy),
             csi if col_ is not None else dummy, db_ if db_ is not None else dummy,
-            dummy if out is None else _bits_view(out), M, N, src_x.stride(0), src_g.stride(0), nb_n, nb_m,
+            dummy if out is None else bf16_bits(out), M, N, src_x.stride(0), src_g.stride(0), nb_n, nb_m,
             ROW=row_ is not None, COL=col_ is not None, DBIAS=db_ is not None, STORE=out is not None,
             BM=bm, BN=bn, num_warps=warps, **consts, **csts)
 
@@ -418,7 +414,7 @@ def _triton_block_cast(call: BlockCastCall) -> tuple[Float8Tensor, torch.Tensor 
             db = torch.empty((triton.cdiv(M, bm), N), **f32) if dbias else None
             launch(xb, gb, src, row, None, db, bm, B, wr, out=keep)
         if keep is not None:
-            xb = gb = _bits_view(keep)
+            xb = gb = bf16_bits(keep)
             src = dict(src, PRE=0, ACT=0, X_BF16=keep.dtype == torch.bfloat16, G_BF16=keep.dtype == torch.bfloat16)
         if columnwise:
             bn, wc = BLOCK_COL_TILE
@@ -491,11 +487,11 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
         agrid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
         part = torch.empty(agrid[0] * agrid[1], **f32)
         out = torch.empty((M, N), dtype=x.dtype, device=dev) if pre else None  # the source, for the cast pass
-        _tensor_amax_kernel[agrid](xb, gb, part, part if out is None else _bits_view(out), M, N, x.stride(0),
+        _tensor_amax_kernel[agrid](xb, gb, part, part if out is None else bf16_bits(out), M, N, x.stride(0),
                                    g.stride(0), STORE=out is not None, BM=BM, BN=BN, num_warps=warps, **src)
         amax = all_reduce_amax(part.amax(), amax_reduction_group)
         if out is not None:  # the cast pass reads the written source: no prologue
-            x, xb, g, gb = out, _bits_view(out), out, _bits_view(out)
+            x, xb, g, gb = out, bf16_bits(out), out, bf16_bits(out)
             src = dict(src, PRE=0, ACT=0, X_BF16=out.dtype == torch.bfloat16, G_BF16=out.dtype == torch.bfloat16)
     BM, BN, warps = TENSOR_CAST_TILES[(bool(rowwise), bool(columnwise))]
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))

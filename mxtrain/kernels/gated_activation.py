@@ -14,7 +14,8 @@ import torch
 
 from mxtrain.activations import GATED
 from mxtrain.kernels.ids import DTYPE_IDS, gate_activation_id
-from mxtrain.kernels._triton_utils import HAVE_TRITON, device_supported, interpret_mode, launch_options, tl, triton
+from mxtrain.kernels._triton_utils import (HAVE_TRITON, bf16_bits, device_supported, interpret_mode, launch_options,
+                                            tl, triton)
 
 __all__ = ["GATE_IDS", "gated_activation", "gated_activation_backward", "supports"]
 
@@ -52,11 +53,6 @@ if HAVE_TRITON:
         _store_out(dh_ptr + row * stride_dh + F + cols, d_up, mask, OUT_KIND)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """bf16 tensors go to the kernels as int16 bits (the interpreter has no bf16)."""
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 def supports(h: torch.Tensor, name: str, grad: torch.Tensor | None = None) -> str | None:
     """None where the kernels take ``h`` (and ``grad``), else why not."""
     if name not in GATE_IDS:
@@ -85,7 +81,7 @@ def gated_activation(h: torch.Tensor, name: str) -> torch.Tensor:
     if y.numel():
         block = min(1024, triton.next_power_of_2(f))
         _gated_forward_kernel[_grid(h.shape[0], f, block)](
-            _bits(h), _bits(y), f, h.stride(0), y.stride(0), ACT=GATE_IDS[name], OUT_KIND=DTYPE_IDS[h.dtype],
+            bf16_bits(h), bf16_bits(y), f, h.stride(0), y.stride(0), ACT=GATE_IDS[name], OUT_KIND=DTYPE_IDS[h.dtype],
             GPU=not interpret_mode(), BLOCK=block, **launch_options())
     return y
 
@@ -100,6 +96,7 @@ def gated_activation_backward(h: torch.Tensor, grad: torch.Tensor, name: str) ->
     if dh.numel():
         block = min(1024, triton.next_power_of_2(f))
         _gated_backward_kernel[_grid(h.shape[0], f, block)](
-            _bits(h), _bits(grad), _bits(dh), f, h.stride(0), grad.stride(0), dh.stride(0), ACT=GATE_IDS[name],
+            bf16_bits(h), bf16_bits(grad), bf16_bits(dh), f, h.stride(0), grad.stride(0), dh.stride(0),
+            ACT=GATE_IDS[name],
             OUT_KIND=DTYPE_IDS[h.dtype], GPU=not interpret_mode(), BLOCK=block, **launch_options())
     return dh

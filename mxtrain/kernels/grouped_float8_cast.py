@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from mxtrain.kernels import registry
-from mxtrain.kernels._triton_utils import device_supported, interpret_mode
+from mxtrain.kernels._triton_utils import bf16_bits, device_supported, interpret_mode
 from mxtrain.kernels.calls import GroupedFloat8CastCall
 from mxtrain.kernels.float8_cast import (
-    _FP8_BITS, _bits_view, _block_scale, _bytes, _fp8_bytes, _load_f32, _scaled,
+    _FP8_BITS, _block_scale, _bytes, _fp8_bytes, _load_f32, _scaled,
 )
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
@@ -256,7 +256,7 @@ def _triton_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
     f32 = {"dtype": torch.float32, "device": x.device}
     mbits, emin = _FP8_BITS[fmt]
     uniform = call.ends is None
-    xb = _bits_view(x)
+    xb = bf16_bits(x)
     ends = xb if uniform else call.ends  # an unused pointer where the segments are uniform
     seg = call.rows_per_expert if uniform else 0
     block_e = triton.next_power_of_2(E)
