@@ -956,7 +956,10 @@ class MXGatheredWeight(torch.Tensor):
         ``torch.compile`` wrapper FSDP2 manages runs its first step eagerly (see :meth:`mx_trace_next_gathers`).
         DelayedScaling (amax records, stale-code check) runs eagerly."""
         s = self._state
-        if s.anchor is None or s.owner is None or s.owner() is None:
+        # the anchor is made with the state, by FSDP2's post-all-gather, which also sets the owner; the owner (the
+        # sharded weight, a traceable subclass) is not read here: dynamo would guard on its per-weight metadata, and
+        # every compiled block of a model would then recompile (past dynamo's limit: the rest ran eagerly)
+        if s.anchor is None:
             return f"{s.name} was not all-gathered by FSDP2"
         if not s.kept:
             return (f"{s.name} was gathered for forward only (its backward plane comes in a later gather, which a "

@@ -18,12 +18,13 @@ WIDTH, FFN, TOKENS = 64, 128, 16
 
 
 def build(recipe, compiled: bool, device, reshard: bool = True, inner: bool = False):
-    """Three blocks, each ``fully_shard``-ed. Compiled: each block is compiled before ``fully_shard`` (as torchtitan
+    """Four blocks, each ``fully_shard``-ed (the last two alike: compiled apart, they share one graph, as a model's
+    decoder layers do). Compiled: each block is compiled before ``fully_shard`` (as torchtitan
     does), or with ``inner`` the mxtrain module inside a block FSDP2 manages (an ``nn.Sequential`` of it)."""
     torch.manual_seed(0)
     blocks = nn.ModuleList([mxtrain.LayerNormMLP(WIDTH, FFN, normalization="RMSNorm"),
                             mxtrain.LayerNormLinear(WIDTH, WIDTH, normalization="RMSNorm"),
-                            mxtrain.Linear(WIDTH, WIDTH)]).to(device)
+                            mxtrain.Linear(WIDTH, WIDTH), mxtrain.Linear(WIDTH, WIDTH)]).to(device)
     enable_quantized_all_gather(blocks, recipe=recipe)
     for i, blk in enumerate(list(blocks)):
         if compiled:
