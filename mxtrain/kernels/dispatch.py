@@ -11,7 +11,9 @@ each entry point is one registered op.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -424,10 +426,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _operand(tensors: list[torch.Tensor], meta: str):
-    import ast
+@functools.lru_cache(maxsize=1024)
+def _parse_meta(meta: str) -> tuple:
+    """An operand description (``_operand_parts``) back as a tuple; a model has a few distinct ones, and a compiled
+    step runs this per GEMM operand on the host, so each is parsed once."""
+    return ast.literal_eval(meta)
 
-    desc = ast.literal_eval(meta)
+
+def _operand(tensors: list[torch.Tensor], meta: str):
+    desc = _parse_meta(meta)
     if desc[0] == "hp":
         return tensors[0]
     if desc[0] == "mx":
@@ -444,9 +451,7 @@ def _operand_rows(tensors: list[torch.Tensor], meta: str, axis: int):
     """The rows a GEMM operand contributes (its size along the axis it does not reduce over)."""
     if meta == "('hp',)":
         return tensors[0].shape[1 - axis % 2]
-    import ast
-
-    shape = ast.literal_eval(meta)[3 if meta.startswith("('mx'") else 2]
+    shape = _parse_meta(meta)[3 if meta.startswith("('mx'") else 2]
     return shape[1 - axis % 2]
 
 
