@@ -602,6 +602,10 @@ class MXAllGatherWeight(torch.Tensor):
                                   epsilon=spec.amax_epsilon)
             scale_inv = torch.reciprocal(scale)
         if shapes is None:  # one 0-d view per weight
+            if scale_inv is not None:  # each on a 16-byte boundary: cuBLASLt reads a GEMM's scale there only
+                spaced = scale_inv.new_zeros((scale_inv.numel(), 4))
+                spaced[:, 0] = scale_inv
+                scale_inv = spaced[:, 0]
             parts = [((None,) * len(members)) if t is None else t.unbind() for t in (flat, scale, scale_inv)]
         else:
             numels = [math.prod(shape) for shape in shapes]

@@ -398,6 +398,15 @@ def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axi
     if not all(isinstance(t, (MXTensor, Float8Tensor, torch.Tensor)) for t in (a, b)):
         raise TypeError(f"mx_gemm operands must be MXTensor, Float8Tensor or torch.Tensor, got "
                         f"{type(a).__name__} and {type(b).__name__}")
+    if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
+        # the implementation the registry picks, chosen while tracing (operands' devices, formats, planes and
+        # shapes: what dynamo guards on); one made of torch ops (cuBLAS per-tensor FP8) enters the graph as
+        # those ops: the compiled step calls torch._scaled_mm directly, not this op's Python (~0.1-0.2 ms of
+        # host time a GEMM: FSDP2 steps, which cannot be CUDA-graphed, waited on it)
+        call = GemmCall(a, b, a_axis, b_axis, out_dtype, bias)
+        kernel = registry.select(_FLOAT8_GEMM_IMPLS, call, call.device, backend)
+        if kernel.traceable:
+            return kernel.fn(call)
     (ta, ma), (tb, mb) = _operand_parts(a, a_axis), _operand_parts(b, b_axis)
     return torch.ops.mxtrain.mx_gemm(ta, ma, tb, mb, a_axis, b_axis, out_dtype, bias, backend)
 

@@ -46,7 +46,13 @@ def scaled_mm_gemm(a: Float8Tensor, b: Float8Tensor, *, a_axis: int, b_axis: int
 
 def _aligned_scale(s: torch.Tensor) -> torch.Tensor:
     """``s`` where cuBLASLt can read it: a scale that is an element of a larger tensor (FSDP2's gathers compute
-    a unit's scales in one tensor) has an address cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED)."""
+    a unit's scales in one tensor) has an address cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED).
+
+    Traced (this GEMM inside a compiled graph) the address is not known: the scales there are the casts'
+    own outputs, each its own allocation, and FSDP2's gathered planes carry the cast's scale (or, from
+    ``_fp8_scales``, one on a 16-byte boundary); a misaligned one would make cuBLASLt raise, not miscompute."""
+    if torch.compiler.is_compiling():
+        return s
     return s if s.data_ptr() % 16 == 0 else s.clone()
 
 
@@ -309,7 +315,9 @@ def _fallback(call: GemmCall) -> torch.Tensor:
 
 
 if torch.cuda.is_available():
-    registry.register("float8_gemm", "cuda", _tensorwise, supports=_tensorwise_supports, name="cublas_tensorwise")
+    # torch ops only (pads, torch._scaled_mm, a slice): compiled graphs trace it and call cuBLAS directly
+    registry.register("float8_gemm", "cuda", _tensorwise, supports=_tensorwise_supports, name="cublas_tensorwise",
+                      traceable=True)
     registry.register("float8_gemm", "cuda", _cublas_block, supports=_cublas_block_supports, name="cublas_blockwise")
     registry.register("float8_gemm", "triton", _triton_block, supports=_block_supports, name="triton_blockwise")
     registry.register("float8_gemm", "reference", _fallback)

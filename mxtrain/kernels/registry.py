@@ -44,13 +44,17 @@ class KernelUnavailable(RuntimeError):
 @dataclasses.dataclass(frozen=True, eq=False)
 class Kernel:
     """One implementation of an operation: ``fn(call)`` runs it, ``supports(call)`` (None: takes every call)
-    says why it does not take a call. ``supports`` may read only what the operation's key holds."""
+    says why it does not take a call. ``supports`` may read only what the operation's key holds.
+    ``traceable``: ``fn`` is made of torch operations only (no kernel launch of its own, no host read), so
+    under ``torch.compile`` its entry point may trace it into the graph instead of calling it through its
+    registered op (the compiled step then calls those operations directly: no Python on the host per call)."""
 
     op: str
     backend: str
     name: str
     fn: Callable[[Any], Any]
     supports: Callable[[Any], "str | None"] | None = None
+    traceable: bool = False
 
     def __repr__(self) -> str:
         return f"<kernel {self.op}:{self.backend}:{self.name}>"
@@ -125,13 +129,14 @@ def undefine(op: str) -> None:
 
 
 def register(op: str, backend: str, fn: Callable[[Any], Any], *, supports: Callable | None = None,
-             name: str | None = None, first: bool = False) -> Kernel:
+             name: str | None = None, first: bool = False, traceable: bool = False) -> Kernel:
     """Register ``fn`` as the ``name`` implementation of ``op`` on ``backend`` (replacing one of that name).
 
-    Within a backend, kernels are tried in registration order (``first``: before the others)."""
+    Within a backend, kernels are tried in registration order (``first``: before the others). ``traceable``:
+    see :class:`Kernel`."""
     if backend not in ORDER:
         raise ValueError(f"unknown backend {backend!r}; allowed: {', '.join(ORDER)}")
-    kernel = Kernel(op, backend, name or backend, fn, supports)
+    kernel = Kernel(op, backend, name or backend, fn, supports, traceable)
     table = [k for k in _KERNELS.setdefault(op, []) if not (k.backend == backend and k.name == kernel.name)]
     table.insert(0 if first else len(table), kernel)
     table.sort(key=lambda k: ORDER.index(k.backend))  # stable: registration order within a backend
