@@ -27,7 +27,7 @@ from torch import nn
 
 import mxtrain
 from mxtrain import config
-from mxtrain.kernels import float8_cast, float8_gemm
+from mxtrain.kernels import float8_cast, float8_gemm, registry
 from mxtrain.kernels.dispatch import mx_gemm, quantize_float8
 from mxtrain.recipes import DelayedScaling, Float8BlockScaling, Float8CurrentScaling
 
@@ -200,8 +200,8 @@ def main():
     print("|---|---|---|")
     for kind, ms, tflops in gemm_table(args.tokens, args.hidden, args.ffn, dtype, args.iters, args.warmup):
         print(f"| {kind} | {ms:.2f} | {tflops:.0f} |", flush=True)
-    if float8_gemm._CUBLAS_BLOCK_BROKEN:
-        print(f"\ncuBLAS block-scaled GEMM unavailable, Triton used: {float8_gemm._CUBLAS_BLOCK_BROKEN}")
+    for kernel, why in registry.broken("float8_gemm").items():
+        print(f"\n{kernel} unavailable (the registry walked on): {why}")
     if args.sweep_casts:
         sweep_casts(args.tokens, args.hidden, args.ffn, dtype, args.iters, args.warmup)
 

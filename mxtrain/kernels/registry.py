@@ -19,7 +19,7 @@ import torch
 from mxtrain import config
 
 __all__ = ["Kernel", "Operation", "KernelUnavailable", "KernelDeclined", "BACKENDS", "ORDER", "define", "undefine", "register", "unregister",
-           "kernels", "chain", "select", "run", "run_from", "explain", "preferred_backend", "walks",
+           "kernels", "chain", "select", "run", "run_from", "explain", "broken", "preferred_backend", "walks",
            "set_kernel_loader"]
 
 BACKENDS = ("auto", "reference", "triton", "cuda")
@@ -271,6 +271,12 @@ def walks(op: str, device: torch.device, backend_name: str, backend: str | None 
     """Whether a call of ``op`` on ``device`` may reach a ``backend_name`` implementation (the fused FP8
     casts of the modules are Triton kernels beside the registered ones: they run where Triton's would)."""
     return any(k.backend == backend_name for k in chain(op, device, backend))
+
+
+def broken(op: str) -> dict[str, str]:
+    """``{"backend:name on device": why}`` for each implementation of ``op`` that failed at run time (see
+    :class:`KernelUnavailable`) and is skipped since."""
+    return {f"{k.backend}:{k.name} on {dev}": why for (k, dev), why in _BROKEN.items() if k.op == op}
 
 
 def explain(op: str, /, *, backend: str | None = None, **arguments) -> list[tuple[str, str | None]]:

@@ -122,6 +122,8 @@ def test_a_kernel_that_fails_at_run_time_is_skipped_after_once(fake_op):
     assert registry.run("fake", _Call(8, CUDA), CUDA) == "cuda-kernel"
     assert fake_op["ran"].count("broken") == 1
     assert dict(explain("fake", rows=8, device=CUDA))["cuda:broken"].startswith("failed here before: no kernel")
+    assert registry.broken("fake") == {f"cuda:broken on {CUDA}": "no kernel for this case in this library"}
+    assert registry.broken("quantize") == {}
 
 
 def test_a_kernel_that_declines_one_call_stays_in_use_for_the_others(fake_op):
@@ -242,3 +244,45 @@ def test_activation_and_prologue_enums_are_the_kernels_ids():
     with pytest.raises(ValueError, match="unknown activation 'tanh'"):
         Activation.of("tanh")
     assert [Prologue.of(None, None), Prologue.of("gelu", None), Prologue.of("gelu", torch.ones(1))] == [0, 1, 2]
+
+
+def test_a_traceable_gemm_enters_the_compiled_graph_as_torch_ops():
+    """Under torch.compile, mx_gemm asks the registry while tracing; an implementation registered traceable
+    (torch ops only, as the cuBLAS per-tensor FP8 GEMM) is traced into the graph instead of the mxtrain::mx_gemm
+    op, and gives the bits eager gives. Here the FP8 reference GEMM (dequantize, fp32 matmul) registered
+    traceable on the CPU's backend."""
+    from mxtrain.quantization.float8 import quantize_float8
+
+    torch.manual_seed(0)
+    a = quantize_float8(torch.randn(32, 64), "fp8_e4m3")
+    b = quantize_float8(torch.randn(48, 64), "fp8_e4m3")
+    ops = []
+
+    def recording(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    def gemm(a_data, a_si, b_data, b_si):
+        from mxtrain.quantization.float8 import Float8Plane, Float8Tensor
+
+        qa = Float8Tensor((Float8Plane(a_data, a_si, 1),), "fp8_e4m3", (32, 64), torch.float32)
+        qb = Float8Tensor((Float8Plane(b_data, b_si, 1),), "fp8_e4m3", (48, 64), torch.float32)
+        return dispatch.mx_gemm(qa, qb, out_dtype=torch.bfloat16)
+
+    args = (a.plane(1).data, a.scale_inv, b.plane(1).data, b.scale_inv)
+    eager = gemm(*args)
+    torch._dynamo.reset()
+    opaque = torch.compile(gemm, fullgraph=True, backend=recording)(*args)
+    assert any("mx_gemm" in t for t in ops) and torch.equal(opaque, eager)
+    registry.register("float8_gemm", "reference", dispatch._reference_gemm_call, name="traced", first=True,
+                      traceable=True)
+    try:
+        ops.clear()
+        torch._dynamo.reset()
+        traced = torch.compile(gemm, fullgraph=True, backend=recording)(*args)
+        assert ops and not any("mx_gemm" in t for t in ops), ops
+        assert torch.equal(traced, eager)
+        assert torch.equal(torch.compile(gemm, fullgraph=True)(*args), eager)  # inductor too
+    finally:
+        registry.unregister("float8_gemm", "reference", "traced")
+        torch._dynamo.reset()
