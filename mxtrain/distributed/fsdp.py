@@ -212,6 +212,9 @@ class _WeightInfo:
     # buffers whose views the traced forward saved for its backward (see MXGatheredWeight.mx_traced_weight);
     # None until the first gather looks at the FSDP group
     traced: bool | None = None
+    # DelayedScaling: (state, slot, its eager update count, the weight data's version, scale) of the last gather's
+    # cast; a later gather of the unchanged weight at the same update count (backward's) casts at that scale
+    delayed_cast: Any = None
 
 
 # Ops whose results stay MXAllGatherWeight: what FSDP2 does to build and pad the
@@ -617,6 +620,21 @@ class MXAllGatherWeight(torch.Tensor):
         group._mxtrain_fp8_amax = (key, seen, results)
         return results[[fp is fsdp_param for fp in members].index(True)]
 
+    def _delayed_scale(self, spec, fmt, amax, device) -> torch.Tensor:
+        """The DelayedScaling scale of this gather's cast: the state's, or the last gather's while neither the
+        state's scales (no eager update since) nor the weight changed. A backward gather then casts the codes
+        its forward gather cast, as one process's forward keeps its weight cast for backward. (Asked anew, a
+        state's answer can change in between without an update: a compiled forward's update marks every
+        slot seasoned while it is traced, so a fresh slot's amax-derived first scale became the initial
+        scale of 1 in backward, and the compiled first step's gradients differed from eager's.)"""
+        key = (spec.state, spec.slot, spec.state.eager_updates, self._data._version)
+        last = self._info.delayed_cast
+        if last is not None and last[0] is key[0] and last[1:4] == key[1:]:
+            return last[4]
+        scale = spec.state.scale_for(spec.slot, fmt, device, amax=amax)
+        self._info.delayed_cast = (*key, scale)
+        return scale
+
     def _fp8_input(self, uses, fsdp_param, group, orig_size, world, param_dtype):
         """This rank's rows as FP8 codes (uint8, padded to FSDP's shard rows); the scale(s) in the metadata.
 
@@ -632,7 +650,7 @@ class MXAllGatherWeight(torch.Tensor):
         kernels = _triton_float8_casts(x.device, x.dtype) if x.numel() else None
         if spec.block is None:
             if spec.scaling == "delayed":
-                scale = spec.state.scale_for(spec.slot, fmt, x.device, amax=amax)
+                scale = self._delayed_scale(spec, fmt, amax, x.device)
             if kernels is not None:  # one kernel: the codes and scale_inv (from the given scale, or the amax)
                 q, _ = kernels[0](x, fmt, scale=scale, amax=None if scale is not None else amax,
                                   power_of_2_scales=spec.power_of_2_scales, amax_epsilon=spec.amax_epsilon)
@@ -900,7 +918,7 @@ class MXGatheredWeight(torch.Tensor):
             col = Float8Plane(p.data.t().contiguous(), p.scale_inv if p.block is None else p.scale_inv.t().contiguous(),
                               0, p.block)
             entry = (row[0], dataclasses.replace(row[1], planes=(col,)))
-        if entry is None or entry[0] != spec:
+        if entry is None or (entry[0] != spec and not _first_step_view_of(spec, entry[0])):
             return None
         if isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed":
             if spec.state.eager_updates != self._state.delayed_updates:
@@ -979,6 +997,19 @@ class MXGatheredWeight(torch.Tensor):
         owner = self._state.owner() if self._state.owner is not None else None
         if owner is not None:
             owner._info.traced = True
+
+
+def _first_step_view_of(spec, gathered) -> bool:
+    """Whether ``spec`` is ``gathered`` seen through a compiled first step's view of its DelayedScaling state
+    (``FirstStepState``: fresh slots scaled from their own amax, as an eager first step scales them, and amaxes
+    recorded into the state). FSDP2's pre-gather cast the codes with the state itself, at the scale an eager
+    module takes: the same cast (a compiled block's module asked for the high-precision weight instead, which
+    was not gathered, and failed its first forward)."""
+    from mxtrain.modules._recipe_state import FirstStepState
+
+    state = getattr(spec, "state", None)
+    return (isinstance(state, FirstStepState) and isinstance(gathered, Float8RoleSpec)
+            and dataclasses.replace(spec, state=state.state) == gathered)
 
 
 @functools.cache

@@ -68,7 +68,9 @@ def scenario_compile(rank: int, device) -> dict:
     result, eager = {}, {}
     warnings.simplefilter("always")
     for name, reshard, inner in (("fp8_current", True, False), ("mxfp8", True, False), ("fp8_current", False, False),
-                                 ("mxfp8", False, False), ("fp8_current", True, True), ("mxfp8", True, True)):
+                                 ("mxfp8", False, False), ("fp8_current", True, True), ("mxfp8", True, True),
+                                 ("fp8_delayed", True, False), ("fp8_delayed", False, False),
+                                 ("fp8_delayed", True, True)):
         recipe = mxtrain.recipe_from_string(name)
         if (name, reshard) not in eager:
             eager[name, reshard] = grads(recipe, False, device, rank, reshard, steps=3)

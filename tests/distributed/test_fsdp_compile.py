@@ -27,7 +27,7 @@ def compiled(tmp_path_factory):
     return json.loads((out / "compile.json").read_text())
 
 
-@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8", "fp8_delayed"])
 @pytest.mark.parametrize("config", CONFIGS)
 def test_compiled_blocks_get_every_gradient_eager_gives(compiled, recipe, config):
     r = compiled[f"{recipe}-{config}"]
@@ -56,3 +56,15 @@ def test_modules_compiled_inside_a_block_run_eagerly_one_step_and_say_so(compile
     r = compiled[f"{recipe}-reshard-inner"]
     assert r["warned"] == GEMM_WEIGHTS
     assert r["graph_breaks"][0] >= 3 and r["graph_breaks"][2] == 0
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_delayed_scaling_modules_in_compiled_blocks_run_eagerly_and_say_so(compiled, config):
+    # DelayedScaling's gathered codes carry amax records and a staleness check: its modules' GEMM paths run
+    # eagerly (a warning per weight) inside the compiled blocks, whose first forward failed before (the
+    # compiled step's view of the state did not match the gathered codes' spec) and whose backward gather
+    # cast at another scale than the forward's (a compiled update marks the state's slots seasoned while
+    # traced); the gradients above are eager's bit for bit
+    r = compiled[f"fp8_delayed-{config}"]
+    assert r["warned"] == GEMM_WEIGHTS
+    assert r["graph_breaks"][0] >= 4
