@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections import deque
 
+import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from mxtrain.autocast import get_recipe, mx_autocast
@@ -31,6 +32,12 @@ def checkpoint(fn, *args, **kwargs):
     if not callable(fn):
         raise TypeError(f"mxtrain.checkpoint expects a callable first, got {type(fn).__name__}")
     recipe = get_recipe()
+    if torch.compiler.is_compiling():
+        if getattr(recipe, "make_state", None) is not None:
+            # DelayedScaling records amaxes into its state (side effects a traced checkpoint region refuses):
+            # this region runs eagerly, with the contexts below (one graph break; fullgraph=True refuses it)
+            return _eager_checkpoint(fn, *args, **kwargs)
+        return _compiled_checkpoint(fn, *args, **kwargs)
     scales: deque = deque()
     generators: list = []
 
@@ -52,3 +59,17 @@ def checkpoint(fn, *args, **kwargs):
 
     return _torch_checkpoint(fn, *args, use_reentrant=False,
                              context_fn=lambda: (forward_context(), recompute_context()), **kwargs)
+
+
+def _compiled_checkpoint(fn, *args, **kwargs):
+    """Under ``torch.compile``: torch's checkpoint, which dynamo traces into the graph (its ``context_fn`` takes
+    only selective-checkpoint policies, so the contexts above cannot go in). The compiled backward recomputes
+    the traced region from the forward's graph values: the recipe is the one the trace saw, a DelayedScaling
+    cast's scale is the value its forward read, and a seeded stochastic rounding draws from the forward's
+    seed, as the contexts above arrange for eager."""
+    return _torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+@torch.compiler.disable
+def _eager_checkpoint(fn, *args, **kwargs):
+    return checkpoint(fn, *args, **kwargs)
