@@ -32,6 +32,13 @@ def checkpoint(fn, *args, **kwargs):
     if not callable(fn):
         raise TypeError(f"mxtrain.checkpoint expects a callable first, got {type(fn).__name__}")
     recipe = get_recipe()
+    if getattr(recipe, "make_state", None) is not None and _fsdp_quantized_gathers(fn):
+        raise NotImplementedError(
+            "mxtrain.checkpoint under DelayedScaling of a block whose weights FSDP2 all-gathers as FP8 codes "
+            "(enable_quantized_all_gather) is not supported: its recompute casts at the forward's scales, which the "
+            "backward gather does not carry. Checkpoint with torch.utils.checkpoint.checkpoint(..., "
+            "use_reentrant=False) and open mx_autocast inside the checkpointed function, or gather in high "
+            "precision; Float8CurrentScaling, Float8BlockScaling and the MX recipes work with mxtrain.checkpoint")
     if torch.compiler.is_compiling():
         if getattr(recipe, "make_state", None) is not None:
             # DelayedScaling records amaxes into its state (side effects a traced checkpoint region refuses):
@@ -73,3 +80,11 @@ def _compiled_checkpoint(fn, *args, **kwargs):
 @torch.compiler.disable
 def _eager_checkpoint(fn, *args, **kwargs):
     return checkpoint(fn, *args, **kwargs)
+
+
+def _fsdp_quantized_gathers(fn) -> bool:
+    """Whether ``fn`` is a module with a weight that FSDP2 all-gathers quantized (``mxtrain.distributed``'s
+    sharded weights answer ``mx_keep_dgrad_plane``; under FSDP2 they are a DTensor's local tensor)."""
+    if not isinstance(fn, torch.nn.Module):
+        return False
+    return any(hasattr(getattr(p, "_local_tensor", p), "mx_keep_dgrad_plane") for p in fn.parameters())

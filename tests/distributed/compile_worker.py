@@ -17,7 +17,18 @@ from mxtrain.distributed import enable_quantized_all_gather
 WIDTH, FFN, TOKENS = 64, 128, 16
 
 
-def build(recipe, compiled: bool, device, reshard: bool = True, inner: bool = False):
+class Checkpointed(nn.Module):
+    """A block whose forward is recomputed in backward (``mxtrain.checkpoint``)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return mxtrain.checkpoint(self.block, x)
+
+
+def build(recipe, compiled: bool, device, reshard: bool = True, inner: bool = False, ckpt: bool = False):
     """Four blocks, each ``fully_shard``-ed (the last two alike: compiled apart, they share one graph, as a model's
     decoder layers do). Compiled: each block is compiled before ``fully_shard`` (as torchtitan
     does), or with ``inner`` the mxtrain module inside a block FSDP2 manages (an ``nn.Sequential`` of it)."""
@@ -25,8 +36,10 @@ def build(recipe, compiled: bool, device, reshard: bool = True, inner: bool = Fa
     blocks = nn.ModuleList([mxtrain.LayerNormMLP(WIDTH, FFN, normalization="RMSNorm"),
                             mxtrain.LayerNormLinear(WIDTH, WIDTH, normalization="RMSNorm"),
                             mxtrain.Linear(WIDTH, WIDTH), mxtrain.Linear(WIDTH, WIDTH)]).to(device)
-    enable_quantized_all_gather(blocks, recipe=recipe)
+    enable_quantized_all_gather(blocks, recipe=recipe, activation_checkpointing=ckpt)
     for i, blk in enumerate(list(blocks)):
+        if ckpt:
+            blk = Checkpointed(blk)
         if compiled:
             blk = torch.compile(blk, backend="aot_eager")
         blocks[i] = nn.Sequential(blk) if inner else blk
@@ -37,8 +50,8 @@ def build(recipe, compiled: bool, device, reshard: bool = True, inner: bool = Fa
 
 
 def grads(recipe, compiled: bool, device, rank: int, reshard: bool = True, steps: int = 1, inner: bool = False,
-          after_step=None) -> dict:
-    blocks = build(recipe, compiled, device, reshard, inner)
+          after_step=None, ckpt: bool = False) -> dict:
+    blocks = build(recipe, compiled, device, reshard, inner, ckpt)
     torch.manual_seed(1 + rank)
     x0 = torch.randn(TOKENS, WIDTH, device=device)
     for step in range(steps):  # later steps: gathers of updated weights into the buffers the graphs saw
@@ -54,7 +67,7 @@ def grads(recipe, compiled: bool, device, rank: int, reshard: bool = True, steps
         x.float().square().mean().backward()
         if after_step is not None:
             after_step()
-    return {re.sub(r"^(\d+)\.0\.", r"\1.", name.replace("_orig_mod.", "")):
+    return {re.sub(r"^(\d+)\.0\.", r"\1.", name.replace("_orig_mod.", "").replace(".block.", ".")):
             None if p.grad is None else p.grad.full_tensor().clone() for name, p in blocks.named_parameters()}
 
 
@@ -95,5 +108,19 @@ def scenario_compile(rank: int, device) -> dict:
             "no_grad": sorted(n for n, g in compiled.items() if g is None or not g.abs().max() > 0),
             "differ": sorted(n for n, g in compiled.items()
                              if g is not None and ref.get(n) is not None and not torch.equal(g, ref[n])),
+        }
+    # blocks checkpointed with mxtrain.checkpoint and compiled: the compiled backward recomputes them
+    for name in ("fp8_current", "mxfp8", "fp8_delayed"):
+        recipe = mxtrain.recipe_from_string(name)
+        try:
+            ref = grads(recipe, False, device, rank, steps=2, ckpt=True)
+            torch._dynamo.reset()
+            got = grads(recipe, True, device, rank, steps=2, ckpt=True)
+        except NotImplementedError as e:
+            result[f"{name}-checkpoint"] = {"error": str(e)}
+            continue
+        result[f"{name}-checkpoint"] = {
+            "params": sorted(ref),
+            "differ": sorted(n for n, g in got.items() if g is None or not torch.equal(g, ref[n])),
         }
     return result

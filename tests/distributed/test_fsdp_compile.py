@@ -68,3 +68,15 @@ def test_delayed_scaling_modules_in_compiled_blocks_run_eagerly_and_say_so(compi
     r = compiled[f"fp8_delayed-{config}"]
     assert r["warned"] == GEMM_WEIGHTS
     assert r["graph_breaks"][0] >= 4
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8"])
+def test_checkpointed_compiled_blocks_get_eagers_gradients(compiled, recipe):
+    # mxtrain.checkpoint inside blocks compiled before fully_shard (gathers for the recompute send both planes)
+    r = compiled[f"{recipe}-checkpoint"]
+    assert len(r["params"]) == 12 and r["differ"] == []
+
+
+def test_delayed_scaling_under_mxtrain_checkpoint_with_fp8_gathers_says_what_to_use(compiled):
+    # the recompute casts at its forward's scales; the backward gather's codes carry the updated ones
+    assert "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)" in compiled["fp8_delayed-checkpoint"]["error"]
