@@ -16,6 +16,7 @@ from mxtrain.modules import (
     mx_linear, weight_cast_cache,
 )
 from mxtrain.modules.activation_checkpoint import checkpoint
+from mxtrain.modules._recipe_state import init_recipe_state
 from mxtrain.quantization import MXTensor, fake_quantize_mx, quantize_elemwise, quantize_mx
 from mxtrain.quantization.float8 import Float8Tensor, fake_quantize_float8, quantize_float8
 from mxtrain.recipes import (
@@ -36,7 +37,7 @@ __all__ = [
     "make_graphed_step", "weight_cast_cache",
     "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "Conv1d", "Conv2d", "mx_linear",
     "GroupedLinear", "cross_entropy",
-    "checkpoint",
+    "checkpoint", "init_recipe_state",
     "MXTensor", "quantize_mx", "fake_quantize_mx", "quantize_elemwise",
     "ElemFormat", "parse_format", "parse_elemwise_format", "formats", "recipes",
     # subpackages imported on demand: mxtrain.distributed (FSDP2), mxtrain.compat.mx (microxcaling API),

@@ -447,6 +447,29 @@ def recipe_state_modules(model) -> list[str]:
     return list(_state_modules(model))
 
 
+def init_recipe_state(model, recipe=None) -> list[str]:
+    """Make the recipe state of every module of ``model`` that keeps one, as its first training forward under
+    ``recipe`` (default: the active ``mx_autocast`` recipe) would make it: on the parameters' device, every
+    GEMM's slots, no history yet. Returns the names of the modules given a state ([] for a recipe without
+    state: only DelayedScaling keeps one).
+
+    A compiled forward makes a missing state while it is traced; layers compiled apart with ``fullgraph=True``
+    cannot break their graph to make it first, so each such layer was traced again for its own first step
+    (past dynamo's ``recompile_limit``, an error). Called before the first step, the layers share one graph
+    from the start. Training gives the same bits with or without this call."""
+    from mxtrain.autocast import get_recipe
+
+    recipe = get_recipe() if recipe is None else recipe
+    if recipe is None:
+        raise ValueError("init_recipe_state: no recipe given and no mx_autocast recipe active")
+    if getattr(recipe, "make_state", None) is None:
+        return []
+    modules = _state_modules(model)
+    for module in modules.values():
+        module._prepare_state(recipe)
+    return list(modules)
+
+
 def recipe_states(model) -> dict:
     """``{module name: state_dict()}`` of every module of ``model`` that keeps recipe state now."""
     return {name: m.recipe_state.state_dict() for name, m in _state_modules(model).items()

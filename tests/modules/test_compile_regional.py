@@ -66,3 +66,37 @@ def test_layers_compiled_apart_share_their_graphs(name):
 def test_converted_layers_compiled_apart_share_their_graphs():
     recipe = RECIPES["delayed"]()
     assert _compiles(2, recipe, _converted) == _compiles(10, recipe, _converted)
+
+
+def _fullgraph_compiles(n, recipe, init: bool):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = [mxtrain.Linear(32, 32) for _ in range(n)]
+    plain = copy.deepcopy(eager)
+    if init:
+        assert mxtrain.init_recipe_state(torch.nn.ModuleList(plain), recipe) == [str(i) for i in range(n)]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = [torch.compile(m, backend=counter, fullgraph=True) for m in plain]
+    for step, (w, c) in enumerate(zip(_train(eager, recipe), _train(compiled, recipe))):
+        for i, (a, b) in enumerate(zip(w, c)):
+            assert torch.equal(a, b), (step, i)
+    return counter.frame_count
+
+
+def test_init_recipe_state_lets_fullgraph_layers_compiled_apart_share_their_graphs():
+    # fullgraph=True leaves no graph break to make a layer's state at: each fresh layer was traced again (past
+    # dynamo's recompile_limit an error); states made before the first step share the graphs, same bits
+    recipe = RECIPES["delayed"]()
+    assert _fullgraph_compiles(6, recipe, init=False) > _fullgraph_compiles(2, recipe, init=False)
+    assert _fullgraph_compiles(6, recipe, init=True) == _fullgraph_compiles(2, recipe, init=True)
+
+
+def test_init_recipe_state_is_a_no_op_for_stateless_recipes_and_needs_a_recipe():
+    layers = torch.nn.Sequential(mxtrain.Linear(32, 32), mxtrain.LayerNormMLP(32, 64))
+    assert mxtrain.init_recipe_state(layers, mxtrain.Float8CurrentScaling()) == []
+    assert all(m.recipe_state is None for m in layers)
+    with pytest.raises(ValueError, match="no recipe given"):
+        mxtrain.init_recipe_state(layers)
+    with mxtrain.mx_autocast(recipe=RECIPES["delayed"]()):
+        assert mxtrain.init_recipe_state(layers) == ["0", "1"]
+    assert all(m.recipe_state is not None for m in layers)
