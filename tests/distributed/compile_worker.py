@@ -109,6 +109,9 @@ def scenario_compile(rank: int, device) -> dict:
             "differ": sorted(n for n, g in compiled.items()
                              if g is not None and ref.get(n) is not None and not torch.equal(g, ref[n])),
         }
+    # DCP resume of compiled blocks (traced gathers; DelayedScaling's state): the resumed run's losses
+    for name in ("fp8_delayed", "mxfp8"):
+        result[f"{name}-resume"] = _resume(mxtrain.recipe_from_string(name), device, rank)
     # blocks checkpointed with mxtrain.checkpoint and compiled: the compiled backward recomputes them
     for name in ("fp8_current", "mxfp8", "fp8_delayed"):
         recipe = mxtrain.recipe_from_string(name)
@@ -124,3 +127,46 @@ def scenario_compile(rank: int, device) -> dict:
             "differ": sorted(n for n, g in got.items() if g is None or not torch.equal(g, ref[n])),
         }
     return result
+
+
+def _resume(recipe, device, rank: int) -> dict:
+    """Train compiled blocks 2 steps, save a DCP checkpoint, train 3 more; then build them again, load it and
+    train the same 3 steps: the losses of both runs (they must be the same bits)."""
+    import shutil
+    import tempfile
+
+    from mxtrain.distributed.checkpoint import save_checkpoint, load_checkpoint
+
+    def run(blocks, opt, steps, x0):
+        losses = []
+        for _ in range(steps):
+            x = x0
+            with mxtrain.mx_autocast(recipe=recipe):
+                for blk in blocks:
+                    x = blk(x)
+            loss = x.float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(1 + rank)
+    x0 = torch.randn(TOKENS, WIDTH, device=device)
+    obj = [tempfile.mkdtemp(prefix="mxtrain_resume_") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(obj, src=0)
+    torch._dynamo.reset()
+    blocks = build(recipe, True, device)
+    opt = torch.optim.AdamW(blocks.parameters(), lr=1e-2)
+    run(blocks, opt, 2, x0)
+    path = save_checkpoint(obj[0], 2, blocks, opt, recipe=recipe)
+    straight = run(blocks, opt, 3, x0)
+    torch._dynamo.reset()
+    blocks = build(recipe, True, device)
+    opt = torch.optim.AdamW(blocks.parameters(), lr=1e-2)
+    load_checkpoint(path, blocks, opt, recipe=recipe)
+    resumed = run(blocks, opt, 3, x0)
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(obj[0], ignore_errors=True)
+    return {"straight": straight, "resumed": resumed}

@@ -80,3 +80,10 @@ def test_checkpointed_compiled_blocks_get_eagers_gradients(compiled, recipe):
 def test_delayed_scaling_under_mxtrain_checkpoint_with_fp8_gathers_says_what_to_use(compiled):
     # the recompute casts at its forward's scales; the backward gather's codes carry the updated ones
     assert "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)" in compiled["fp8_delayed-checkpoint"]["error"]
+
+
+@pytest.mark.parametrize("recipe", ["fp8_delayed", "mxfp8"])
+def test_compiled_blocks_resume_from_a_checkpoint_bit_identically(compiled, recipe):
+    # traced quantized gathers and DelayedScaling's state through mxtrain.distributed.save / load_checkpoint
+    r = compiled[f"{recipe}-resume"]
+    assert r["resumed"] == r["straight"]
