@@ -1004,12 +1004,10 @@ def _first_step_view_of(spec, gathered) -> bool:
     (``FirstStepState``: fresh slots scaled from their own amax, as an eager first step scales them, and amaxes
     recorded into the state). FSDP2's pre-gather cast the codes with the state itself, at the scale an eager
     module takes: the same cast (a compiled block's module asked for the high-precision weight instead, which
-    was not gathered, and failed its first forward)."""
-    from mxtrain.modules._recipe_state import FirstStepState
-
-    state = getattr(spec, "state", None)
-    return (isinstance(state, FirstStepState) and isinstance(gathered, Float8RoleSpec)
-            and dataclasses.replace(spec, state=state.state) == gathered)
+    was not gathered, and failed its first forward). The view says which state it views (``first_step_of``)."""
+    viewed = getattr(getattr(spec, "state", None), "first_step_of", None)
+    return (viewed is not None and isinstance(gathered, Float8RoleSpec) and viewed is gathered.state
+            and dataclasses.replace(spec, state=viewed) == gathered)
 
 
 @functools.cache

@@ -316,6 +316,12 @@ class FirstStepState(FrozenState):
     def __init__(self, state, fresh: frozenset) -> None:
         super().__init__(state, None, fresh)
 
+    @property
+    def first_step_of(self):
+        """The state this view sees the first compiled step of: its casts are that state's (FSDP2's gathered
+        codes, cast with the state itself, serve them)."""
+        return self.state
+
     def record(self, slot: str, amax: torch.Tensor) -> None:
         self.state.record(slot, amax)
 
