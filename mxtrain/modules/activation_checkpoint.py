@@ -32,7 +32,8 @@ def checkpoint(fn, *args, **kwargs):
     if not callable(fn):
         raise TypeError(f"mxtrain.checkpoint expects a callable first, got {type(fn).__name__}")
     recipe = get_recipe()
-    if getattr(recipe, "make_state", None) is not None and _fsdp_quantized_gathers(fn):
+    delayed = getattr(recipe, "make_state", None) is not None  # DelayedScaling: a recipe with per-module state
+    if delayed and _fsdp_quantized_gathers(fn):
         raise NotImplementedError(
             "mxtrain.checkpoint under DelayedScaling of a block whose weights FSDP2 all-gathers as FP8 codes "
             "(enable_quantized_all_gather) is not supported: its recompute casts at the forward's scales, which the "
@@ -40,7 +41,7 @@ def checkpoint(fn, *args, **kwargs):
             "use_reentrant=False) and open mx_autocast inside the checkpointed function, or gather in high "
             "precision; Float8CurrentScaling, Float8BlockScaling and the MX recipes work with mxtrain.checkpoint")
     if torch.compiler.is_compiling():
-        if getattr(recipe, "make_state", None) is not None:
+        if delayed:
             # DelayedScaling records amaxes into its state (side effects a traced checkpoint region refuses):
             # this region runs eagerly, with the contexts below (one graph break; fullgraph=True refuses it)
             return _eager_checkpoint(fn, *args, **kwargs)
