@@ -202,9 +202,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _store_out(ptr, v, mask, OUT_KIND: tl.constexpr):
-        """Store fp32 ``v`` (already rounded to the output dtype) in that dtype; bf16 goes as int16 bits."""
+        """Store fp32 ``v`` (already rounded to the output dtype) in that dtype; bf16 goes as its int16 bits
+        (through an int16 pointer in the interpreter, a bf16 one on the GPU)."""
         if OUT_KIND == _BF16:
-            tl.store(ptr, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
+            tl.store(ptr, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(ptr.dtype.element_ty, bitcast=True),
+                     mask=mask)
         elif OUT_KIND == _FP16:
             tl.store(ptr, v.to(tl.float16), mask=mask)
         else:

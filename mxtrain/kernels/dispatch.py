@@ -277,6 +277,14 @@ def quantize_float8(x: torch.Tensor, fmt, *, axes=-1, scale: torch.Tensor | None
     fmt = fp8_format_name(fmt)
     axes = float8_axes(axes, x.ndim)
     block = check_float8_block(block, x.ndim)
+    if block is None:
+        # per-tensor: the implementation the registry picks, chosen while tracing (as mx_gemm's); a traceable
+        # one (the Triton cast) enters the graph as its own ops, with no Python of this op per call on the
+        # host. (Block casts choose at run time: the CUDA cast's choice reads the data's alignment.)
+        call = Float8QuantizeCall(x, fmt, axes, scale, block, power_of_2_scales, amax_epsilon, None)
+        kernel = registry.select("float8_quantize", call, x.device, backend)
+        if kernel.traceable:
+            return kernel.fn(call)
     parts = torch.ops.mxtrain.quantize_float8(x, fmt, list(axes), None if block is not None else scale,
                                               None if block is None else list(block), power_of_2_scales,
                                               float(amax_epsilon), backend)

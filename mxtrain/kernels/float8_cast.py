@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import triton_op, wrap_triton
 
 from mxtrain import config
 from mxtrain.kernels._triton_utils import bf16_bits, interpret_mode
@@ -81,6 +82,14 @@ def _fp8_bytes(v, FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, G
             return _saturate(v, FMAX).to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
         return _fp8_code(_saturate(v, FMAX), MBITS, EMIN).to(tl.uint8)
+
+
+@triton.jit
+def _store_bits(ptr, bits, mask):
+    """Store FP8 bytes (uint8, ``_fp8_bytes``) through ``ptr``: a uint8 pointer (the interpreter) or an FP8
+    one (the GPU: the planes are passed as they are, no dtype view, so a compiled graph launches the kernel
+    on its own buffers)."""
+    tl.store(ptr, bits.to(ptr.dtype.element_ty, bitcast=True), mask=mask)
 
 
 @triton.jit
@@ -176,10 +185,10 @@ def _tensor_cast_kernel(x_ptr, g_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, sin
     tl.store(sinv_ptr + lanes * 0, tl.math.div_rn(zero + 1.0, s), mask=first)
     q = _fp8_bytes(_scaled(v, s[None, :]), FMAX, MBITS, EMIN, GPU)
     if ROW:
-        tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
+        _store_bits(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask)
     if COL:
         mask_t = (rn[:, None] < N) & (rm[None, :] < M)
-        tl.store(col_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=mask_t)
+        _store_bits(col_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask_t)
     if DBIAS:
         tl.store(dbias_ptr + pid_m.to(tl.int64) * N + rn, tl.sum(v, axis=0), mask=rn < N)
 
@@ -226,22 +235,22 @@ def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_p
         q = _fp8_bytes(_scaled(x, s[:, None]), FMAX, MBITS, EMIN, GPU)
         si = tl.math.div_rn(tl.full([BM], 1.0, tl.float32), s)
         if ROW:
-            tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
+            _store_bits(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask)
             tl.store(rsi_ptr + pid_m * NB_N + pid_n + lanes * 0, si, mask=lanes == 0)
         if COL:
-            tl.store(col_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=mask_t)
+            _store_bits(col_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask_t)
             tl.store(csi_ptr + pid_n * NB_M + pid_m + lanes * 0, si, mask=lanes == 0)
     else:
         if ROW:
             s = _block_scale(tl.max(a, axis=1), FMAX, EPS, POW2)  # [B]: one per row
             q = _fp8_bytes(_scaled(x, s[:, None]), FMAX, MBITS, EMIN, GPU)
-            tl.store(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask=mask)
+            _store_bits(row_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], q, mask)
             tl.store(rsi_ptr + rm * NB_N + pid_n, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s),
                      mask=rm < M)
         if COL:
             s = _block_scale(tl.max(a, axis=0), FMAX, EPS, POW2)  # [B]: one per column
             q = _fp8_bytes(_scaled(x, s[None, :]), FMAX, MBITS, EMIN, GPU)
-            tl.store(col_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask=mask_t)
+            _store_bits(col_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tl.trans(q), mask_t)
             tl.store(csi_ptr + rn * NB_M + pid_m, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s),
                      mask=rn < N)
 
@@ -249,6 +258,23 @@ def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_p
 def _bytes(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     """The kernels write FP8 bytes (see _fp8_code) through a uint8 view; ``dummy`` stands in for an unused plane."""
     return dummy if t is None else t.view(torch.uint8)
+
+
+def _plane_arg(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """An FP8 plane as the per-tensor and block kernels take it (``_store_bits``): as it is on the GPU, a uint8
+    view in the interpreter (no FP8 there); ``dummy`` stands in for an unused plane."""
+    return dummy if t is None else (t.view(torch.uint8) if interpret_mode() else t)
+
+
+def _source_arg(t: torch.Tensor) -> torch.Tensor:
+    """A source tensor as the kernels load it: bf16 as its int16 bits in the interpreter (no bf16 there), else
+    as it is (a view of another dtype would make a compiled graph copy it before the launch)."""
+    return bf16_bits(t) if interpret_mode() else t
+
+
+def _bits_flag(t: torch.Tensor) -> bool:
+    """The kernels' ``*_BF16`` flag of a source passed by ``_source_arg`` (int16 bits to widen)."""
+    return t.dtype == torch.bfloat16 and interpret_mode()
 
 
 # Tile shapes (BM, BN, num_warps) of the per-tensor cast by (rowwise, columnwise) planes written,
@@ -295,9 +321,9 @@ def _prologue(who: str, x, rowwise, columnwise, act, grad):
     g = grad if grad is not None else x
     src = dict(PRE=int(pre), ACT=0 if act is None else (FUSED_ACTIVATIONS if pre == Prologue.ACTIVATION
                                                         else FUSED_ACTIVATION_GRADS)[act],
-               X_BF16=x.dtype == torch.bfloat16, G_BF16=g.dtype == torch.bfloat16, OUT_KIND=DTYPE_IDS[x.dtype],
+               X_BF16=_bits_flag(x), G_BF16=_bits_flag(g), OUT_KIND=DTYPE_IDS[x.dtype],
                GPU=not interpret_mode())
-    return x, g, bf16_bits(x), bf16_bits(g), src
+    return x, g, _source_arg(x), _source_arg(g), src
 
 
 def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwise: bool = True,
@@ -394,9 +420,9 @@ def _triton_block_cast(call: BlockCastCall) -> tuple[Float8Tensor, torch.Tensor 
     def launch(src_x, src_g, csts, row_, col_, db_, bm, bn, warps, out=None):
         grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))  # dbias partial sums: one row per grid row
         _block_cast_kernel[grid](
-            src_x, src_g, _bytes(row_, dummy), rsi if row_ is not None else dummy, _bytes(col_, dummy),
+            src_x, src_g, _plane_arg(row_, dummy), rsi if row_ is not None else dummy, _plane_arg(col_, dummy),
             csi if col_ is not None else dummy, db_ if db_ is not None else dummy,
-            dummy if out is None else bf16_bits(out), M, N, src_x.stride(0), src_g.stride(0), nb_n, nb_m,
+            dummy if out is None else _source_arg(out), M, N, src_x.stride(0), src_g.stride(0), nb_n, nb_m,
             ROW=row_ is not None, COL=col_ is not None, DBIAS=db_ is not None, STORE=out is not None,
             BM=bm, BN=bn, num_warps=warps, **consts, **csts)
 
@@ -414,8 +440,8 @@ def _triton_block_cast(call: BlockCastCall) -> tuple[Float8Tensor, torch.Tensor 
             db = torch.empty((triton.cdiv(M, bm), N), **f32) if dbias else None
             launch(xb, gb, src, row, None, db, bm, B, wr, out=keep)
         if keep is not None:
-            xb = gb = bf16_bits(keep)
-            src = dict(src, PRE=0, ACT=0, X_BF16=keep.dtype == torch.bfloat16, G_BF16=keep.dtype == torch.bfloat16)
+            xb = gb = _source_arg(keep)
+            src = dict(src, PRE=0, ACT=0, X_BF16=_bits_flag(keep), G_BF16=_bits_flag(keep))
         if columnwise:
             bn, wc = BLOCK_COL_TILE
             db_c = torch.empty((nb_m, N), **f32) if dbias and db is None else None
@@ -462,8 +488,21 @@ def tensor_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, rowwise: bool = True,
             raise NotImplementedError("tensor_cast_float8: an amax_reduction_group (current scaling with the amax "
                                       "all-reduced over a group) cannot be compiled yet; run it eagerly")
         _prologue("tensor_cast_float8", x, rowwise, columnwise, act, grad)  # its checks
-        parts = torch.ops.mxtrain.tensor_cast_float8(x, fmt, bool(rowwise), bool(columnwise), act, grad, scale, amax,
-                                                     bool(power_of_2_scales), float(amax_epsilon), bool(dbias))
+        args = (x, fmt, bool(rowwise), bool(columnwise), act, grad, scale, amax, bool(power_of_2_scales),
+                float(amax_epsilon), bool(dbias))
+        if x.device.type == "cuda" and not interpret_mode():
+            # the kernels as graph nodes (torch.library.triton_op): inductor launches them itself, with no
+            # Python per call on the host (an FSDP2 step, which no CUDA graph covers, waited on it)
+            parts = torch.ops.mxtrain.tensor_cast_float8_triton(*args)
+            if amax is not None:  # not returned: the amax given (an output may not alias an input)
+                parts = [*parts[:bool(rowwise) + bool(columnwise) + 1], amax.to(torch.float32).reshape(()),
+                         *parts[bool(rowwise) + bool(columnwise) + 1:]]
+            if dbias:  # the per-tile column sums, added outside the graph's own reductions (eager's bits)
+                from mxtrain.kernels.dispatch import bias_grad
+
+                parts = [*parts[:-1], bias_grad(parts[-1])]
+        else:  # the interpreter (CPU): an opaque op (a traced interpreted kernel would read fake tensors)
+            parts = torch.ops.mxtrain.tensor_cast_float8(*args)
         n = bool(rowwise) + bool(columnwise)
         scale_inv, amax_out = parts[n], parts[n + 1]
         planes = ([Float8Plane(parts[0], scale_inv, 1)] if rowwise else []) + \
@@ -475,7 +514,11 @@ def tensor_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, rowwise: bool = True,
 
 
 def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power_of_2_scales, amax_epsilon,
-                      amax_reduction_group, dbias) -> tuple[Float8Tensor, torch.Tensor | None]:
+                      amax_reduction_group, dbias, traced=False) -> tuple[Float8Tensor, torch.Tensor | None]:
+    """The per-tensor cast's kernels. ``traced``: launched through ``wrap_triton`` (the body of the
+    ``mxtrain::tensor_cast_float8_triton`` op, traced into a compiled graph), and ``dbias`` comes back as
+    the per-tile column sums (summed by the caller)."""
+    launch = wrap_triton if traced else _direct
     x, g, xb, gb, src = _prologue("tensor_cast_float8", x, rowwise, columnwise, act, grad)
     M, N = x.shape
     dev = x.device
@@ -487,12 +530,13 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
         agrid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
         part = torch.empty(agrid[0] * agrid[1], **f32)
         out = torch.empty((M, N), dtype=x.dtype, device=dev) if pre else None  # the source, for the cast pass
-        _tensor_amax_kernel[agrid](xb, gb, part, part if out is None else bf16_bits(out), M, N, x.stride(0),
-                                   g.stride(0), STORE=out is not None, BM=BM, BN=BN, num_warps=warps, **src)
+        launch(_tensor_amax_kernel)[agrid](xb, gb, part, part if out is None else _source_arg(out), M, N,
+                                           x.stride(0), g.stride(0), STORE=out is not None, BM=BM, BN=BN,
+                                           num_warps=warps, **src)
         amax = all_reduce_amax(part.amax(), amax_reduction_group)
         if out is not None:  # the cast pass reads the written source: no prologue
-            x, xb, g, gb = out, bf16_bits(out), out, bf16_bits(out)
-            src = dict(src, PRE=0, ACT=0, X_BF16=out.dtype == torch.bfloat16, G_BF16=out.dtype == torch.bfloat16)
+            x, xb, g, gb = out, _source_arg(out), out, _source_arg(out)
+            src = dict(src, PRE=0, ACT=0, X_BF16=_bits_flag(out), G_BF16=_bits_flag(out))
     BM, BN, warps = TENSOR_CAST_TILES[(bool(rowwise), bool(columnwise))]
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     if scale is not None:  # delayed: the given scale; the amax comes from the same pass
@@ -506,11 +550,11 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     scale_inv = torch.empty((), **f32)
     db = torch.empty((grid[0], N), **f32) if dbias else None
     dummy = row if row is not None else col
-    _tensor_cast_kernel[grid](xb, gb, _bytes(row, dummy), _bytes(col, dummy), scale, amax, scale_inv,
-                              db if dbias else scale_inv, M, N, x.stride(0), g.stride(0),
-                              FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
-                              POW2=bool(power_of_2_scales), MODE=mode, ROW=bool(rowwise), COL=bool(columnwise),
-                              DBIAS=bool(dbias), BM=BM, BN=BN, num_warps=warps, **src)
+    launch(_tensor_cast_kernel)[grid](xb, gb, _plane_arg(row, dummy), _plane_arg(col, dummy), scale, amax,
+                                      scale_inv, db if dbias else scale_inv, M, N, x.stride(0), g.stride(0),
+                                      FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
+                                      POW2=bool(power_of_2_scales), MODE=mode, ROW=bool(rowwise),
+                                      COL=bool(columnwise), DBIAS=bool(dbias), BM=BM, BN=BN, num_warps=warps, **src)
     if mode == 0:
         amax = amax.amax()
     planes = []
@@ -518,7 +562,11 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
         planes.append(Float8Plane(row, scale_inv, 1))
     if columnwise:
         planes.append(Float8Plane(col, scale_inv, 0))
-    return Float8Tensor(tuple(planes), fmt, (M, N), x.dtype, amax), (db.sum(0) if dbias else None)
+    return Float8Tensor(tuple(planes), fmt, (M, N), x.dtype, amax), (None if not dbias else db if traced else db.sum(0))
+
+
+def _direct(kernel):
+    return kernel
 
 
 
@@ -548,6 +596,19 @@ def _(x, fmt, rowwise, columnwise, act, grad, scale, amax, power_of_2_scales, am
     out += [x.new_empty((N, M), dtype=fp8)] if columnwise else []
     out += [x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)]
     return out + ([x.new_empty(N, dtype=torch.float32)] if dbias else [])
+
+
+@triton_op("mxtrain::tensor_cast_float8_triton", mutates_args=())
+def _tensor_cast_float8_triton(x: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool, act: str | None,
+                               grad: torch.Tensor | None, scale: torch.Tensor | None, amax: torch.Tensor | None,
+                               power_of_2_scales: bool, amax_epsilon: float, dbias: bool) -> list[torch.Tensor]:
+    """``[rowwise data?, columnwise data?, scale_inv, amax (only when not given), per-tile dbias?]`` of
+    :func:`tensor_cast_float8` on CUDA, its kernels traced into the graph (``wrap_triton``): a compiled
+    step launches them from inductor's code, the same kernels and bits as eager."""
+    q, db = _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power_of_2_scales, amax_epsilon,
+                              None, dbias, traced=True)
+    out = [q.plane(a).data for a in (1, 0) if (rowwise, columnwise)[1 - a]] + [q.planes[0].scale_inv]
+    return out + ([q.amax] if amax is None else []) + ([db] if dbias else [])
 
 
 @torch.library.custom_op("mxtrain::block_cast_float8", mutates_args=())
@@ -642,21 +703,34 @@ def _cuda_quantize_float8(call: Float8QuantizeCall) -> Float8Tensor:
 
 def _triton_quantize_float8(call: Float8QuantizeCall) -> Float8Tensor:
     """The registered Triton implementation of ``float8_quantize``."""
-    x, block = call.x, call.block
+    if call.block is None:
+        return _triton_tensor_quantize_float8(call)
+    x2d, norm, want_row, want_col = _planes_of(call)
+    q, _ = _triton_block_cast(BlockCastCall(x2d, None, fp8_format_name(call.fmt), call.block, want_row, want_col,
+                                            None, call.power_of_2_scales, call.amax_epsilon, False))
+    return Float8Tensor(tuple(q.plane(a % 2) for a in norm), fp8_format_name(call.fmt), tuple(call.x.shape),
+                        call.x.dtype, None)
+
+
+def _tensor_supports(call: Float8QuantizeCall) -> str | None:
+    return _supports(call) or ("128-block scaling (this kernel casts with one scale per tensor)"
+                               if call.block is not None else None)
+
+
+def _triton_tensor_quantize_float8(call: Float8QuantizeCall) -> Float8Tensor:
+    """The registered Triton implementation of per-tensor ``float8_quantize``: :func:`tensor_cast_float8` of
+    the tensor's 2-D view, so under ``torch.compile`` it traces into the graph as that cast's op (registered
+    ``traceable``)."""
+    x = call.x
     fmt = fp8_format_name(call.fmt)
     x2d, norm, want_row, want_col = _planes_of(call)
     last = x.ndim - 1
-    power_of_2_scales, amax_epsilon = call.power_of_2_scales, call.amax_epsilon
-    if block is None:
-        q, _ = tensor_cast_float8(x2d, fmt, rowwise=want_row, columnwise=want_col, scale=call.scale,
-                                  power_of_2_scales=power_of_2_scales, amax_epsilon=amax_epsilon,
-                                  amax_reduction_group=call.amax_reduction_group)
-        planes = [Float8Plane(q.rowwise.data.view(x.shape), q.scale_inv, last) if a == last else q.columnwise
-                  for a in norm]
-        return Float8Tensor(tuple(planes), fmt, tuple(x.shape), x.dtype, q.amax)
-    q, _ = _triton_block_cast(BlockCastCall(x2d, None, fmt, block, want_row, want_col, None, power_of_2_scales,
-                                            amax_epsilon, False))
-    return Float8Tensor(tuple(q.plane(a % 2) for a in norm), fmt, tuple(x.shape), x.dtype, None)
+    q, _ = tensor_cast_float8(x2d, fmt, rowwise=want_row, columnwise=want_col, scale=call.scale,
+                              power_of_2_scales=call.power_of_2_scales, amax_epsilon=call.amax_epsilon,
+                              amax_reduction_group=call.amax_reduction_group)
+    planes = [Float8Plane(q.rowwise.data.view(x.shape), q.scale_inv, last) if a == last else q.columnwise
+              for a in norm]
+    return Float8Tensor(tuple(planes), fmt, tuple(x.shape), x.dtype, q.amax)
 
 
 def _make_block_call(*, x, fmt="fp8_e4m3", block=(1, 128), rowwise=True, columnwise=False, act=None, grad=None,
@@ -668,6 +742,8 @@ def _make_block_call(*, x, fmt="fp8_e4m3", block=(1, 128), rowwise=True, columnw
 
 registry.define(registry.Operation("float8_block_cast", _make_block_call, BlockCastCall.key, backend_policy="ignore"))
 registry.register("float8_block_cast", "triton", _triton_block_cast)
+registry.register("float8_quantize", "triton", _triton_tensor_quantize_float8, supports=_tensor_supports,
+                  name="tensor", traceable=True)
 registry.register("float8_quantize", "triton", _triton_quantize_float8, supports=_supports)
 if torch.cuda.is_available():
     registry.register("float8_block_cast", "cuda", _cuda_block_cast, supports=_cuda_block_supports)

@@ -222,7 +222,7 @@ def select(op: str, call, device: torch.device, backend: str | None = None, star
         return first
     key_fn = _OPS[op].key
     dk = None
-    if key_fn is not None:
+    if key_fn is not None and not torch.compiler.is_compiling():  # a key reads data pointers (alignment): eager
         dk = (op, device, backend, start, id(config.current()), key_fn(call))
         hit = _DECISIONS.get(dk)
         if hit is not None:

@@ -260,3 +260,83 @@ def test_layernorm_mlp_fullgraph_with_fused_float8_casts_equal_eager(recipe, act
     assert any(op in t for t in seen), sorted(t for t in seen if "mxtrain" in t)
     for i, (c, e) in enumerate(zip(compiled, eager)):
         assert torch.equal(c, e), f"output/gradient {i} differs"
+
+
+# On CUDA a compiled per-tensor FP8 cast is the op mxtrain::tensor_cast_float8_triton (torch.library.triton_op):
+# its kernels enter the graph and inductor launches them. Eagerly the op runs the same body.
+
+
+def _triton_op_cases():
+    da = _t(40, 72, seed=3)
+    return [  # (kwargs of tensor_cast_float8): current scaling, a given amax, delayed scaling; prologues; dbias
+        dict(rowwise=True, columnwise=True),
+        dict(rowwise=True, columnwise=True, act="gelu"),
+        dict(rowwise=False, columnwise=True, act="gelu", grad=da, dbias=True),
+        dict(rowwise=True, columnwise=False, amax=torch.tensor(9.0, device=DEVICE)),
+        dict(rowwise=True, columnwise=True, act="relu", scale=torch.tensor(0.25, device=DEVICE), dbias=True),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_triton_op_tensor_cast_float8_equals_the_cast(case):
+    """The triton_op's outputs (``[row?, col?, scale_inv, amax unless given, per-tile dbias?]``) are the eager
+    cast's bits; its dbias rows add up (in torch's order) to the cast's dbias."""
+    x = _t(40, 72)
+    kw = _triton_op_cases()[case]
+    q, db = tensor_cast_float8(x, "fp8_e5m2" if kw.get("grad") is not None else "fp8_e4m3", **kw)
+    args = (x, q.fmt, kw["rowwise"], kw["columnwise"], kw.get("act"), kw.get("grad"), kw.get("scale"),
+            kw.get("amax"), False, 0.0, bool(kw.get("dbias")))
+    parts = torch.ops.mxtrain.tensor_cast_float8_triton(*args)
+    want = [p.data for p in q.planes] + [q.scale_inv] + ([q.amax] if kw.get("amax") is None else [])
+    assert len(parts) == len(want) + bool(db is not None)
+    for i, (g, e) in enumerate(zip(parts, want)):
+        assert g.dtype == e.dtype and g.shape == e.shape, f"output {i}: {g.dtype} {g.shape} vs {e.dtype} {e.shape}"
+        assert torch.equal(g.view(torch.uint8) if g.dtype.itemsize == 1 else g,
+                           e.view(torch.uint8) if e.dtype.itemsize == 1 else e), f"output {i} differs"
+    if db is not None:
+        assert parts[-1].shape[1] == x.shape[1] and torch.equal(parts[-1].sum(0), db)
+    for t in parts:  # fresh buffers: no output aliases an input
+        assert all(t.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+                   for a in args if isinstance(a, torch.Tensor))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA: traced with fake tensors, an interpreted kernel "
+                                             "would read their data")
+@pytest.mark.parametrize("case", range(5))
+def test_opcheck_triton_op_tensor_cast_float8(case):
+    x = _t(40, 72)
+    kw = _triton_op_cases()[case]
+    torch.library.opcheck(torch.ops.mxtrain.tensor_cast_float8_triton.default,
+                          (x, "fp8_e4m3", kw["rowwise"], kw["columnwise"], kw.get("act"), kw.get("grad"),
+                           kw.get("scale"), kw.get("amax"), False, 0.0, bool(kw.get("dbias"))))
+
+
+def test_compiled_per_tensor_quantize_float8_traces_to_the_fused_cast():
+    """Under torch.compile a per-tensor quantize_float8 whose implementation is Triton's enters the graph as the
+    per-tensor cast's op (no mxtrain::quantize_float8 and its Python per call); block scaling keeps that op.
+    Same bits as eager."""
+    from mxtrain.kernels.dispatch import quantize_float8
+
+    def casts(x, scale):
+        q1 = quantize_float8(x, "fp8_e4m3", axes=(1, 0))
+        q2 = quantize_float8(x.view(4, 12, 72), "fp8_e5m2", scale=scale)
+        q3 = quantize_float8(x, "fp8_e4m3", axes=(1, 0), block=(1, 128))
+        return [*_flat8(q1), *_flat8(q2), *_flat8(q3)]
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    x, scale = _t(48, 72), torch.tensor(0.5, device=DEVICE)
+    from mxtrain import config
+
+    with config.override(backend="triton"):
+        torch._dynamo.reset()
+        got = torch.compile(casts, fullgraph=True, backend=backend)(x, scale)
+        want = casts(x, scale)
+    cast_op = "tensor_cast_float8_triton" if DEVICE == "cuda" else "tensor_cast_float8"
+    names = sorted(t for t in seen if "mxtrain" in t)
+    assert names.count(f"mxtrain.{cast_op}") == 2, names
+    assert names.count("mxtrain.quantize_float8") == 1, names  # the block cast
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert torch.equal(g, e), f"output {i} differs"
