@@ -70,6 +70,7 @@ from mxtrain.autocast import get_recipe
 from mxtrain.formats import parse_format
 from mxtrain.kernels.cuda_cast import cast_planes_into
 from mxtrain.kernels.dispatch import quantize
+from mxtrain.kernels.transpose import transpose_bytes
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, cast_to_fp8, compute_scale,
@@ -167,6 +168,33 @@ def _find_fsdp_param(local: torch.Tensor):
     raise RuntimeError(
         "mxtrain MX all-gather: FSDP2 called fsdp_pre_all_gather on a weight it does not seem to manage "
         f"(torch {torch.__version__}); this torch version's FSDP2 internals are not supported")
+
+
+def _peer_groups(group, pg) -> list:
+    """``group`` first, then every other FSDP parameter group of the same FSDP tree (the model ``fully_shard``
+    wrapped: its root's state list, the same on every rank) whose parameters shard over ``pg``. Not every
+    live FSDP state: another model's, or one not yet collected, may exist on one rank only. Cached on the
+    group (weakly: a group does not keep its peers alive)."""
+    cached = getattr(group, "_mxtrain_peers", None)
+    if cached is not None and cached[0] is pg:
+        peers = [ref() for ref in cached[1]]
+        if all(p is not None for p in peers):
+            return [group, *peers]
+    from torch.distributed._composable_state import _get_module_state
+
+    state = _get_module_state(group.modules[0]) if getattr(group, "modules", None) else None
+    ctx = getattr(state, "_state_ctx", None)
+    states = list(getattr(ctx, "all_states", ()) or ())
+    if not any(g is group for st in states for g in _param_groups(st)):
+        return [group]  # not (yet) under an initialized root: this group alone
+    peers = []
+    for st in states:
+        for g in _param_groups(st):
+            if g is not group and any(isinstance(fp._sharded_local_tensor, MXAllGatherWeight)
+                                      and fp.mesh_info.shard_process_group is pg for fp in g.fsdp_params):
+                peers.append(g)
+    group._mxtrain_peers = (pg, [weakref.ref(g) for g in peers])
+    return [group, *peers]
 
 
 def _triton_float8_casts(device: torch.device, dtype: torch.dtype):
@@ -573,9 +601,16 @@ class MXAllGatherWeight(torch.Tensor):
         hit = _fp8_cached(group, key, fsdp_param)
         if hit is not None:
             return hit
-        members = [fp for fp in group.fsdp_params if isinstance(fp._sharded_local_tensor, MXAllGatherWeight)]
-        if not any(fp is fsdp_param for fp in members):
-            members.append(fsdp_param)
+        # per-tensor scales: the amaxes of every FP8-gathered weight of every FSDP group on this process group,
+        # in one all-reduce (the first gather of a step; the others find theirs): one collective a step,
+        # not one per layer (torchao's precompute_float8_dynamic_scale_for_fsdp, without the call). 128 x 128
+        # blocks: this group's (their amax grids are larger)
+        groups = [group] if spec.block is not None else _peer_groups(group, pg)
+        per_group = [[fp for fp in g.fsdp_params if isinstance(fp._sharded_local_tensor, MXAllGatherWeight)]
+                     for g in groups]
+        if not any(fp is fsdp_param for fp in per_group[0]):
+            per_group[0].append(fsdp_param)
+        members = [fp for ms in per_group for fp in ms]
         rank, world = pg.rank(), pg.size()
         weights = [self if fp is fsdp_param else fp._sharded_local_tensor for fp in members]
         sizes = [tuple(fp._orig_size) for fp in members]
@@ -617,7 +652,10 @@ class MXAllGatherWeight(torch.Tensor):
         # what the reuse check compares: each member's sharded tensor, its data and that data's version
         seen = tuple((fp, w, w._data, w._data._version) for fp, w in zip(members, weights))
         results = tuple(zip(*parts))
-        group._mxtrain_fp8_amax = (key, seen, results)
+        start = 0
+        for g, ms in zip(groups, per_group):
+            g._mxtrain_fp8_amax = (key, seen[start:start + len(ms)], results[start:start + len(ms)])
+            start += len(ms)
         return results[[fp is fsdp_param for fp in members].index(True)]
 
     def _delayed_scale(self, spec, fmt, amax, device) -> torch.Tensor:
@@ -802,7 +840,7 @@ class _GatheredState:
                     arena = self.inner[0] = torch.empty(n * k, dtype=torch.uint8, device=buf.device)
                 col = arena.view(fp8).view(k, n)
                 with torch.autograd._unsafe_preserve_version_counter(arena):  # as in fill
-                    col.copy_(row.t())
+                    transpose_bytes(row, col)  # (torch's strided copy of bytes: a tenth of the bandwidth)
                 plane = Float8Plane(col, scale_inv if block is None else scale_inv.t().contiguous(), 0, block)
             planes[axis] = (spec, Float8Tensor((plane,), meta["fmt"], (n, k), meta["dtype"], meta["amax"]))
         self.planes, self.delayed_updates = planes, meta["updates"]
@@ -915,8 +953,8 @@ class MXGatheredWeight(torch.Tensor):
             # an FP8 dgrad plane asked for in forward (see mx_keep_dgrad_plane): the transpose of the
             # gathered codes (and block scales) is the full weight's, exactly
             p = row[1].plane(1)
-            col = Float8Plane(p.data.t().contiguous(), p.scale_inv if p.block is None else p.scale_inv.t().contiguous(),
-                              0, p.block)
+            data = p.data.t().contiguous() if torch.compiler.is_compiling() else transpose_bytes(p.data)
+            col = Float8Plane(data, p.scale_inv if p.block is None else p.scale_inv.t().contiguous(), 0, p.block)
             entry = (row[0], dataclasses.replace(row[1], planes=(col,)))
         if entry is None or (entry[0] != spec and not _first_step_view_of(spec, entry[0])):
             return None

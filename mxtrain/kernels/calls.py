@@ -18,7 +18,8 @@ from mxtrain.quantization._validate import check_float_tensor, normalize_axes
 from mxtrain.quantization.mx import _check_common
 
 __all__ = ["CastSpec", "QuantizeCall", "DequantizeCall", "DequantizeShardsCall", "Float8QuantizeCall",
-           "BlockCastCall", "GroupedFloat8CastCall", "CrossEntropyCall", "GemmCall", "values_request", "VALUES_DTYPES"]
+           "BlockCastCall", "GroupedFloat8CastCall", "CrossEntropyCall", "TransposeCall", "GemmCall", "values_request",
+           "VALUES_DTYPES"]
 
 VALUES_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
@@ -252,6 +253,22 @@ class CrossEntropyCall:
 
     def key(self):
         return _meta(self.logits), _meta(self.targets), self.ignore_index
+
+
+class TransposeCall:
+    """``out = src.t()`` of a 2-D tensor of one-byte elements: :mod:`mxtrain.kernels.transpose`'s arguments."""
+
+    __slots__ = ("src", "out")
+
+    def __init__(self, src, out):
+        self.src, self.out = src, out
+
+    @property
+    def device(self) -> torch.device:
+        return self.src.device
+
+    def key(self):
+        return _meta(self.src), _meta(self.out)
 
 
 class GemmCall:

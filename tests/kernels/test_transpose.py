@@ -1,0 +1,42 @@
+"""transpose_bytes: the Triton transpose of one-byte elements against torch's (the reference), and its errors."""
+
+import os
+
+import pytest
+import torch
+
+from mxtrain.kernels import registry
+from mxtrain.kernels._triton_utils import device_supported
+from mxtrain.kernels.transpose import transpose_bytes
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available() else "cuda"
+TRITON = device_supported(torch.device(DEVICE)) and any(k.backend == "triton"
+                                                        for k in registry.kernels("transpose_bytes"))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (64, 64), (65, 127), (200, 72), (0, 5)])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_transpose_bytes_equals_torch(shape, dtype, backend):
+    if backend == "triton" and not TRITON:
+        pytest.skip("needs Triton (CUDA or TRITON_INTERPRET=1)")
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    src = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g).to(DEVICE).view(dtype)
+    want = src.t().contiguous()
+    got = transpose_bytes(src, backend=backend)
+    assert got.dtype == dtype and got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # into a given output, and from a row slice of a wider buffer (rows contiguous, a longer stride)
+    wide = torch.randint(0, 256, (shape[0], shape[1] + 7), dtype=torch.uint8, generator=g).to(DEVICE).view(dtype)
+    out = torch.empty((shape[1], shape[0]), dtype=dtype, device=DEVICE)
+    assert transpose_bytes(wide[:, :shape[1]], out, backend=backend) is out
+    assert torch.equal(out.view(torch.uint8), wide[:, :shape[1]].t().contiguous().view(torch.uint8))
+
+
+def test_transpose_bytes_errors():
+    with pytest.raises(ValueError, match="one-byte elements"):
+        transpose_bytes(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="one-byte elements"):
+        transpose_bytes(torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="out must be"):
+        transpose_bytes(torch.zeros(4, 3, dtype=torch.uint8), torch.empty(4, 3, dtype=torch.uint8))
