@@ -260,21 +260,21 @@ def _bytes(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
     return dummy if t is None else t.view(torch.uint8)
 
 
-def _plane_arg(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+def _plane_arg(t: torch.Tensor | None, dummy: torch.Tensor, gpu: bool) -> torch.Tensor:
     """An FP8 plane as the per-tensor and block kernels take it (``_store_bits``): as it is on the GPU, a uint8
     view in the interpreter (no FP8 there); ``dummy`` stands in for an unused plane."""
-    return dummy if t is None else (t.view(torch.uint8) if interpret_mode() else t)
+    return dummy if t is None else (t if gpu else t.view(torch.uint8))
 
 
-def _source_arg(t: torch.Tensor) -> torch.Tensor:
+def _source_arg(t: torch.Tensor, gpu: bool) -> torch.Tensor:
     """A source tensor as the kernels load it: bf16 as its int16 bits in the interpreter (no bf16 there), else
     as it is (a view of another dtype would make a compiled graph copy it before the launch)."""
-    return bf16_bits(t) if interpret_mode() else t
+    return t if gpu else bf16_bits(t)
 
 
-def _bits_flag(t: torch.Tensor) -> bool:
+def _bits_flag(t: torch.Tensor, gpu: bool) -> bool:
     """The kernels' ``*_BF16`` flag of a source passed by ``_source_arg`` (int16 bits to widen)."""
-    return t.dtype == torch.bfloat16 and interpret_mode()
+    return t.dtype == torch.bfloat16 and not gpu
 
 
 # Tile shapes (BM, BN, num_warps) of the per-tensor cast by (rowwise, columnwise) planes written,
@@ -319,11 +319,11 @@ def _prologue(who: str, x, rowwise, columnwise, act, grad):
         grad = grad.contiguous()
     pre = Prologue.of(act, grad)
     g = grad if grad is not None else x
+    gpu = not interpret_mode()
     src = dict(PRE=int(pre), ACT=0 if act is None else (FUSED_ACTIVATIONS if pre == Prologue.ACTIVATION
                                                         else FUSED_ACTIVATION_GRADS)[act],
-               X_BF16=_bits_flag(x), G_BF16=_bits_flag(g), OUT_KIND=DTYPE_IDS[x.dtype],
-               GPU=not interpret_mode())
-    return x, g, _source_arg(x), _source_arg(g), src
+               X_BF16=_bits_flag(x, gpu), G_BF16=_bits_flag(g, gpu), OUT_KIND=DTYPE_IDS[x.dtype], GPU=gpu)
+    return x, g, _source_arg(x, gpu), _source_arg(g, gpu), src
 
 
 def block_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", block=(1, 128), *, rowwise: bool = True,
@@ -405,6 +405,7 @@ def _cuda_block_cast(call: BlockCastCall) -> tuple[Float8Tensor, torch.Tensor | 
 def _triton_block_cast(call: BlockCastCall) -> tuple[Float8Tensor, torch.Tensor | None]:
     """The registered Triton implementation of ``float8_block_cast``."""
     x, g, xb, gb, src = _prologue("block_cast_float8", call.x, call.rowwise, call.columnwise, call.act, call.grad)
+    gpu = src["GPU"]
     fmt, block, rowwise, columnwise, dbias = call.fmt, call.block, call.rowwise, call.columnwise, call.dbias
     M, N = x.shape
     f32 = {"dtype": torch.float32, "device": x.device}
@@ -420,9 +421,10 @@ def _triton_block_cast(call: BlockCastCall) -> tuple[Float8Tensor, torch.Tensor 
     def launch(src_x, src_g, csts, row_, col_, db_, bm, bn, warps, out=None):
         grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))  # dbias partial sums: one row per grid row
         _block_cast_kernel[grid](
-            src_x, src_g, _plane_arg(row_, dummy), rsi if row_ is not None else dummy, _plane_arg(col_, dummy),
+            src_x, src_g, _plane_arg(row_, dummy, gpu), rsi if row_ is not None else dummy,
+            _plane_arg(col_, dummy, gpu),
             csi if col_ is not None else dummy, db_ if db_ is not None else dummy,
-            dummy if out is None else _source_arg(out), M, N, src_x.stride(0), src_g.stride(0), nb_n, nb_m,
+            dummy if out is None else _source_arg(out, gpu), M, N, src_x.stride(0), src_g.stride(0), nb_n, nb_m,
             ROW=row_ is not None, COL=col_ is not None, DBIAS=db_ is not None, STORE=out is not None,
             BM=bm, BN=bn, num_warps=warps, **consts, **csts)
 
@@ -440,8 +442,8 @@ def _triton_block_cast(call: BlockCastCall) -> tuple[Float8Tensor, torch.Tensor 
             db = torch.empty((triton.cdiv(M, bm), N), **f32) if dbias else None
             launch(xb, gb, src, row, None, db, bm, B, wr, out=keep)
         if keep is not None:
-            xb = gb = _source_arg(keep)
-            src = dict(src, PRE=0, ACT=0, X_BF16=_bits_flag(keep), G_BF16=_bits_flag(keep))
+            xb = gb = _source_arg(keep, gpu)
+            src = dict(src, PRE=0, ACT=0, X_BF16=_bits_flag(keep, gpu), G_BF16=_bits_flag(keep, gpu))
         if columnwise:
             bn, wc = BLOCK_COL_TILE
             db_c = torch.empty((nb_m, N), **f32) if dbias and db is None else None
@@ -520,6 +522,7 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     the per-tile column sums (summed by the caller)."""
     launch = wrap_triton if traced else _direct
     x, g, xb, gb, src = _prologue("tensor_cast_float8", x, rowwise, columnwise, act, grad)
+    gpu = src["GPU"]
     M, N = x.shape
     dev = x.device
     f32 = {"dtype": torch.float32, "device": dev}
@@ -530,13 +533,13 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
         agrid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
         part = torch.empty(agrid[0] * agrid[1], **f32)
         out = torch.empty((M, N), dtype=x.dtype, device=dev) if pre else None  # the source, for the cast pass
-        launch(_tensor_amax_kernel)[agrid](xb, gb, part, part if out is None else _source_arg(out), M, N,
+        launch(_tensor_amax_kernel)[agrid](xb, gb, part, part if out is None else _source_arg(out, gpu), M, N,
                                            x.stride(0), g.stride(0), STORE=out is not None, BM=BM, BN=BN,
                                            num_warps=warps, **src)
         amax = all_reduce_amax(part.amax(), amax_reduction_group)
         if out is not None:  # the cast pass reads the written source: no prologue
-            x, xb, g, gb = out, _source_arg(out), out, _source_arg(out)
-            src = dict(src, PRE=0, ACT=0, X_BF16=_bits_flag(out), G_BF16=_bits_flag(out))
+            x, xb, g, gb = out, _source_arg(out, gpu), out, _source_arg(out, gpu)
+            src = dict(src, PRE=0, ACT=0, X_BF16=_bits_flag(out, gpu), G_BF16=_bits_flag(out, gpu))
     BM, BN, warps = TENSOR_CAST_TILES[(bool(rowwise), bool(columnwise))]
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     if scale is not None:  # delayed: the given scale; the amax comes from the same pass
@@ -550,7 +553,8 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     scale_inv = torch.empty((), **f32)
     db = torch.empty((grid[0], N), **f32) if dbias else None
     dummy = row if row is not None else col
-    launch(_tensor_cast_kernel)[grid](xb, gb, _plane_arg(row, dummy), _plane_arg(col, dummy), scale, amax,
+    launch(_tensor_cast_kernel)[grid](xb, gb, _plane_arg(row, dummy, gpu), _plane_arg(col, dummy, gpu), scale,
+                                      amax,
                                       scale_inv, db if dbias else scale_inv, M, N, x.stride(0), g.stride(0),
                                       FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
                                       POW2=bool(power_of_2_scales), MODE=mode, ROW=bool(rowwise),
