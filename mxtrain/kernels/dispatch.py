@@ -20,6 +20,7 @@ import torch
 
 from mxtrain.formats import parse_format
 from mxtrain.kernels import registry
+from mxtrain.kernels._library import opaque_op
 from mxtrain.kernels.calls import (  # noqa: F401  (values_request, VALUES_DTYPES: part of this module's API)
     VALUES_DTYPES, DequantizeCall, Float8QuantizeCall, GemmCall, QuantizeCall, values_request,
 )
@@ -363,14 +364,11 @@ def bias_grad(dy2d: torch.Tensor) -> torch.Tensor:
     return torch.ops.mxtrain.bias_grad(dy2d)
 
 
-@torch.library.custom_op("mxtrain::bias_grad", mutates_args=())
 def _bias_grad_op(dy2d: torch.Tensor) -> torch.Tensor:
     return dy2d.sum(0, dtype=torch.float32)
 
 
-@_bias_grad_op.register_fake
-def _(dy2d):
-    return dy2d.new_empty(dy2d.shape[1:], dtype=torch.float32)
+opaque_op("mxtrain::bias_grad", _bias_grad_op)
 
 
 def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:
