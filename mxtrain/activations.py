@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mxtrain.oplib import opaque_op
+
 PLAIN = {
     "gelu": F.gelu,
     "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
@@ -93,7 +95,7 @@ def _activation_backward(h: torch.Tensor, grad: torch.Tensor, name: str) -> torc
     return torch.cat([d_gate, d_up], dim=-1)
 
 
-@torch.library.custom_op("mxtrain::activation", mutates_args=())
+@opaque_op("mxtrain::activation")
 def _activation_op(h: torch.Tensor, name: str) -> torch.Tensor:
     return _activation(h, name)
 
@@ -103,7 +105,7 @@ def _(h, name):
     return h.new_empty((*h.shape[:-1], h.shape[-1] // 2) if name in GATED else h.shape)
 
 
-@torch.library.custom_op("mxtrain::activation_backward", mutates_args=())
+@opaque_op("mxtrain::activation_backward")
 def _activation_backward_op(h: torch.Tensor, grad: torch.Tensor, name: str) -> torch.Tensor:
     return _activation_backward(h, grad, name)
 

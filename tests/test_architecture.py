@@ -16,7 +16,7 @@ PACKAGE = ROOT / "mxtrain"
 
 # Layers, lowest first: a file may import its own layer or any layer below it, never one above.
 LAYERS = [
-    ("mxtrain.config", "mxtrain.formats"),
+    ("mxtrain.config", "mxtrain.formats", "mxtrain.oplib"),
     ("mxtrain.quantization",),
     ("mxtrain.emulation", "mxtrain.activations"),  # elementwise-precision emulation; activation math in torch ops (under elementwise/, the norm modules and compat/mx)
     ("mxtrain.kernels",),

@@ -17,6 +17,7 @@ import torch
 from mxtrain.kernels import cast as _cast
 from mxtrain.activations import activation as torch_activation_impl, check_activation, is_gated
 from mxtrain.kernels.ids import ACTIVATION_IDS
+from mxtrain.oplib import opaque_op
 from mxtrain.quantization import MXTensor, quantize_mx
 from mxtrain.quantization._validate import normalize_axis
 from mxtrain.quantization.mx import _check_common
@@ -266,7 +267,7 @@ def _activation_cast_compiled(h, activation, fmt, block_size, axis, scale_mode, 
     return (mxt, parts[i]) if return_output else mxt
 
 
-@torch.library.custom_op("mxtrain::activation_cast", mutates_args=())
+@opaque_op("mxtrain::activation_cast")
 def _activation_cast_op(h: torch.Tensor, activation: str, fmt: str, block_size: int, axes: list[int],
                         scale_mode: str, rounding: str, seed: int | None, pack: bool, return_output: bool,
                         dequantized: list[int], dequantized_dtype: torch.dtype,
@@ -309,7 +310,7 @@ def _activation_backward_cast_compiled(h, grad, activation, fmt, block_size, axi
     return ActivationGradCast(mxt, out, parts[i + bool(return_output)] if dbias else None)
 
 
-@torch.library.custom_op("mxtrain::activation_backward_cast", mutates_args=())
+@opaque_op("mxtrain::activation_backward_cast")
 def _activation_backward_cast_op(h: torch.Tensor, grad: torch.Tensor, activation: str, fmt: str, block_size: int,
                                  axes: list[int], scale_mode: str, rounding: str, seed: int | None, pack: bool,
                                  return_output: bool, dbias: bool, dequantized: list[int],

@@ -22,6 +22,7 @@ from mxtrain.kernels.calls import CrossEntropyCall
 from mxtrain.kernels._triton_utils import (HAVE_TRITON, bf16_bits, device_supported, interpret_mode, launch_options,
                                             tl, triton)
 from mxtrain.kernels.ids import DTYPE_IDS
+from mxtrain.oplib import opaque_op
 
 __all__ = ["cross_entropy_forward", "cross_entropy_backward", "LOGIT_DTYPES"]
 
@@ -175,7 +176,7 @@ def cross_entropy_backward(logits: torch.Tensor, targets: torch.Tensor, lse: tor
     return registry.run("cross_entropy_backward", call, logits.device, backend)
 
 
-@torch.library.custom_op("mxtrain::cross_entropy_forward", mutates_args=())
+@opaque_op("mxtrain::cross_entropy_forward")
 def _forward_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cross_entropy_forward(logits, targets, ignore_index)
 
@@ -186,7 +187,7 @@ def _(logits, targets, ignore_index):
     return logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32)
 
 
-@torch.library.custom_op("mxtrain::cross_entropy_backward", mutates_args=())
+@opaque_op("mxtrain::cross_entropy_backward")
 def _backward_op(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, scale: torch.Tensor,
                  ignore_index: int) -> torch.Tensor:
     return cross_entropy_backward(logits, targets, lse, scale, ignore_index)

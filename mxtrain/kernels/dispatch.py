@@ -20,7 +20,7 @@ import torch
 
 from mxtrain.formats import parse_format
 from mxtrain.kernels import registry
-from mxtrain.kernels._library import opaque_op
+from mxtrain.oplib import opaque_op
 from mxtrain.kernels.calls import (  # noqa: F401  (values_request, VALUES_DTYPES: part of this module's API)
     VALUES_DTYPES, DequantizeCall, Float8QuantizeCall, GemmCall, QuantizeCall, values_request,
 )
@@ -210,7 +210,7 @@ def op_seed(seed, rounding: str, who: str):
     return seed
 
 
-@torch.library.custom_op("mxtrain::quantize_mx", mutates_args=())
+@opaque_op("mxtrain::quantize_mx")
 def _quantize_mx_op(x: torch.Tensor, fmt: str, block_size: int, axes: list[int], scale_mode: str, rounding: str,
                     seed: int | None, pack: bool, dequantized: list[int], dequantized_dtype: torch.dtype,
                     keep_codes: list[int], backend: str | None) -> list[torch.Tensor]:
@@ -243,7 +243,7 @@ def dequantize(mxt: MXTensor, dtype: torch.dtype | None = None, axis: int | None
                                            dtype or mxt.dtype, backend)
 
 
-@torch.library.custom_op("mxtrain::dequantize_mx", mutates_args=())
+@opaque_op("mxtrain::dequantize_mx")
 def _dequantize_mx_op(data: torch.Tensor, scale: torch.Tensor, fmt: str, block_size: int, shape: list[int],
                       src_dtype: torch.dtype, scale_mode: str, rounding: str, whole_axis: bool, axis: int,
                       packed: bool, dtype: torch.dtype, backend: str | None) -> torch.Tensor:
@@ -310,7 +310,7 @@ def reference_quantize_float8(call: Float8QuantizeCall) -> Float8Tensor:
                                      amax_reduction_group=call.amax_reduction_group)
 
 
-@torch.library.custom_op("mxtrain::quantize_float8", mutates_args=())
+@opaque_op("mxtrain::quantize_float8")
 def _quantize_float8_op(x: torch.Tensor, fmt: str, axes: list[int], scale: torch.Tensor | None,
                         block: list[int] | None, power_of_2_scales: bool, amax_epsilon: float,
                         backend: str | None) -> list[torch.Tensor]:
@@ -368,7 +368,7 @@ def _bias_grad_op(dy2d: torch.Tensor) -> torch.Tensor:
     return dy2d.sum(0, dtype=torch.float32)
 
 
-opaque_op("mxtrain::bias_grad", _bias_grad_op)
+opaque_op("mxtrain::bias_grad", _bias_grad_op, fake=_bias_grad_op)
 
 
 def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:
@@ -470,7 +470,7 @@ def _operand_rows(tensors: list[torch.Tensor], meta: str, axis: int):
     return shape[1 - axis % 2]
 
 
-@torch.library.custom_op("mxtrain::mx_gemm", mutates_args=())
+@opaque_op("mxtrain::mx_gemm")
 def _mx_gemm_op(a: list[torch.Tensor], a_meta: str, b: list[torch.Tensor], b_meta: str, a_axis: int, b_axis: int,
                 out_dtype: torch.dtype, bias: torch.Tensor | None, backend: str | None) -> torch.Tensor:
     """:func:`mx_gemm` of operands given as their parts (see ``_operand_parts``)."""

@@ -21,6 +21,7 @@ from mxtrain.kernels.cast import _act_bwd, _activation, _round_to_dtype, _store_
 from mxtrain.kernels import registry
 from mxtrain.kernels.calls import BlockCastCall, Float8QuantizeCall
 from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS, Prologue
+from mxtrain.oplib import opaque_op
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
 )
@@ -520,9 +521,9 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     """The per-tensor cast's kernels. ``traced``: launched through ``wrap_triton`` (the body of the
     ``mxtrain::tensor_cast_float8_triton`` op, traced into a compiled graph), and ``dbias`` comes back as
     the per-tile column sums (summed by the caller)."""
-    launch = wrap_triton if traced else _direct
     x, g, xb, gb, src = _prologue("tensor_cast_float8", x, rowwise, columnwise, act, grad)
     gpu = src["GPU"]
+    launch = wrap_triton if traced and gpu else _direct  # (interpreted kernels are never traced: launched as they are)
     M, N = x.shape
     dev = x.device
     f32 = {"dtype": torch.float32, "device": dev}
@@ -578,7 +579,7 @@ def _direct(kernel):
 # implementation is chosen at run time as in eager, so compiled and eager results are the same bits.
 
 
-@torch.library.custom_op("mxtrain::tensor_cast_float8", mutates_args=())
+@opaque_op("mxtrain::tensor_cast_float8")
 def _tensor_cast_float8_op(x: torch.Tensor, fmt: str, rowwise: bool, columnwise: bool, act: str | None,
                            grad: torch.Tensor | None, scale: torch.Tensor | None, amax: torch.Tensor | None,
                            power_of_2_scales: bool, amax_epsilon: float, dbias: bool) -> list[torch.Tensor]:
@@ -615,7 +616,7 @@ def _tensor_cast_float8_triton(x: torch.Tensor, fmt: str, rowwise: bool, columnw
     return out + ([q.amax] if amax is None else []) + ([db] if dbias else [])
 
 
-@torch.library.custom_op("mxtrain::block_cast_float8", mutates_args=())
+@opaque_op("mxtrain::block_cast_float8")
 def _block_cast_float8_op(x: torch.Tensor, fmt: str, block: list[int], rowwise: bool, columnwise: bool,
                           act: str | None, grad: torch.Tensor | None, power_of_2_scales: bool, amax_epsilon: float,
                           dbias: bool) -> list[torch.Tensor]:

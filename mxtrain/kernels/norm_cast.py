@@ -21,6 +21,7 @@ from mxtrain.kernels.ids import DTYPE_IDS
 from mxtrain.kernels._triton_utils import (
     HAVE_TRITON, ROUNDING_IDS, SCALE_MODE_IDS, format_consts, interpret_mode, launch_options, tl, triton,
 )
+from mxtrain.oplib import opaque_op
 from mxtrain.quantization import MXPlane, MXTensor, quantize_mx
 from mxtrain.quantization._validate import normalize_axis
 from mxtrain.quantization.mx import _check_common
@@ -303,7 +304,7 @@ def _norm_cast_compiled(x, weight, bias, kind, eps, zero_centered_gamma, fmt, bl
     return NormCastResult(mxt, mean, parts[i], parts[i + 1] if return_output else None)
 
 
-@torch.library.custom_op("mxtrain::norm_cast", mutates_args=())
+@opaque_op("mxtrain::norm_cast")
 def _norm_cast_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, eps: float,
                   zero_centered_gamma: bool, fmt: str, block_size: int, axes: list[int], scale_mode: str,
                   rounding: str, seed: int | None, pack: bool, return_output: bool, dequantized: list[int],

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mxtrain.kernels._library import opaque_op
+from mxtrain.oplib import opaque_op
 from mxtrain.autocast import get_recipe
 from mxtrain.modules._common import check_input, once_differentiable, round_elemwise
 
@@ -187,8 +187,8 @@ def _norm_backward_parts(x: torch.Tensor, weight: torch.Tensor | None, bias: tor
 # The fakes are the implementations run on fake tensors (each op in them has a meta kernel), so shapes,
 # dtypes and strides are the real ones on every device (CPU LayerNorm keeps bf16 statistics, CUDA fp32).
 # Lean ops (mxtrain.kernels._library): a compiled step calls each twice a layer.
-opaque_op("mxtrain::norm_forward_stats", _norm_forward_stats_parts)
-opaque_op("mxtrain::norm_backward", _norm_backward_parts)
+opaque_op("mxtrain::norm_forward_stats", _norm_forward_stats_parts, fake=_norm_forward_stats_parts)
+opaque_op("mxtrain::norm_backward", _norm_backward_parts, fake=_norm_backward_parts)
 
 
 class _NormFn(torch.autograd.Function):

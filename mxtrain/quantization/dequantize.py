@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mxtrain.formats import ElemFormat, parse_format
+from mxtrain.oplib import opaque_op
 from mxtrain.quantization import _memory, lut
 from mxtrain.quantization.packing import unpack_codes
 from mxtrain.quantization.rounding import decode_codes_fast
@@ -53,7 +54,7 @@ def dequantize_plane(data: torch.Tensor, scale: torch.Tensor, fmt: ElemFormat, p
                                               dtype)
 
 
-@torch.library.custom_op("mxtrain::dequantize_plane", mutates_args=())
+@opaque_op("mxtrain::dequantize_plane")
 def _dequantize_plane_op(data: torch.Tensor, scale: torch.Tensor, fmt: str, packed: bool, length: int,
                          dtype: torch.dtype) -> torch.Tensor:
     return _dequantize_plane(data, scale, parse_format(fmt), packed, length, dtype)

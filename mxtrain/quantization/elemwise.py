@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mxtrain.formats import ElemFormat, parse_elemwise_format
+from mxtrain.oplib import opaque_op
 from mxtrain.quantization._validate import ROUNDINGS, check_choice, check_float_tensor, make_generator
 from mxtrain.quantization.rounding import FP32_ABS_MASK, grid_value, round_to_grid
 
@@ -50,7 +51,7 @@ def quantize_elemwise(x: torch.Tensor, fmt: "str | ElemFormat", rounding: str = 
 
 # Dynamo stays out of the quantizers: inductor has miscompiled their dtype-bitcast views
 # inside fused chains (NaN where eager is exact), so a compiled graph holds them as one opaque op.
-@torch.library.custom_op("mxtrain::quantize_elemwise", mutates_args=())
+@opaque_op("mxtrain::quantize_elemwise")
 def _quantize_elemwise_op(x: torch.Tensor, fmt: str, rounding: str, subnormals: bool, saturate: bool,
                           seed: int | None) -> torch.Tensor:
     return _round_elemwise(x, parse_elemwise_format(fmt), rounding, subnormals, saturate, seed)
