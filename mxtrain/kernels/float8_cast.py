@@ -555,8 +555,7 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     db = torch.empty((grid[0], N), **f32) if dbias else None
     dummy = row if row is not None else col
     launch(_tensor_cast_kernel)[grid](xb, gb, _plane_arg(row, dummy, gpu), _plane_arg(col, dummy, gpu), scale,
-                                      amax,
-                                      scale_inv, db if dbias else scale_inv, M, N, x.stride(0), g.stride(0),
+                                      amax, scale_inv, db if dbias else scale_inv, M, N, x.stride(0), g.stride(0),
                                       FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
                                       POW2=bool(power_of_2_scales), MODE=mode, ROW=bool(rowwise),
                                       COL=bool(columnwise), DBIAS=bool(dbias), BM=BM, BN=BN, num_warps=warps, **src)
@@ -567,7 +566,8 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
         planes.append(Float8Plane(row, scale_inv, 1))
     if columnwise:
         planes.append(Float8Plane(col, scale_inv, 0))
-    return Float8Tensor(tuple(planes), fmt, (M, N), x.dtype, amax), (None if not dbias else db if traced else db.sum(0))
+    bias = None if not dbias else db if traced else db.sum(0)
+    return Float8Tensor(tuple(planes), fmt, (M, N), x.dtype, amax), bias
 
 
 def _direct(kernel):

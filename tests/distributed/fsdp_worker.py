@@ -467,6 +467,33 @@ def check_fp8_planes(rank, world, device, recipe, mp, reshard_after_forward=True
     return {"checked": len(rec.planes), "bad": bad, "hits": rec.hits, "misses": rec.misses}
 
 
+def fp8_other_model_on_one_rank(rank, world, device, recipe):
+    """Rank 0 also holds a second FSDP2 model with FP8 gathers that never runs. The step's one amax all-reduce
+    covers the FSDP tree being gathered only, so both ranks reduce the same amaxes (over every live FSDP state
+    the ranks would disagree on the size: a collective mismatch). One forward+backward of 3 Linears."""
+    from torch.distributed.fsdp import fully_shard
+
+    def model_of(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(*(mxtrain.Linear(128, 128, bias=False) for _ in range(3))).to(device)
+        mxdist.enable_mx_all_gather(m, recipe=recipe)
+        for layer in m:
+            fully_shard(layer)
+        fully_shard(m)
+        return m
+    idle = model_of(1) if rank == 0 else None  # kept alive through the step
+    model = model_of(0)
+    mxdist.reset_all_gather_stats()
+    x = torch.randn(32, 128, device=device)
+    with mxtrain.mx_autocast(recipe=recipe):
+        y = model(x)
+    y.float().pow(2).mean().backward()
+    stats = mxdist.all_gather_stats()
+    del idle
+    return {"amax_reductions": stats["amax_reductions"], "fp8_gathers": stats["fp8_gathers"],
+            "grads": all(m.weight.grad is not None for m in model)}
+
+
 def scenario_fp8(rank, world, device, out):
     """FP8 recipes' all-gathers: planes against one process, bytes, training parity, DCP resume."""
     res = {"world": world, "device": str(device)}
@@ -479,6 +506,7 @@ def scenario_fp8(rank, world, device, out):
         res["bytes"][name] = count_all_gather_bytes(rank, world, device, recipe, True, torch.bfloat16)
         res["bytes"][name + "_fp32_params"] = count_all_gather_bytes(rank, world, device, recipe, True, None)
         res["edit"][name] = fp8_edit_between_passes(rank, world, device, recipe)
+        res.setdefault("one_rank_model", {})[name] = fp8_other_model_on_one_rank(rank, world, device, recipe)
         # 128 tokens per rank: Float8BlockScaling's wgrad blocks (128 tokens) then never straddle ranks
         kw = dict(ref_recipe=ref, b=8, sum_grads=True, vs_plain=True)
         res["parity"][name] = parity(rank, world, device, recipe, steps=3, **kw)

@@ -65,6 +65,15 @@ def test_fp8_weight_edited_after_forward_is_not_reused(fp8, recipe):
     assert r["edited_plane_matches"] and r["scale_changed"]
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_amax_all_reduce_ignores_a_model_on_one_rank_only(fp8, recipe):
+    """The per-tensor amax all-reduce spans the gathered FSDP tree, not every live FSDP state (a model that only
+    rank 0 holds would make the ranks' vectors differ: a hang or a size mismatch)."""
+    r = fp8["one_rank_model"][recipe]
+    assert r["fp8_gathers"] == 6 and r["grads"]
+    assert r["amax_reductions"] == (3 if recipe == "block" else 1)
+
+
 PARITY_CASES = ["", "_mixed", "_no_reshard", "_act_ckpt", "_grad_accum_no_sync"]
 
 
