@@ -23,7 +23,7 @@ from mxtrain.kernels.calls import BlockCastCall, Float8QuantizeCall
 from mxtrain.kernels.ids import ACTIVATION_IDS, DTYPE_IDS, PLAIN_ACTIVATION_IDS, Prologue
 from mxtrain.oplib import opaque_op
 from mxtrain.quantization.float8 import (
-    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
+    FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, compute_scale, fp8_format_name,
 )
 
 __all__ = ["triton_quantize_float8", "tensor_cast_float8", "block_cast_float8", "FUSED_ACTIVATIONS",
@@ -527,6 +527,9 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     M, N = x.shape
     dev = x.device
     f32 = {"dtype": torch.float32, "device": dev}
+    if M == 0 or N == 0:  # nothing to launch: the reference's result (amax 0; scale from it, or the one given)
+        return _empty_tensor_cast(x, fmt, rowwise, columnwise, scale, amax, power_of_2_scales, amax_epsilon,
+                                  amax_reduction_group, dbias, traced)
     mbits, emin = _FP8_BITS[fmt]
     pre = src["PRE"]
     if scale is None and amax is None:  # current scaling: the amax pass first
@@ -572,6 +575,27 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
 
 def _direct(kernel):
     return kernel
+
+
+def _empty_tensor_cast(x, fmt, rowwise, columnwise, scale, amax, power_of_2_scales, amax_epsilon,
+                       amax_reduction_group, dbias, traced) -> tuple[Float8Tensor, torch.Tensor | None]:
+    """``tensor_cast_float8`` of a source with no element, as the reference casts one: empty planes, amax 0
+    (all-reduced as any amax), scale_inv of the given scale or of that amax."""
+    M, N = x.shape
+    f32 = {"dtype": torch.float32, "device": x.device}
+    if scale is not None:
+        amax_out = torch.zeros((), **f32)
+        scale_inv = torch.ones((), **f32) / scale.to(**f32).reshape(())
+    else:
+        amax_out = (all_reduce_amax(torch.zeros((), **f32), amax_reduction_group) if amax is None
+                    else amax.to(**f32).reshape(()))
+        scale_inv = torch.ones((), **f32) / compute_scale(amax_out, FP8_MAX[fmt], power_of_2=bool(power_of_2_scales),
+                                                         epsilon=float(amax_epsilon))
+    dtype = FP8_DTYPES[fmt]
+    planes = ([Float8Plane(torch.empty((M, N), dtype=dtype, device=x.device), scale_inv, 1)] if rowwise else []) + \
+        ([Float8Plane(torch.empty((N, M), dtype=dtype, device=x.device), scale_inv, 0)] if columnwise else [])
+    bias = None if not dbias else torch.zeros((0, N) if traced else (N,), **f32)
+    return Float8Tensor(tuple(planes), fmt, (M, N), x.dtype, amax_out), bias
 
 
 

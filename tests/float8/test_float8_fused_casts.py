@@ -234,3 +234,26 @@ def test_linear_modules_fused_equal_unfused(module, recipe, monkeypatch, mx_conf
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
                 continue
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (48, 0)])
+@pytest.mark.parametrize("how", ["current", "amax", "delayed"])
+def test_tensor_cast_of_an_empty_source_is_the_references(shape, how):
+    """No element to cast: empty planes, amax 0, scale_inv from the given scale or from that amax (the
+    reference's), a zero bias gradient; the compiled op's body the same (no kernel launched)."""
+    x = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
+    kw = {"current": {}, "amax": {"amax": torch.tensor(3.0, device=DEVICE)},
+          "delayed": {"scale": torch.tensor(0.5, device=DEVICE)}}[how]
+    q, db = tensor_cast_float8(x, "fp8_e4m3", rowwise=True, columnwise=True, act="gelu", dbias=True, **kw)
+    ref = quantize_float8(x, "fp8_e4m3", axes=(1, 0), scale=kw.get("scale"))
+    assert [p.data.shape for p in q.planes] == [p.data.shape for p in ref.planes]
+    if how == "amax":  # the cast's scale comes from the amax given: 448 / 3
+        assert torch.equal(q.scale_inv, torch.tensor(1.0, device=DEVICE) / (torch.tensor(448.0) / 3).to(DEVICE))
+        assert torch.equal(q.amax, kw["amax"])
+    else:
+        assert torch.equal(q.scale_inv, ref.scale_inv) and torch.equal(q.amax, ref.amax)
+    assert torch.equal(db, torch.zeros(shape[1], device=DEVICE))
+    parts = torch.ops.mxtrain.tensor_cast_float8_triton(x, "fp8_e4m3", True, True, "gelu", None, kw.get("scale"),
+                                                        kw.get("amax"), False, 0.0, True)
+    assert parts[0].shape == shape and parts[1].shape == shape[::-1] and torch.equal(parts[2], q.scale_inv)
+    assert parts[-1].shape == (0, shape[1])  # the per-tile bias sums: no tile
