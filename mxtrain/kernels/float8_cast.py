@@ -256,15 +256,15 @@ def _block_cast_kernel(x_ptr, g_ptr, row_ptr, rsi_ptr, col_ptr, csi_ptr, dbias_p
                      mask=rn < N)
 
 
-def _bytes(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
-    """The kernels write FP8 bytes (see _fp8_code) through a uint8 view; ``dummy`` stands in for an unused plane."""
-    return dummy if t is None else t.view(torch.uint8)
-
-
 def _plane_arg(t: torch.Tensor | None, dummy: torch.Tensor, gpu: bool) -> torch.Tensor:
     """An FP8 plane as the per-tensor and block kernels take it (``_store_bits``): as it is on the GPU, a uint8
     view in the interpreter (no FP8 there); ``dummy`` stands in for an unused plane."""
     return dummy if t is None else (t if gpu else t.view(torch.uint8))
+
+
+def _bytes(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """A plane as a uint8 view on every device (the grouped cast's kernels store the bytes as they are)."""
+    return _plane_arg(t, dummy, gpu=False)
 
 
 def _source_arg(t: torch.Tensor, gpu: bool) -> torch.Tensor:
@@ -493,20 +493,19 @@ def tensor_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, rowwise: bool = True,
         _prologue("tensor_cast_float8", x, rowwise, columnwise, act, grad)  # its checks
         args = (x, fmt, bool(rowwise), bool(columnwise), act, grad, scale, amax, bool(power_of_2_scales),
                 float(amax_epsilon), bool(dbias))
+        n = bool(rowwise) + bool(columnwise)
         if x.device.type == "cuda" and not interpret_mode():
             # the kernels as graph nodes (torch.library.triton_op): inductor launches them itself, with no
             # Python per call on the host (an FSDP2 step, which no CUDA graph covers, waited on it)
             parts = torch.ops.mxtrain.tensor_cast_float8_triton(*args)
             if amax is not None:  # not returned: the amax given (an output may not alias an input)
-                parts = [*parts[:bool(rowwise) + bool(columnwise) + 1], amax.to(torch.float32).reshape(()),
-                         *parts[bool(rowwise) + bool(columnwise) + 1:]]
+                parts = [*parts[:n + 1], amax.to(torch.float32).reshape(()), *parts[n + 1:]]
             if dbias:  # the per-tile column sums, added outside the graph's own reductions (eager's bits)
                 from mxtrain.kernels.dispatch import bias_grad
 
                 parts = [*parts[:-1], bias_grad(parts[-1])]
         else:  # the interpreter (CPU): an opaque op (a traced interpreted kernel would read fake tensors)
             parts = torch.ops.mxtrain.tensor_cast_float8(*args)
-        n = bool(rowwise) + bool(columnwise)
         scale_inv, amax_out = parts[n], parts[n + 1]
         planes = ([Float8Plane(parts[0], scale_inv, 1)] if rowwise else []) + \
             ([Float8Plane(parts[n - 1], scale_inv, 0)] if columnwise else [])
