@@ -16,9 +16,13 @@ twice the tokens of the idlest (the counts are printed). Rows:
 
 The modes of one recipe (with the bf16 grouped_mm baseline) are timed alternately, step by step, so that
 clock and thermal drift fall on all of them alike. Times are medians of ``--iters`` steps (each
-synchronised); "vs bf16" is the bf16 grouped_mm time over the row's, both timed in the same turns. Only
-the expert GEMMs and the activation are timed (routing, permutation excluded). ``--profile`` then prints
-each mode's top CUDA kernels of one step (torch.profiler).
+synchronised); "vs bf16" is the bf16 grouped_mm time over the row's, both timed in the same turns; "issue"
+the host's time to issue the step (to ``backward`` returning; near the step's time: host-bound). Only
+the expert GEMMs and the activation are timed (routing, permutation excluded). Each step starts with the
+parameters' gradients unset (as after ``zero_grad(set_to_none=True)``), so backward writes them rather
+than adding to the last step's. The SwiGLU between the layers is ``mxtrain.gated_activation`` (one Triton
+pass forward and one backward on CUDA) in every mode; ``--act torch`` runs ``F.silu(gate) * up``
+instead. ``--profile`` then prints each mode's top CUDA kernels of one step (torch.profiler).
 
     python benchmarks/bench_moe.py                         # one GPU (the Mixtral shape)
     python benchmarks/bench_moe.py --small --device cpu    # smoke test: tiny shapes, seconds
@@ -47,9 +51,17 @@ def route(tokens: int, experts: int, top_k: int, skew: float, seed: int = 0) -> 
     return torch.bincount(chosen, minlength=experts).tolist()
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
+def torch_swiglu(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def fused_swiglu(h: torch.Tensor) -> torch.Tensor:
+    return mxtrain.gated_activation(h, "swiglu")
+
+
+ACTS = {"fused": fused_swiglu, "torch": torch_swiglu}
+_ACT = "fused"  # the experts' activation in every mode (main() sets it from --act)
 
 
 class GroupedExperts(nn.Module):
@@ -61,7 +73,7 @@ class GroupedExperts(nn.Module):
         self.fc2 = mxtrain.GroupedLinear(experts, ffn, hidden, bias=False, **kw)
 
     def forward(self, x, splits):
-        return self.fc2(swiglu(self.fc1(x, splits)), splits)
+        return self.fc2(ACTS[_ACT](self.fc1(x, splits)), splits)
 
 
 class LoopExperts(nn.Module):
@@ -73,7 +85,7 @@ class LoopExperts(nn.Module):
         self.fc2 = nn.ModuleList(mxtrain.Linear(ffn, hidden, bias=False, **kw) for _ in range(experts))
 
     def forward(self, x, splits):
-        outs = [fc2(swiglu(fc1(xe))) for fc1, fc2, xe, n in zip(self.fc1, self.fc2, x.split(splits), splits) if n]
+        outs = [fc2(ACTS[_ACT](fc1(xe))) for fc1, fc2, xe, n in zip(self.fc1, self.fc2, x.split(splits), splits) if n]
         return torch.cat(outs)
 
 
@@ -88,11 +100,15 @@ class TorchGroupedExperts(nn.Module):
     def forward(self, x, splits):
         offs = torch.tensor(splits, device=x.device).cumsum(0).to(torch.int32)
         h = _grouped_mm(x, self.w1.transpose(1, 2), offs=offs)
-        return _grouped_mm(swiglu(h), self.w2.transpose(1, 2), offs=offs)
+        return _grouped_mm(ACTS[_ACT](h), self.w2.transpose(1, 2), offs=offs)
 
 
 def _step_fn(model, x, dy, splits, recipe):
+    params = list(model.parameters())
+
     def step():
+        for p in params:  # as zero_grad(set_to_none=True): backward writes the gradients, adds to nothing
+            p.grad = None
         xi = x.detach().requires_grad_()
         with mxtrain.mx_autocast(enabled=recipe is not None, recipe=recipe):
             y = model(xi, splits)
@@ -100,21 +116,25 @@ def _step_fn(model, x, dy, splits, recipe):
     return step
 
 
-def time_steps(steps: list, iters: int, warmup: int, cuda: bool) -> list[float]:
-    """Median seconds of one forward + backward of each step function, the steps run in turn."""
+def time_steps(steps: list, iters: int, warmup: int, cuda: bool) -> list[tuple[float, float]]:
+    """Median seconds of one forward + backward of each step function, and of its issue on the host (until
+    the step returns, before the synchronisation), the steps run in turn."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
         for step in steps:
             step()
     times: list[list[float]] = [[] for _ in steps]
+    issues: list[list[float]] = [[] for _ in steps]
     for _ in range(iters):
-        for step, t in zip(steps, times):
+        for step, t, i in zip(steps, times, issues):
             sync()
             t0 = time.perf_counter()
             step()
+            t1 = time.perf_counter()
             sync()
             t.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+            i.append(t1 - t0)
+    return [(statistics.median(t), statistics.median(i)) for t, i in zip(times, issues)]
 
 
 def profile_step(label: str, step, cuda: bool, top: int) -> None:
@@ -165,11 +185,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--align", type=int, default=32, help="token alignment of the 'aligned' rows (0: none)")
     p.add_argument("--profile", action="store_true", help="print each mode's top CUDA kernels of one step")
     p.add_argument("--top", type=int, default=12, help="kernels listed per mode with --profile")
+    p.add_argument("--act", choices=sorted(ACTS), default="fused",
+                   help="the SwiGLU of every mode: mxtrain.gated_activation (fused) or F.silu(gate) * up (torch)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="tiny shapes (4 experts, 32 -> 2 x 64 -> 32, 64 tokens)")
     args = p.parse_args(argv)
     if args.small:
         args.experts, args.hidden, args.ffn, args.tokens, args.iters, args.warmup = 4, 32, 64, 64, 1, 0
+    global _ACT
+    _ACT = args.act
     recipes = [r for r in args.recipes.split(",") if r]
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown:
@@ -184,7 +208,7 @@ def main(argv=None) -> list[dict]:
     shape = (args.experts, args.hidden, args.ffn)
     flops = 6 * rows * args.hidden * 3 * args.ffn  # fc1 (2 x ffn) + fc2, forward + backward
     print(f"# experts {args.experts}, {args.hidden} -> 2 x {args.ffn} -> {args.hidden}, SwiGLU, top-{args.top_k} of "
-          f"{args.tokens} tokens; rows per expert {splits}; {device} "
+          f"{args.tokens} tokens; rows per expert {splits}; {args.act} SwiGLU; {device} "
           f"({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), torch {torch.__version__}")
     results = []
     xa, dya, splits_a = aligned(x, dy, splits, args.align) if args.align > 0 else (x, dy, splits)
@@ -219,20 +243,20 @@ def main(argv=None) -> list[dict]:
             ok.append(label)
         secs = dict(zip(ok, time_steps(steps, args.iters, args.warmup, device.type == "cuda")))
         base = secs.get("bf16 grouped_mm")
-        for label, sec in secs.items():
+        for label, (sec, issue) in secs.items():
             if not any(r["mode"] == label for r in results):  # the baseline: its first group's row
                 # "vs bf16" against the baseline timed alongside (in turn with) this row
-                results.append({"mode": label, "ms": sec * 1e3, "tflops": flops / sec / 1e12,
-                                "vs_bf16": (base or sec) / sec})
+                results.append({"mode": label, "ms": sec * 1e3, "issue_ms": issue * 1e3,
+                                "tflops": flops / sec / 1e12, "vs_bf16": (base[0] if base else sec) / sec})
         if args.profile:
             for label, step in zip(ok, steps):
                 profile_step(label, step, device.type == "cuda", args.top)
         for case in cases[1 if baseline is not None else 0:]:
             case[1].zero_grad(set_to_none=True)
         del cases, steps
-    print(f"{'mode':34s} {'ms':>9s} {'TFLOP/s':>8s} {'vs bf16':>8s}")
+    print(f"{'mode':34s} {'ms':>9s} {'issue ms':>9s} {'TFLOP/s':>8s} {'vs bf16':>8s}")
     for r in results:
-        print(f"{r['mode']:34s} {r['ms']:9.2f} {r['tflops']:8.1f} {r['vs_bf16']:7.2f}x")
+        print(f"{r['mode']:34s} {r['ms']:9.2f} {r['issue_ms']:9.2f} {r['tflops']:8.1f} {r['vs_bf16']:7.2f}x")
     return results
 
 

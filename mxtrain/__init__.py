@@ -13,7 +13,7 @@ from mxtrain.autocast import get_recipe, is_autocast_enabled, mx_autocast
 from mxtrain.formats import ElemFormat, parse_elemwise_format, parse_format
 from mxtrain.modules import (
     Conv1d, Conv2d, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, cross_entropy,
-    mx_linear, weight_cast_cache,
+    gated_activation, mx_linear, weight_cast_cache,
 )
 from mxtrain.modules.activation_checkpoint import checkpoint
 from mxtrain.modules._recipe_state import init_recipe_state
@@ -36,7 +36,7 @@ __all__ = [
     "Float8Tensor", "quantize_float8", "fake_quantize_float8", "convert", "unconvert", "Conversion",
     "make_graphed_step", "weight_cast_cache",
     "Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "Conv1d", "Conv2d", "mx_linear",
-    "GroupedLinear", "cross_entropy",
+    "GroupedLinear", "gated_activation", "cross_entropy",
     "checkpoint", "init_recipe_state",
     "MXTensor", "quantize_mx", "fake_quantize_mx", "quantize_elemwise",
     "ElemFormat", "parse_format", "parse_elemwise_format", "formats", "recipes",

@@ -56,3 +56,21 @@ def test_profile_prints_each_mode(capsys):
     bench.main(["--small", "--device", "cpu", "--recipes", "mxfp8", "--no-loop", "--profile", "--top", "2"])
     out = capsys.readouterr().out
     assert "## GroupedLinear mxfp8: top 2 CPU ops" in out and "## GroupedLinear mxfp8 aligned32" in out
+
+
+def test_steps_start_without_gradients_and_both_activations_run():
+    """Each timed step writes fresh gradients (none carried from the last step), and the torch SwiGLU gives what
+    the fused one gives."""
+    bench = _load()
+    torch.manual_seed(0)
+    model = bench.GroupedExperts(2, 8, 16)
+    x, dy = torch.randn(6, 8), torch.randn(6, 8)
+    step = bench._step_fn(model, x, dy, [2, 4], None)
+    step()
+    first = [p.grad.clone() for p in model.parameters()]
+    step()
+    assert all(torch.equal(a, p.grad) for a, p in zip(first, model.parameters()))
+    h = torch.randn(5, 12)
+    assert torch.equal(bench.fused_swiglu(h), bench.torch_swiglu(h))
+    rows = bench.main(["--small", "--device", "cpu", "--recipes", "fp8_current", "--no-loop", "--act", "torch"])
+    assert all(r["issue_ms"] > 0 for r in rows)

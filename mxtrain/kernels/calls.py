@@ -272,12 +272,17 @@ class TransposeCall:
 
 
 class GemmCall:
-    """``A @ B.T (+ bias)`` of MX, FP8 or plain operands: :func:`mxtrain.kernels.dispatch.mx_gemm`'s arguments."""
+    """``A @ B.T (+ bias)`` of MX, FP8 or plain operands: :func:`mxtrain.kernels.dispatch.mx_gemm`'s arguments.
 
-    __slots__ = ("a", "b", "a_axis", "b_axis", "out_dtype", "bias")
+    ``out``: where the caller wants the result (a row-contiguous ``[M, N]`` tensor of ``out_dtype``, e.g. one
+    expert's rows of GroupedLinear's output). An implementation may write it there and return it; one that
+    returns another tensor has it copied there by :func:`~mxtrain.kernels.dispatch.mx_gemm`."""
 
-    def __init__(self, a, b, a_axis=1, b_axis=1, out_dtype=torch.float32, bias=None):
+    __slots__ = ("a", "b", "a_axis", "b_axis", "out_dtype", "bias", "out")
+
+    def __init__(self, a, b, a_axis=1, b_axis=1, out_dtype=torch.float32, bias=None, out=None):
         self.a, self.b, self.a_axis, self.b_axis, self.out_dtype, self.bias = a, b, a_axis, b_axis, out_dtype, bias
+        self.out = out
 
     @property
     def device(self) -> torch.device:

@@ -389,7 +389,7 @@ def gemm_operand(t: "MXTensor | torch.Tensor", axis: int) -> torch.Tensor:
 
 def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axis: int = 1, b_axis: int = 1,
             out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None,
-            backend: str | None = None) -> torch.Tensor:
+            backend: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``A @ B.T (+ bias)`` with fp32 accumulation, reducing along ``a_axis`` of a and ``b_axis`` of b.
 
     The result equals the fp32-accumulated product of the dequantized operands
@@ -398,12 +398,35 @@ def mx_gemm(a: "MXTensor | torch.Tensor", b: "MXTensor | torch.Tensor", *, a_axi
     ``(dy, 1), (w, 0)``; wgrad ``dY^T X``: ``(dy, 0), (x, 0)``. CUDA operands take
     the cuBLAS path of :mod:`mxtrain.kernels.gemm` (``Float8Tensor`` operands: the FP8
     GEMMs of :mod:`mxtrain.kernels.float8_gemm`); others the reference.
+
+    ``out``: a row-contiguous ``[M, N]`` tensor of ``out_dtype`` to hold the result (returned); the per-tensor
+    FP8 GEMM writes it there itself (GroupedLinear's experts fill their rows of one output: no concatenation).
     """
-    if not torch.compiler.is_compiling():  # eager: the implementation itself
-        return _mx_gemm_impl(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias, backend=backend)
     if not all(isinstance(t, (MXTensor, Float8Tensor, torch.Tensor)) for t in (a, b)):
         raise TypeError(f"mx_gemm operands must be MXTensor, Float8Tensor or torch.Tensor, got "
                         f"{type(a).__name__} and {type(b).__name__}")
+    if out is not None:
+        _check_gemm_out(a, b, a_axis, b_axis, out_dtype, out)
+    if not torch.compiler.is_compiling():  # eager: the implementation itself
+        return _mx_gemm_impl(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias, backend=backend,
+                             out=out)
+    y = _traced_gemm(a, b, a_axis, b_axis, out_dtype, bias, backend)
+    return y if out is None else out.copy_(y)
+
+
+def _check_gemm_out(a, b, a_axis: int, b_axis: int, out_dtype: torch.dtype, out) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"mx_gemm out must be a torch.Tensor, got {type(out).__name__}")
+    shape = [t.shape[0] if axis % 2 == 1 else t.shape[-1] for t, axis in ((a, a_axis), (b, b_axis))]
+    if list(out.shape) != shape or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"mx_gemm out must be a contiguous {shape} tensor of out_dtype {out_dtype}, got "
+                         f"{list(out.shape)} {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}")
+    if out.device != a.device:
+        raise ValueError(f"mx_gemm out is on {out.device}, the operands on {a.device}")
+
+
+def _traced_gemm(a, b, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias, backend):
+    """:func:`mx_gemm` while compiling."""
     if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
         # the implementation the registry picks, chosen while tracing (operands' devices, formats, planes and
         # shapes: what dynamo guards on); one made of torch ops (cuBLAS per-tensor FP8) enters the graph as
@@ -485,14 +508,16 @@ def _(a, a_meta, b, b_meta, a_axis, b_axis, out_dtype, bias, backend):
 
 
 def _mx_gemm_impl(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias: torch.Tensor | None,
-                  backend: str | None) -> torch.Tensor:
+                  backend: str | None, out: torch.Tensor | None = None) -> torch.Tensor:
     device = a.device if isinstance(a, (MXTensor, Float8Tensor, torch.Tensor)) else torch.device("cpu")
     # FP8 operands (Float8Tensor) have GEMMs of their own (mxtrain/kernels/float8_gemm.py); a forced kernel
     # backend names the casts, the GEMM then takes whatever GPU GEMM supports it (backend_policy below)
     op = _FLOAT8_GEMM_IMPLS if isinstance(a, Float8Tensor) or isinstance(b, Float8Tensor) else _GEMM_IMPLS
     if not op:
-        return reference_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
-    return registry.run(op, GemmCall(a, b, a_axis, b_axis, out_dtype, bias), device, backend)
+        y = reference_gemm(a, b, a_axis=a_axis, b_axis=b_axis, out_dtype=out_dtype, bias=bias)
+    else:
+        y = registry.run(op, GemmCall(a, b, a_axis, b_axis, out_dtype, bias, out), device, backend)
+    return y if out is None or y is out else out.copy_(y)
 
 
 def reference_gemm(a, b, *, a_axis: int, b_axis: int, out_dtype: torch.dtype, bias=None) -> torch.Tensor:

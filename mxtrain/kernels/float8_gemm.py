@@ -56,12 +56,16 @@ def _aligned_scale(s: torch.Tensor) -> torch.Tensor:
     return s if s.data_ptr() % 16 == 0 else s.clone()
 
 
-def _scaled_mm_planes(pa, pb, *, fast: bool, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+def _scaled_mm_planes(pa, pb, *, fast: bool, out_dtype: torch.dtype, bias: torch.Tensor | None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch._scaled_mm`` of two planes; written into ``out`` (``[M, N]``, ``out_dtype``) where one is given and
+    the bias (if any) is added in the GEMM's epilogue, else a new tensor."""
     epilogue_bias = bias is not None and out_dtype in (torch.bfloat16, torch.float16) and bias.dtype == out_dtype
+    direct = {"out": out} if out is not None and (bias is None or epilogue_bias) else {}
     out = torch._scaled_mm(pa.data, pb.data.t(), _aligned_scale(pa.scale_inv), _aligned_scale(pb.scale_inv),
                            bias=bias if epilogue_bias else None,
                            out_dtype=out_dtype if (bias is None or epilogue_bias) else torch.float32,
-                           use_fast_accum=fast)
+                           use_fast_accum=fast, **direct)
     if bias is not None and not epilogue_bias:
         out = out.add_(bias.float()).to(out_dtype)
     return out
@@ -210,6 +214,7 @@ def _padded(gemm, pa, pb, m_mult: int, n_mult: int, k_mult: int, out_dtype, bias
     Mp, Np, Kp = _round_up(M, m_mult), _round_up(N, n_mult), _round_up(K, k_mult)
     if (Mp, Np, Kp) == (M, N, K):
         return gemm(pa, pb, out_dtype=out_dtype, bias=bias, **kw)
+    kw.pop("out", None)  # a padded product is cut back: written where mx_gemm copies it
     if bias is not None and Np != N:
         bias = torch.nn.functional.pad(bias, (0, Np - N))
     out = gemm(pad_plane(pa, Mp, Kp), pad_plane(pb, Np, Kp), out_dtype=out_dtype, bias=bias, **kw)
@@ -252,7 +257,7 @@ def _tensorwise(call: GemmCall) -> torch.Tensor:
     # torch._scaled_mm takes K, N % 16 == 0: other sizes are zero-padded
     pa, pb = call.a.plane(call.a_axis), call.b.plane(call.b_axis)
     return _padded(_scaled_mm_planes, pa, pb, 1, 16, 16, call.out_dtype, call.bias,
-                   fast=_fast_accum(call.a_axis, call.b_axis))
+                   fast=_fast_accum(call.a_axis, call.b_axis), **({} if call.out is None else {"out": call.out}))
 
 
 def _block_supports(call: GemmCall) -> str | None:

@@ -2,7 +2,7 @@
 
 from mxtrain.modules._common import weight_cast_cache
 from mxtrain.modules.activation_checkpoint import checkpoint
-from mxtrain.modules.activations import ACTIVATIONS
+from mxtrain.modules.activations import ACTIVATIONS, gated_activation
 from mxtrain.modules.batchnorm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from mxtrain.modules.conv import (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, mx_conv,
                                   mx_conv_transpose)
@@ -17,4 +17,4 @@ from mxtrain.modules.normalization import LayerNorm, RMSNorm
 __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP", "LayerNorm", "RMSNorm", "Conv1d", "Conv2d", "Conv3d",
            "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "GroupNorm", "BatchNorm1d", "BatchNorm2d",
            "BatchNorm3d", "GroupedLinear", "mx_grouped_linear", "mx_linear", "mx_conv", "mx_conv_transpose",
-           "ACTIVATIONS", "weight_cast_cache", "checkpoint", "cross_entropy"]
+           "ACTIVATIONS", "gated_activation", "weight_cast_cache", "checkpoint", "cross_entropy"]

@@ -113,9 +113,7 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
                     cast(e, p.new_zeros(1, p.shape[-1]))
                 per_expert.append(None)
         return _Operands(splits=splits, per_expert=per_expert)
-    starts = [0]
-    for n in splits[:-1]:
-        starts.append(starts[-1] + n)
+    starts = _starts(splits)
     full = cast(0, stacked())
     ends = [s + n for s, n in zip(starts, splits)]
     return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
@@ -255,11 +253,13 @@ class _GroupedLinearFn(torch.autograd.Function):
                                                    torch.tensor(splits, device=x.device), output_size=x.shape[0])
                     y = y.float() + torch.stack([b.float() for b in biases])[rows]
                 y = y.to(x.dtype)
-        if y is None:
-            ys = [mx_linear_forward(x, weights[e], biases[e], quantizers[e], needs_wgrad, needs_dgrad,
-                                    x_operands=x_ops.expert(e), w_operands=_pair(w_ops.expert(e)))[0]
-                  for e in range(num_gemms) if splits[e] > 0]
-            y = torch.cat(ys) if ys else x.new_empty(0, n_out)
+        if y is None:  # per-expert GEMMs, each writing its rows of y
+            y = x.new_empty(x.shape[0], n_out)
+            for e, (start, n) in enumerate(zip(_starts(splits), splits)):
+                if n:
+                    mx_linear_forward(x, weights[e], biases[e], quantizers[e], needs_wgrad, needs_dgrad,
+                                      x_operands=x_ops.expert(e), w_operands=_pair(w_ops.expert(e)),
+                                      out=y[start:start + n])
         # the wgrad input planes (snapshots) stay on ctx; a high-precision one is the input itself,
         # saved so that autograd version-checks it (as mxtrain.Linear does)
         x_hp = x if (needs_wgrad and isinstance(_first(x_ops, 1), torch.Tensor)) else None
@@ -309,24 +309,32 @@ def _first(ops: _Operands, use: int):
 
 def _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b):
     x_dtype, w_dtypes, b_dtypes = ctx.dtypes
-    dxs, dws, dbs = [], [], []
-    for e, n in enumerate(ctx.splits):
+    dws, dbs = [], []
+    # each expert's dgrad GEMM writes its rows of dx
+    dx = dy.new_empty(dy.shape[0], weights[0].shape[1], dtype=x_dtype) if need_dx else None
+    for e, (start, n) in enumerate(zip(_starts(ctx.splits), ctx.splits)):
         w = weights[e]
         if n == 0:  # no tokens: zero gradients, no GEMM
             dws.append(torch.zeros_like(w) if need_w[e] else None)
             dbs.append(torch.zeros(w.shape[0], dtype=b_dtypes[e], device=w.device) if need_b[e] else None)
             continue
-        start = sum(ctx.splits[:e])
-        dx, dw, db = mx_linear_backward(dy[start:start + n], x_ops.expert(e)[1], w, ctx.quantizers[e],
-                                        need_dx, need_w[e], x_dtype, w_dtypes[e],
-                                        w_col=_pair(w_cols.expert(e))[1] if need_dx else None,
-                                        bias_dtype=b_dtypes[e] if need_b[e] else None,
-                                        dy_operands=tuple(dy_ops.expert(e)))
-        dxs.append(dx)
+        _, dw, db = mx_linear_backward(dy[start:start + n], x_ops.expert(e)[1], w, ctx.quantizers[e],
+                                       need_dx, need_w[e], x_dtype, w_dtypes[e],
+                                       w_col=_pair(w_cols.expert(e))[1] if need_dx else None,
+                                       bias_dtype=b_dtypes[e] if need_b[e] else None,
+                                       dy_operands=tuple(dy_ops.expert(e)),
+                                       dx_out=dx[start:start + n] if need_dx else None)
         dws.append(dw)
         dbs.append(db)
-    dx = (torch.cat(dxs) if dxs else dy.new_zeros(0, weights[0].shape[1]).to(x_dtype)) if need_dx else None
     return dx, dws, dbs
+
+
+def _starts(splits: list[int]) -> list[int]:
+    """Each expert's first row in the stacked tokens."""
+    starts = [0]
+    for n in splits[:-1]:
+        starts.append(starts[-1] + n)
+    return starts
 
 
 def _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b):
@@ -355,9 +363,8 @@ def _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, 
         if dw is None:
             return None
     dws = [dw[e].to(ctx.dtypes[1][e]) if need_w[e] else None for e in range(num_gemms)]
-    dbs = [s.to(ctx.dtypes[2][e]) if need_b[e] else None
-           for e, s in enumerate(dy.split(ctx.splits))
-           for s in [s.sum(0, dtype=torch.float32)]]
+    dbs = [s.sum(0, dtype=torch.float32).to(ctx.dtypes[2][e]) if need_b[e] else None
+           for e, s in enumerate(dy.split(ctx.splits))]
     return dx, dws, dbs
 
 

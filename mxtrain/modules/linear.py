@@ -25,13 +25,14 @@ from mxtrain.modules._recipe_state import RecipeStateMixin
 
 
 def mx_linear_forward(x2d, weight, bias, q, needs_wgrad: bool, needs_dgrad: bool = False,
-                      x_operands=None, w_operands=None):
+                      x_operands=None, w_operands=None, out=None):
     """Forward GEMM of a linear layer with the GEMM's quantizers ``q`` (``GemmQuantizers``); returns
     ``(y, x_for_wgrad, w_for_dgrad)``.
 
     ``x_operands``: ``(fprop, wgrad)`` operands of the input already made (by a fused norm + cast);
     ``x2d`` is then only the input's stand-in for its dtype. ``w_operands``: ``(fprop, dgrad | None)``
-    operands of the weight already made (GroupedLinear casts all experts' weights at once).
+    operands of the weight already made (GroupedLinear casts all experts' weights at once). ``out``: where
+    ``y`` is written (GroupedLinear: the expert's rows of the layer's output; see :func:`mx_gemm`).
 
     MX recipes: only W's rowwise plane is made here (``w_for_dgrad`` is None);
     backward quantizes W columnwise from the (saved, version-checked) parameter,
@@ -42,19 +43,19 @@ def mx_linear_forward(x2d, weight, bias, q, needs_wgrad: bool, needs_dgrad: bool
     """
     x_row, x_col = x_operands if x_operands is not None else q.input.quantize(x2d, True, needs_wgrad)
     w_row, w_col = w_operands if w_operands is not None else q.weight.weight_planes(weight, needs_dgrad)
-    y = mx_gemm(x_row, w_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=bias)
+    y = mx_gemm(x_row, w_row, a_axis=1, b_axis=1, out_dtype=x2d.dtype, bias=bias, out=out)
     return y, (x_col if needs_wgrad else None), w_col
 
 
 def mx_linear_backward(dy2d, x_col, weight, q, needs_dgrad: bool, needs_wgrad: bool,
                        dx_dtype: torch.dtype = torch.float32, dw_dtype: torch.dtype = torch.float32, *,
-                       w_col=None, bias_dtype: torch.dtype | None = None, dy_operands=None):
+                       w_col=None, bias_dtype: torch.dtype | None = None, dy_operands=None, dx_out=None):
     """dgrad and wgrad GEMMs of a linear layer: ``(dx | None, dw | None, db | None)``.
 
     ``w_col``: the dgrad weight plane if forward kept it (else cast here from ``weight``).
     ``dy_operands``: ``(dgrad, wgrad)`` operands of ``dy2d`` already made (GroupedLinear).
     ``bias_dtype``: also return the bias gradient (sum of ``dy`` over tokens) in that dtype;
-    FP8 recipes on the GPU take it from the pass that casts ``dy``.
+    FP8 recipes on the GPU take it from the pass that casts ``dy``. ``dx_out``: where ``dx`` is written.
     """
     fused = None if dy_operands is not None else q.grad_output.quantize_fused(
         dy2d, needs_dgrad, needs_wgrad, dbias=bias_dtype is not None)
@@ -70,7 +71,7 @@ def mx_linear_backward(dy2d, x_col, weight, q, needs_dgrad: bool, needs_wgrad: b
     if needs_dgrad:
         if w_col is None:
             w_col = q.weight.quantize(weight, False, True)[1]
-        dx = mx_gemm(dy_row, w_col, a_axis=1, b_axis=0, out_dtype=dx_dtype)
+        dx = mx_gemm(dy_row, w_col, a_axis=1, b_axis=0, out_dtype=dx_dtype, out=dx_out)
     if needs_wgrad:
         dw = mx_gemm(dy_col, x_col, a_axis=0, b_axis=0, out_dtype=dw_dtype)
     return dx, dw, (db.to(bias_dtype) if db is not None else None)

@@ -131,6 +131,28 @@ def test_unaligned_shapes_run_padded_on_the_tensor_cores(monkeypatch):
     assert got.shape == (40, 20) and _rel(got, ref) <= FAST_TOL  # axes (1, 1): cuBLAS's fast accumulation
 
 
+@pytest.mark.parametrize("k", [256, 72])  # 72: K padded to 16, the product copied into out
+@pytest.mark.parametrize("bias", [False, True])
+def test_per_tensor_gemm_writes_out_in_place(k, bias, monkeypatch):
+    """``mx_gemm(out=)``: cuBLAS writes the rows of a larger output itself (GroupedLinear's experts), the same bits
+    as without ``out``; a padded GEMM's product is copied there."""
+    torch.manual_seed(3)
+    x, w = torch.randn(48, k, device="cuda"), torch.randn(64, k, device="cuda")
+    xq, wq = quantize_float8(x, "fp8_e4m3"), quantize_float8(w, "fp8_e4m3")
+    b = torch.randn(64, device="cuda", dtype=torch.bfloat16) if bias else None
+    want = mx_gemm(xq, wq, out_dtype=torch.bfloat16, bias=b)
+    big = torch.zeros(100, 64, device="cuda", dtype=torch.bfloat16)
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, *a, **kw: copies.append(t.shape) or
+                        real_copy(t, src, *a, **kw))
+    got = mx_gemm(xq, wq, out_dtype=torch.bfloat16, bias=b, out=big[16:64])
+    monkeypatch.undo()
+    assert got.data_ptr() == big[16:64].data_ptr() and torch.equal(big[16:64], want)
+    assert not big[:16].any() and not big[64:].any()
+    assert (copies == []) == (k % 16 == 0), copies  # in place unless padded
+
+
 RECIPES = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(amax_history_len=4),
            "block": Float8BlockScaling()}
 

@@ -54,8 +54,8 @@ def test_layernorm_mlp_on_the_kernel_equals_the_torch_path():
                                  dtype=torch.bfloat16)
         x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         calls = []
-        real_fwd, real_supports = activations.gated_activation, activations.gated_kernel_supports
-        activations.gated_activation = lambda h, n: (calls.append(n), real_fwd(h, n))[1]
+        real_fwd, real_supports = activations.gated_kernel, activations.gated_kernel_supports
+        activations.gated_kernel = lambda h, n: (calls.append(n), real_fwd(h, n))[1]
         if not use_kernel:
             activations.gated_kernel_supports = lambda *a: "turned off by the test"
         try:
@@ -63,7 +63,7 @@ def test_layernorm_mlp_on_the_kernel_equals_the_torch_path():
                 y = m(x)
             y.float().square().mean().backward()
         finally:
-            activations.gated_activation, activations.gated_kernel_supports = real_fwd, real_supports
+            activations.gated_kernel, activations.gated_kernel_supports = real_fwd, real_supports
         return calls, y, [x.grad] + [p.grad for p in m.parameters()]
 
     calls_k, y_k, grads_k = run(True)
@@ -71,3 +71,25 @@ def test_layernorm_mlp_on_the_kernel_equals_the_torch_path():
     assert calls_k == ["swiglu"] and calls_t == []
     for a, b in zip([y_k] + grads_k, [y_t] + grads_t):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("name", ["swiglu", "geglu_tanh"])
+def test_differentiable_gated_activation_runs_the_kernels(name, monkeypatch):
+    """``mxtrain.gated_activation`` on CUDA: one kernel launch forward, one backward, results torch's (within the
+    kernels' ulp above), 3-D input and a non-contiguous gradient included."""
+    import mxtrain
+    from mxtrain.modules import activations
+
+    calls = []
+    for fn in ("gated_kernel", "gated_backward_kernel"):
+        real = getattr(activations, fn)
+        monkeypatch.setattr(activations, fn, lambda *a, _real=real, _fn=fn, **k: calls.append(_fn) or _real(*a, **k))
+    torch.manual_seed(1)
+    h = torch.randn(4, 256, 2 * 384, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(4, 384, 256, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    y = mxtrain.gated_activation(h, name)
+    y.backward(g)
+    assert calls == ["gated_kernel", "gated_backward_kernel"]
+    y_ref, dh_ref = _torch_forward_backward(h.detach().reshape(-1, 768), g.reshape(-1, 384), name)
+    torch.testing.assert_close(y.reshape(-1, 384), y_ref, rtol=2 ** -6, atol=5e-5)
+    torch.testing.assert_close(h.grad.reshape(-1, 768), dh_ref, rtol=2 ** -6, atol=5e-5)
