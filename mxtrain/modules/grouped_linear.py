@@ -10,21 +10,25 @@ experts in one quantize call (one launch writing all of its planes) and each exp
 the result: always the rowwise planes (blocks along K or N) of the input, the grad-output and the
 stacked weights; the columnwise planes (blocks along tokens) when every expert's token count is a
 multiple of the block (32 for MXFP8: pad each expert's tokens to it where the tokens are permuted, as
-Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Other counts, and
-per-tensor FP8 scaling (current, delayed: one scale per expert tensor), cast each expert alone, all
-its uses from one read, exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the stacked
-tensor would cost more passes over it than the per-expert casts.
+Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Per-tensor FP8
+current scaling (one scale per expert tensor) casts a tensor for all experts in one grouped cast (an amax
+pass and a cast launch, each expert's segment with its own scale) where every count is a multiple of 16
+(the weights always; see :func:`_grouped_float8`). Other counts, and DelayedScaling, cast each expert
+alone, all its uses from one read, exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the
+stacked tensor would cost more passes over it than the per-expert casts.
 
 GEMMs. MX recipes with bf16 activations on CUDA run each pass as one grouped bf16 GEMM
 (``torch.nn.functional.grouped_mm``) of the dequantized operands (written as bf16 values by the casts
 where the operand is used at once), as ``mx_gemm`` does on Hopper, where all experts were cast at
 once; everything else (CPU, ragged counts, FP8 recipes: ``scaled_mm`` / the 128-block kernel per
-expert) runs ``mx_linear_forward`` / ``mx_linear_backward`` per expert.
+expert) runs ``mx_linear_forward`` / ``mx_linear_backward`` per expert, each GEMM writing its rows of one
+output (no concatenation).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 
 import torch
@@ -33,8 +37,11 @@ from torch import nn
 
 from mxtrain import config
 from mxtrain.autocast import get_recipe
+from mxtrain.kernels import registry
+from mxtrain.kernels.calls import GroupedFloat8CastCall
 from mxtrain.kernels.dispatch import dequantize
-from mxtrain.modules._common import apply_module_fn, check_input, check_mx_operands, release_mx_operands
+from mxtrain.modules._common import (_WEIGHT_CASTS, apply_module_fn, check_input, check_mx_operands,
+                                     release_mx_operands)
 from mxtrain.modules._recipe_state import RecipeStateMixin
 from mxtrain.modules.linear import _functional_quantizers, init_linear_, mx_linear_backward, mx_linear_forward
 from mxtrain.quantization import MXTensor
@@ -91,6 +98,9 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
         q = quantizer_of(e)
         return [t, t] if q is None else list(q.quantize(t, rowwise, columnwise, at_once))
 
+    grouped = _grouped_float8(stacked, parts, splits, quantizer_of, rowwise, columnwise)
+    if grouped is not None:
+        return grouped
     q0 = quantizer_of(0)
     uses = [(None, 1), (None, 0)] if q0 is None else [(q0.row_spec if rowwise else None, 1),
                                                      (q0.col_spec if columnwise else None, 0)]
@@ -117,6 +127,69 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
     full = cast(0, stacked())
     ends = [s + n for s, n in zip(starts, splits)]
     return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
+
+
+def _float8_key(spec):
+    """What every expert's spec of a use must share for one grouped cast to make all their operands."""
+    return (spec.fmt, spec.scaling, spec.block, spec.power_of_2_scales, spec.amax_epsilon,
+            id(spec.amax_reduction_group))
+
+
+def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool):
+    """Per-tensor FP8 current scaling: every expert's operands from one grouped cast (an amax pass and one cast
+    launch over all experts, each expert's segment with its own scale: ``grouped_float8_cast``), bit for bit
+    what each expert's quantizer makes of its rows; None where the per-expert casts run instead.
+
+    Taken where every expert's token count is a multiple of 16 (tokens padded per expert, as FP8 MoE training
+    pads them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts
+    the kernel's transposed writes ran 4x slower than with aligned ones on an H100, slower than the per-expert
+    casts. Not taken for other scalings (DelayedScaling's per-expert histories, block scales), for token
+    segments under an amax reduction group (the ranks' counts, hence their choices, may differ), while compiling,
+    for FSDP2-gathered weights or weights inside ``weight_cast_cache`` (its cache serves them), or where no
+    Triton kernel runs (the CPU without the interpreter)."""
+    q0 = quantizer_of(0)
+    if q0 is None or not q0.float8 or not any(splits) or torch.compiler.is_compiling():
+        return None
+    uses = [a for a, want, quantized in ((1, rowwise, q0.row_quantized), (0, columnwise, q0.col_quantized))
+            if want and quantized]
+    if not uses or any(n % 16 for n in splits):
+        return None
+    spec = q0.role(uses[0])
+    if spec.scaling != "current" or spec.block is not None:
+        return None
+    uniform = all(n == splits[0] for n in splits)
+    if spec.amax_reduction_group is not None and not uniform:
+        # the ranks' token counts differ: were the choice theirs, one rank's one all-reduce for all experts
+        # would meet another's per-expert ones. Only the weights (equal rows everywhere) are cast grouped
+        return None
+    key = _float8_key(spec)
+    if any(_float8_key(quantizer_of(e).role(a)) != key for e in range(len(splits)) for a in uses):
+        return None
+    if any(hasattr(p, "mx_gathered_plane") for p in parts) or (_WEIGHT_CASTS.depth and isinstance(parts[0], nn.Parameter)):
+        return None
+    x = stacked()
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(1) != 1:
+        return None
+    call = GroupedFloat8CastCall(x, None if uniform else _offsets(list(itertools.accumulate(splits)), x.device),
+                                 splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",
+                                 None, bool(spec.power_of_2_scales), float(spec.amax_epsilon),
+                                 spec.amax_reduction_group)
+    try:
+        if registry.select("grouped_float8_cast", call, x.device).backend != "triton":
+            return None
+    except (ValueError, RuntimeError):  # the op is not registered (no Triton), or nothing runs here
+        return None
+    q8 = registry.run("grouped_float8_cast", call, x.device)
+    per_expert = []
+    for e, (start, n) in enumerate(zip(_starts(splits), splits)):
+        if n == 0:  # no tokens: nothing cast (the amax all-reduce, if any, was one for all experts)
+            per_expert.append(None)
+            continue
+        ops = [parts[e] if rowwise else None, parts[e] if columnwise else None]  # high-precision uses: the rows
+        for a in uses:
+            ops[1 - a] = q8.expert(e, start, n, (a,))
+        per_expert.append(ops)
+    return _Operands(splits=splits, per_expert=per_expert)
 
 
 def _reduces_amax(uses) -> bool:

@@ -252,3 +252,43 @@ def test_reduces_amax_reads_the_states_public_group():
             assert view.amax_reduction_group is g
             spec = Float8RoleSpec("fp8_e4m3", "delayed", "input", state=view, slot="input")
             assert _reduces_amax([(spec, 1)]) is want
+
+
+def _grouped_fp8_casts(monkeypatch):
+    from mxtrain.kernels import registry
+    calls, real = [], registry.run
+
+    def counting(op, call, *a, **k):
+        if op == "grouped_float8_cast":
+            calls.append((tuple(call.x.shape), call.rowwise, call.columnwise, call.rows_per_expert))
+        return real(op, call, *a, **k)
+    monkeypatch.setattr(registry, "run", counting)
+    return calls
+
+
+@pytest.mark.parametrize("splits", [[16, 0, 48, 32], [0, 0, 64, 0]])
+def test_float8_current_counts_of_16_cast_all_experts_at_once(monkeypatch, mx_config, splits):
+    """Float8CurrentScaling, token counts multiples of 16 (empty experts among them): x, the weights, dy each
+    in one grouped cast (both planes from one read), and every result bit for bit the loop of Linears'
+    (on the CPU: the Triton kernels under the interpreter, MXTRAIN_BACKEND=triton)."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the grouped FP8 cast runs on Triton: the CPU needs TRITON_INTERPRET=1 (CUDA: tests/gpu)")
+    mx_config(backend="triton")
+    calls = _grouped_fp8_casts(monkeypatch)
+    grouped, linears = _pair(len(splits), 64, 48, True, torch.bfloat16)
+    (y1, dx1), (y2, dx2) = _step(grouped, linears, mxtrain.Float8CurrentScaling(), splits, torch.bfloat16, seed=4)
+    assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
+    _assert_same_grads(grouped, linears)
+    tokens = sum(splits)
+    assert calls == [((tokens, 64), True, True, None), ((4 * 48, 64), True, True, 48), ((tokens, 48), True, True, None)]
+
+
+def test_float8_current_ragged_counts_cast_per_expert(monkeypatch):
+    """Counts not multiples of 16: the activations per expert (as the loop); the weights (equal rows) at once."""
+    calls = _grouped_fp8_casts(monkeypatch)
+    grouped, linears = _pair(3, 64, 48, False, torch.bfloat16)
+    (y1, dx1), (y2, dx2) = _step(grouped, linears, mxtrain.Float8CurrentScaling(), [16, 5, 11], torch.bfloat16, 5)
+    assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
+    _assert_same_grads(grouped, linears)
+    assert [c[0] for c in calls] in ([], [(3 * 48, 64)])  # [] where the grouped cast has no Triton kernel here
