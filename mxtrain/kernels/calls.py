@@ -216,13 +216,16 @@ class BlockCastCall:
 class GroupedFloat8CastCall:
     """A per-tensor FP8 cast of the experts' row segments of one stacked 2-D tensor, each segment with its own
     scale (``grouped_float8_cast.grouped_cast_float8``): ``x [T, K]`` with contiguous rows; the segments end at
-    the device tensor ``ends [E]`` or are ``rows_per_expert`` rows each; ``scale [E]`` given: delayed scaling."""
+    the device tensor ``ends [E]`` or are ``rows_per_expert`` rows each; ``scale [E]`` given: delayed scaling.
+    ``segment_multiple``: the caller's promise that every segment's row count is a multiple of it (the kernel
+    does not read the ends on the host; 16 lets it store the transposed plane in 16-byte pieces)."""
 
     __slots__ = ("x", "ends", "rows_per_expert", "num_experts", "fmt", "rowwise", "columnwise", "col_layout",
-                 "scale", "power_of_2_scales", "amax_epsilon", "amax_reduction_group")
+                 "scale", "power_of_2_scales", "amax_epsilon", "amax_reduction_group", "segment_multiple")
 
     def __init__(self, x, ends, rows_per_expert, num_experts, fmt, rowwise, columnwise, col_layout, scale,
-                 power_of_2_scales, amax_epsilon, amax_reduction_group):
+                 power_of_2_scales, amax_epsilon, amax_reduction_group, segment_multiple=1):
+        self.segment_multiple = segment_multiple
         self.x, self.ends, self.rows_per_expert, self.num_experts = x, ends, rows_per_expert, num_experts
         self.fmt, self.rowwise, self.columnwise, self.col_layout = fmt, rowwise, columnwise, col_layout
         self.scale, self.power_of_2_scales, self.amax_epsilon = scale, power_of_2_scales, amax_epsilon
@@ -234,7 +237,7 @@ class GroupedFloat8CastCall:
 
     def key(self):
         return (_meta(self.x), _meta(self.ends), _meta(self.scale), self.rows_per_expert, self.num_experts, self.fmt,
-                self.rowwise, self.columnwise, self.col_layout)
+                self.rowwise, self.columnwise, self.col_layout, self.segment_multiple)
 
 
 class CrossEntropyCall:

@@ -173,7 +173,7 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     call = GroupedFloat8CastCall(x, None if uniform else _offsets(list(itertools.accumulate(splits)), x.device),
                                  splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",
                                  None, bool(spec.power_of_2_scales), float(spec.amax_epsilon),
-                                 spec.amax_reduction_group)
+                                 spec.amax_reduction_group, segment_multiple=16)
     try:
         if registry.select("grouped_float8_cast", call, x.device).backend != "triton":
             return None

@@ -135,3 +135,30 @@ def test_reference_implementation_matches_and_bad_arguments_raise():
         gfc.grouped_cast_float8(x, "fp8_e4m3", ends=_ends(splits).cpu(), columnwise=True, col_layout="rows")
     with pytest.raises(ValueError, match="2-D fp32/bf16/fp16"):
         gfc.grouped_cast_float8(x.double(), "fp8_e4m3", ends=_ends(splits).cpu())
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_segments_of_multiples_of_16_one_expert_a_tile(delayed, dtype):
+    """``segment_multiple=16`` (16-row tiles, each in one expert, 16-byte transposed stores): bit for bit the
+    reference, empty experts and a ragged K included; stacked weights of 32 rows take the same path."""
+    splits = [0, 48, 16, 0, 80, 32]
+    K = 67
+    x = _source(sum(splits), K, dtype, seed=8, nonfinite=True)
+    scale = torch.tensor([0.5, 3.0, 2.0 ** 10, 1.0, 1e-2, 7.0]) if delayed else None
+    q = _run(x, fmt="fp8_e4m3", ends=_ends(splits), columnwise=True, segment_multiple=16,
+             scale=None if scale is None else scale.to(DEVICE))
+    _check_against_reference(x, splits, q, "fp8_e4m3", (1, 0), scale=scale, what="seg16")
+    w = _source(3 * 32, 40, dtype, seed=9).view(3, 32, 40)
+    q = _run(w, fmt="fp8_e5m2", columnwise=True)
+    _check_against_reference(w.view(-1, 40), [32] * 3, q, "fp8_e5m2", (1, 0), what="seg16 weights")
+
+
+def test_segment_multiple_is_checked_where_it_can_be():
+    x = _source(48, 16, torch.float32, seed=10)
+    with pytest.raises(ValueError, match=r"segments of \[16, 32, 0\] rows, not all multiples of segment_multiple=32"):
+        gfc.grouped_cast_float8(x, "fp8_e4m3", ends=_ends([16, 32, 0]).cpu(), segment_multiple=32, backend="reference")
+    with pytest.raises(ValueError, match="segments of 16 rows are not multiples of segment_multiple=32"):
+        gfc.grouped_cast_float8(x.view(3, 16, 16), "fp8_e4m3", segment_multiple=32)
+    with pytest.raises(ValueError, match="segment_multiple must be a positive int"):
+        gfc.grouped_cast_float8(x, "fp8_e4m3", ends=_ends([48]).cpu(), segment_multiple=0)
