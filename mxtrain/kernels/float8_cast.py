@@ -262,6 +262,11 @@ def _plane_arg(t: torch.Tensor | None, dummy: torch.Tensor, gpu: bool) -> torch.
     return dummy if t is None else (t if gpu else t.view(torch.uint8))
 
 
+def _bytes(t: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
+    """A plane as a uint8 view on every device (the grouped cast's kernels store the bytes as they are)."""
+    return _plane_arg(t, dummy, gpu=False)
+
+
 def _source_arg(t: torch.Tensor, gpu: bool) -> torch.Tensor:
     """A source tensor as the kernels load it: bf16 as its int16 bits in the interpreter (no bf16 there), else
     as it is (a view of another dtype would make a compiled graph copy it before the launch)."""

@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from mxtrain.kernels import registry
-from mxtrain.kernels._triton_utils import device_supported, interpret_mode
+from mxtrain.kernels._triton_utils import bf16_bits, device_supported, interpret_mode
 from mxtrain.kernels.calls import GroupedFloat8CastCall
 from mxtrain.kernels.float8_cast import (
-    _FP8_BITS, _bits_flag, _block_scale, _fp8_bytes, _load_f32, _plane_arg, _scaled, _source_arg, _store_bits,
+    _FP8_BITS, _block_scale, _bytes, _fp8_bytes, _load_f32, _scaled,
 )
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, fp8_format_name,
@@ -44,9 +44,7 @@ _SINV_STRIDE = 4  # scale_inv[e] at 16-byte steps: each expert's 0-d scale is wh
 # (BM, BN, warps) of the amax pass and of the cast pass (both planes or one)
 AMAX_TILE = (32, 128, 4)
 CAST_TILE = (32, 128, 4)
-# segments of multiples of 16 (32) rows: 16-row (32-row) tiles, none straddling two experts
-CAST_TILE_SEG16 = (16, 256, 4)
-CAST_TILE_SEG32 = (32, 128, 4)
+CAST_TILE_SEG16 = (16, 256, 4)  # segments of multiples of 16 rows: a tile never straddles two experts
 
 
 @triton.jit
@@ -134,7 +132,7 @@ def _grouped_cast_kernel(x_ptr, ends_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr,
     every expert's ``scale_inv``. ROW: the codes ``[T, K]``; COL: each expert's transpose, ``[K, m_e]`` at
     element ``K * start_e`` (or, COL_STACKED, the ``[K, T]`` transpose of the whole tensor).
 
-    SEG16 (every segment's rows a multiple of BM, 16 or 32): each tile lies in one expert, whose start and
+    SEG16 (every segment's rows a multiple of 16, BM == 16): each tile lies in one expert, whose start and
     count are then scalars known to be multiples of 16, so the transposed rows are stored 16 bytes at a time
     (with per-row counts the compiler stores them byte by byte: 4x slower on an H100)."""
     pid_m, pid_n, rm, rn, mask, v = _load_tile(x_ptr, T, K, stride_xm, X_BF16, BM, BN)
@@ -159,7 +157,7 @@ def _grouped_cast_kernel(x_ptr, ends_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr,
     tl.store(sinv_ptr + eidx * SINV_STRIDE, tl.math.div_rn(tl.full([BLOCK_E], 1.0, tl.float32), s_all), mask=first)
     q = _fp8_bytes(_scaled(v, s[:, None]), FMAX, MBITS, EMIN, GPU)
     if ROW:
-        _store_bits(row_ptr + rm[:, None].to(tl.int64) * K + rn[None, :], q, mask)
+        tl.store(row_ptr + rm[:, None].to(tl.int64) * K + rn[None, :], q, mask=mask)
     if COL:
         mask_t = (rn[:, None] < K) & (rm[None, :] < T)
         if COL_STACKED:
@@ -170,7 +168,7 @@ def _grouped_cast_kernel(x_ptr, ends_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr,
             start64 = start.to(tl.int64)
             offs = (start64[None, :] * K + rn[:, None].to(tl.int64) * count[None, :]
                     + (rm - start)[None, :])
-        _store_bits(col_ptr + offs, tl.trans(q), mask_t)
+        tl.store(col_ptr + offs, tl.trans(q), mask=mask_t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,12 +295,11 @@ def _triton_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
     f32 = {"dtype": torch.float32, "device": x.device}
     mbits, emin = _FP8_BITS[fmt]
     uniform = call.ends is None
-    gpu = not interpret_mode()
-    xb = _source_arg(x, gpu)  # bf16 as it is on the GPU (its int16 bits in the interpreter)
+    xb = bf16_bits(x)
     ends = xb if uniform else call.ends  # an unused pointer where the segments are uniform
     seg = call.rows_per_expert if uniform else 0
     block_e = triton.next_power_of_2(E)
-    common = dict(UNIFORM=uniform, X_BF16=_bits_flag(x, gpu), BLOCK_E=block_e)
+    common = dict(UNIFORM=uniform, X_BF16=x.dtype == torch.bfloat16, BLOCK_E=block_e)
     if call.scale is None:  # current scaling: the amax pass
         BM, BN, warps = AMAX_TILE
         grid = (triton.cdiv(T, BM), triton.cdiv(K, BN))
@@ -315,18 +312,16 @@ def _triton_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
         mode, scale = 0, call.scale if call.scale.dtype == torch.float32 else call.scale.float()
         stride_scale = scale.stride(0)
     row, col, sinv = _outputs(call)
-    multiple = call.rows_per_expert if uniform else call.segment_multiple
-    seg16 = multiple % 16 == 0
-    BM, BN, warps = (CAST_TILE_SEG32 if multiple % 32 == 0 else CAST_TILE_SEG16) if seg16 else CAST_TILE
+    seg16 = (call.rows_per_expert % 16 == 0) if uniform else call.segment_multiple % 16 == 0
+    BM, BN, warps = CAST_TILE_SEG16 if seg16 else CAST_TILE
     grid = (triton.cdiv(T, BM), triton.cdiv(K, BN))
     part = torch.empty((grid[0] * grid[1], E), **f32) if mode == 0 else sinv
     dummy = row if row is not None else col
-    _grouped_cast_kernel[grid](xb, ends, _plane_arg(row, dummy, gpu), _plane_arg(col, dummy, gpu), scale,
-                               amax if mode else sinv,
+    _grouped_cast_kernel[grid](xb, ends, _bytes(row, dummy), _bytes(col, dummy), scale, amax if mode else sinv,
                                sinv, part, T, K, E, x.stride(0), seg, stride_scale,
                                FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(call.amax_epsilon),
                                POW2=call.power_of_2_scales, MODE=mode, ROW=row is not None, COL=col is not None,
-                               COL_STACKED=call.col_layout == "stacked", GPU=gpu,
+                               COL_STACKED=call.col_layout == "stacked", GPU=not interpret_mode(),
                                SINV_STRIDE=_SINV_STRIDE, SEG16=seg16, BM=BM, BN=BN, num_warps=warps, **common)
     if mode == 0:
         amax = part.amax(0)

@@ -11,9 +11,9 @@ the result: always the rowwise planes (blocks along K or N) of the input, the gr
 stacked weights; the columnwise planes (blocks along tokens) when every expert's token count is a
 multiple of the block (32 for MXFP8: pad each expert's tokens to it where the tokens are permuted, as
 Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Per-tensor FP8
-current scaling (one scale per expert tensor) casts a tensor for all experts in one grouped cast (an amax
-pass and a cast launch, each expert's segment with its own scale) where every count is a multiple of 16
-(the weights always; see :func:`_grouped_float8`). Other counts, and DelayedScaling, cast each expert
+current scaling (one scale per expert tensor) casts a tensor of moderate size for all experts in one
+grouped cast (an amax pass and a cast launch, each expert's segment with its own scale) where every count
+is a multiple of 16 (see :func:`_grouped_float8`). Other counts, and DelayedScaling, cast each expert
 alone, all its uses from one read, exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the
 stacked tensor would cost more passes over it than the per-expert casts.
 
@@ -129,6 +129,14 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
     return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
 
 
+# Float8CurrentScaling: tensors of at most this many elements per expert (on average) are cast for all experts in
+# one grouped cast; larger ones per expert. Measured on an H100 at the Mixtral-8x7B shape (bench_moe): below it
+# the per-expert launches are host-bound (x [16384, 4096]: 0.26 ms grouped against 1.78 ms per expert; the
+# SwiGLU output [16384, 14336]: 0.76 against 1.07), above it the per-expert kernels run faster on the GPU
+# (the weights [8, 28672, 4096]: 2.30 ms per expert against 2.68 grouped; dh [16384, 28672]: 1.27 against 1.46)
+GROUPED_FP8_CAST_MAX_ELEMENTS = 1 << 25
+
+
 def _float8_key(spec):
     """What every expert's spec of a use must share for one grouped cast to make all their operands."""
     return (spec.fmt, spec.scaling, spec.block, spec.power_of_2_scales, spec.amax_epsilon,
@@ -140,7 +148,8 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     launch over all experts, each expert's segment with its own scale: ``grouped_float8_cast``), bit for bit
     what each expert's quantizer makes of its rows; None where the per-expert casts run instead.
 
-    Taken where every expert's token count is a multiple of 16 (tokens padded per expert, as FP8 MoE training
+    Taken for tensors of up to ``GROUPED_FP8_CAST_MAX_ELEMENTS`` elements per expert (larger ones run faster
+    per expert), where every expert's token count is a multiple of 16 (tokens padded per expert, as FP8 MoE training
     pads them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts
     the kernel's transposed writes ran 4x slower than with aligned ones on an H100, slower than the per-expert
     casts. Not taken for other scalings (DelayedScaling's per-expert histories, block scales), for token
@@ -169,6 +178,8 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
         return None
     x = stacked()
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(1) != 1:
+        return None
+    if x.numel() > GROUPED_FP8_CAST_MAX_ELEMENTS * len(splits):
         return None
     call = GroupedFloat8CastCall(x, None if uniform else _offsets(list(itertools.accumulate(splits)), x.device),
                                  splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",

@@ -292,3 +292,20 @@ def test_float8_current_ragged_counts_cast_per_expert(monkeypatch):
     assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
     _assert_same_grads(grouped, linears)
     assert [c[0] for c in calls] in ([], [(3 * 48, 64)])  # [] where the grouped cast has no Triton kernel here
+
+
+def test_float8_current_large_tensors_cast_per_expert(monkeypatch, mx_config):
+    """Tensors of more than GROUPED_FP8_CAST_MAX_ELEMENTS per expert are cast per expert (faster there on an
+    H100), the smaller ones grouped; results bit for bit the loop's either way."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the grouped FP8 cast runs on Triton: the CPU needs TRITON_INTERPRET=1 (CUDA: tests/gpu)")
+    mx_config(backend="triton")
+    monkeypatch.setattr(gl_module, "GROUPED_FP8_CAST_MAX_ELEMENTS", 48 * 64 - 1)  # below a weight's 48 x 64
+    calls = _grouped_fp8_casts(monkeypatch)
+    splits = [16, 0, 32]
+    grouped, linears = _pair(3, 64, 48, False, torch.bfloat16)
+    (y1, dx1), (y2, dx2) = _step(grouped, linears, mxtrain.Float8CurrentScaling(), splits, torch.bfloat16, seed=6)
+    assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
+    _assert_same_grads(grouped, linears)
+    assert [c[0] for c in calls] == [(48, 64), (48, 48)]  # x and dy; not the weights
