@@ -74,3 +74,17 @@ def test_steps_start_without_gradients_and_both_activations_run():
     assert torch.equal(bench.fused_swiglu(h), bench.torch_swiglu(h))
     rows = bench.main(["--small", "--device", "cpu", "--recipes", "fp8_current", "--no-loop", "--act", "torch"])
     assert all(r["issue_ms"] > 0 for r in rows)
+
+
+def test_grouped_cast_benchmark_runs_small(capsys):
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the grouped cast's Triton kernel needs TRITON_INTERPRET=1 on the CPU")
+    spec = importlib.util.spec_from_file_location("bench_grouped_cast", BENCH.parent / "bench_grouped_cast.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.main(["--small", "--device", "cpu", "--align", "16"])
+    assert [r["tensor"] for r in rows] == ["x", "a", "dh", "w1", "w2"]
+    assert all(r["per_expert_ms"] > 0 and r["grouped_ms"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        module.main(["--small", "--device", "cpu", "--align", "8"])
