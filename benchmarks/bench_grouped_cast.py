@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from bench_moe import route  # noqa: E402
+from bench_moe import add_layer_args, route  # noqa: E402
 
 from mxtrain.kernels import grouped_float8_cast as gfc  # noqa: E402
 from mxtrain.kernels.dispatch import quantize_float8  # noqa: E402
@@ -51,10 +51,7 @@ def _time(fns, iters: int, cuda: bool) -> list[float]:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=14336)
-    p.add_argument("--tokens", type=int, default=8192)
+    add_layer_args(p)
     p.add_argument("--align", type=int, default=32, help="tokens per expert padded to a multiple of this (16, 32)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -65,7 +62,7 @@ def main(argv=None) -> list[dict]:
     if args.small:
         args.experts, args.hidden, args.ffn, args.tokens, args.iters = 4, 32, 64, 64, 1
     dev, cuda = torch.device(args.device), args.device.startswith("cuda")
-    splits = [-(-n // args.align) * args.align for n in route(args.tokens, args.experts, 2, 0.3)]
+    splits = [-(-n // args.align) * args.align for n in route(args.tokens, args.experts, args.top_k, args.skew)]
     ends = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32, device=dev)
     E, H, F = args.experts, args.hidden, args.ffn
     shapes = {"x": (sum(splits), H), "a": (sum(splits), F), "dh": (sum(splits), 2 * F), "w1": (E, 2 * F, H),

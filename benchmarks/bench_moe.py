@@ -170,14 +170,19 @@ RECIPES = {"mxfp8": mxtrain.MXFP8Recipe, "fp8_current": mxtrain.Float8CurrentSca
            "fp8_delayed_e4m3": lambda: mxtrain.DelayedScaling(fp8_format="e4m3")}
 
 
-def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_layer_args(p: argparse.ArgumentParser) -> None:
+    """The expert layer's shape and routing options (the Mixtral-8x7B layer by default)."""
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--skew", type=float, default=0.3, help="std of the per-expert logit bias (imbalance)")
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_layer_args(p)
     p.add_argument("--recipes", default="mxfp8,fp8_current,fp8_delayed,fp8_block")
     p.add_argument("--no-loop", action="store_true", help="skip the per-expert loop rows")
     p.add_argument("--iters", type=int, default=10)

@@ -67,17 +67,8 @@ def _row_experts(ends_ptr, rm, T, E, SEG, UNIFORM: tl.constexpr, BLOCK_E: tl.con
 @triton.jit
 def _tile_expert(ends_ptr, row0, E, SEG, UNIFORM: tl.constexpr, BLOCK_E: tl.constexpr):
     """``(expert, start, count)`` of row ``row0`` as scalars (a tile that lies in one expert)."""
-    if UNIFORM:
-        ex = tl.minimum(row0 // SEG, E - 1)
-        start = ex * SEG
-        count = start * 0 + SEG
-    else:
-        eidx = tl.arange(0, BLOCK_E)
-        ends = tl.load(ends_ptr + eidx, mask=eidx < E, other=2147483647).to(tl.int32)
-        ex = tl.minimum(tl.sum((ends <= row0).to(tl.int32), axis=0), E - 1)
-        start = tl.load(ends_ptr + tl.maximum(ex - 1, 0)).to(tl.int32) * (ex > 0).to(tl.int32)
-        count = tl.load(ends_ptr + ex).to(tl.int32) - start
-    return ex, start, count
+    ex, start, count = _row_experts(ends_ptr, row0 + tl.zeros([2], tl.int32), 0, E, SEG, UNIFORM, BLOCK_E)
+    return tl.max(ex, axis=0), tl.max(start, axis=0), tl.max(count, axis=0)
 
 
 @triton.jit
