@@ -320,11 +320,12 @@ class _GroupedLinearFn(torch.autograd.Function):
         needs_dgrad = ctx.needs_input_grad[0]
         q0 = quantizers[0]
         n_out = weights[0].shape[0]
-        x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: quantizers[e].input, True,
-                                 needs_wgrad)
+        # the weights first: their casts are the larger (the GPU starts on them while the host issues the rest)
         keep_dgrad = needs_dgrad and q0.weight.keeps_dgrad_plane()  # FP8: the dgrad plane from forward's cast
         w_ops = grouped_operands(lambda: _stack_rows(list(weights)), weights, [n_out] * num_gemms,
                                  lambda e: quantizers[e].weight, True, keep_dgrad)
+        x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: quantizers[e].input, True,
+                                 needs_wgrad)
         y = None
         specs = [q0.input.row_spec, q0.weight.row_spec]  # fprop_input, fprop_weight
         if x_ops.full is not None and w_ops.full is not None and _grouped_gemm_ok(x, specs, (x.shape[1], n_out)):
