@@ -52,19 +52,17 @@ def _time(fns, iters: int, cuda: bool) -> list[float]:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_layer_args(p)
-    p.add_argument("--align", type=int, default=32,
-                   help="tokens per expert padded to a multiple of this (16, 32; 0: ragged counts)")
+    p.add_argument("--align", type=int, default=32, help="tokens per expert padded to a multiple of this (16, 32)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--small", action="store_true", help="tiny shapes (4 experts, 32 -> 2 x 64 -> 32, 64 tokens)")
     args = p.parse_args(argv)
-    if args.align < 0 or args.align % 16:
-        p.error(f"--align must be 0 (ragged counts) or a multiple of 16, got {args.align}")
+    if args.align < 16 or args.align % 16:
+        p.error(f"--align must be a multiple of 16, got {args.align}")
     if args.small:
         args.experts, args.hidden, args.ffn, args.tokens, args.iters = 4, 32, 64, 64, 1
     dev, cuda = torch.device(args.device), args.device.startswith("cuda")
-    align = args.align or 1
-    splits = [-(-n // align) * align for n in route(args.tokens, args.experts, args.top_k, args.skew)]
+    splits = [-(-n // args.align) * args.align for n in route(args.tokens, args.experts, args.top_k, args.skew)]
     ends = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32, device=dev)
     E, H, F = args.experts, args.hidden, args.ffn
     shapes = {"x": (sum(splits), H), "a": (sum(splits), F), "dh": (sum(splits), 2 * F), "w1": (E, 2 * F, H),
@@ -76,7 +74,7 @@ def main(argv=None) -> list[dict]:
     for name, shape in shapes.items():
         t = torch.randn(*shape, device=dev, dtype=torch.bfloat16)
         parts = list(t) if t.ndim == 3 else [p for p in t.split(splits)]
-        grouped_kw = {} if t.ndim == 3 else {"ends": ends, "segment_multiple": align}
+        grouped_kw = {} if t.ndim == 3 else {"ends": ends, "segment_multiple": args.align}
         per, grouped = _time([
             lambda: [quantize_float8(p, "fp8_e4m3", axes=(1, 0)) for p in parts],
             lambda: gfc.grouped_cast_float8(t, "fp8_e4m3", columnwise=True, backend=backend, **grouped_kw)],

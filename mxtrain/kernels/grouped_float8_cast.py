@@ -156,14 +156,9 @@ def _grouped_cast_kernel(x_ptr, ends_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr,
         elif SEG16:
             offs = (start0.to(tl.int64) * K + rn[:, None].to(tl.int64) * count0 + (rm - start0)[None, :])
         else:
-            e0, s0, c0 = _tile_expert(ends_ptr, pid_m * BM, E, SEG, UNIFORM, BLOCK_E)
-            e_last, _, _ = _tile_expert(ends_ptr, tl.minimum(pid_m * BM + BM - 1, T - 1), E, SEG, UNIFORM, BLOCK_E)
-            if e0 == e_last:  # most tiles lie in one expert: its transposed rows are contiguous runs
-                offs = s0.to(tl.int64) * K + rn[:, None].to(tl.int64) * c0 + (rm - s0)[None, :]
-            else:  # a tile across an expert boundary: each row to its own expert's plane
-                start64 = start.to(tl.int64)
-                offs = (start64[None, :] * K + rn[:, None].to(tl.int64) * count[None, :]
-                        + (rm - start)[None, :])
+            start64 = start.to(tl.int64)
+            offs = (start64[None, :] * K + rn[:, None].to(tl.int64) * count[None, :]
+                    + (rm - start)[None, :])
         tl.store(col_ptr + offs, tl.trans(q), mask=mask_t)
 
 

@@ -135,9 +135,6 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
 # SwiGLU output [16384, 14336]: 0.76 against 1.07), above it the per-expert kernels run faster on the GPU
 # (the weights [8, 28672, 4096]: 2.30 ms per expert against 2.68 grouped; dh [16384, 28672]: 1.27 against 1.46)
 GROUPED_FP8_CAST_MAX_ELEMENTS = 1 << 25
-# token counts that are not all multiples of 16 also cast grouped (the kernel's tiles across an expert boundary
-# store row by row); False: those cast per expert
-GROUPED_FP8_CAST_RAGGED = True
 
 
 def _float8_key(spec):
@@ -164,7 +161,7 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
         return None
     uses = [a for a, want, quantized in ((1, rowwise, q0.row_quantized), (0, columnwise, q0.col_quantized))
             if want and quantized]
-    if not uses or (not GROUPED_FP8_CAST_RAGGED and any(n % 16 for n in splits)):
+    if not uses or any(n % 16 for n in splits):
         return None
     spec = q0.role(uses[0])
     if spec.scaling != "current" or spec.block is not None:
@@ -187,8 +184,7 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     call = GroupedFloat8CastCall(x, None if uniform else _offsets(list(itertools.accumulate(splits)), x.device),
                                  splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",
                                  None, bool(spec.power_of_2_scales), float(spec.amax_epsilon),
-                                 spec.amax_reduction_group,
-                                 segment_multiple=16 if all(n % 16 == 0 for n in splits) else 1)
+                                 spec.amax_reduction_group, segment_multiple=16)
     try:
         if registry.select("grouped_float8_cast", call, x.device).backend != "triton":
             return None
