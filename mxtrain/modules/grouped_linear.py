@@ -11,11 +11,11 @@ the result: always the rowwise planes (blocks along K or N) of the input, the gr
 stacked weights; the columnwise planes (blocks along tokens) when every expert's token count is a
 multiple of the block (32 for MXFP8: pad each expert's tokens to it where the tokens are permuted, as
 Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Per-tensor FP8
-current scaling (one scale per expert tensor) casts a tensor of moderate size for all experts in one
-grouped cast (an amax pass and a cast launch, each expert's segment with its own scale) where every count
-is a multiple of 16 (see :func:`_grouped_float8`). Other counts, and DelayedScaling, cast each expert
-alone, all its uses from one read, exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the
-stacked tensor would cost more passes over it than the per-expert casts.
+scaling (current, delayed: one scale per expert tensor) casts a tensor of moderate size for all experts in
+one grouped cast (each expert's segment with its own scale) where every count is a multiple of 16 (see
+:func:`_grouped_float8`). Other counts, and DelayedScaling's first step, cast each expert alone, all its
+uses from one read, exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the stacked tensor
+would cost more passes over it than the per-expert casts.
 
 GEMMs. MX recipes with bf16 activations on CUDA run each pass as one grouped bf16 GEMM
 (``torch.nn.functional.grouped_mm``) of the dequantized operands (written as bf16 values by the casts
@@ -138,22 +138,34 @@ GROUPED_FP8_CAST_MAX_ELEMENTS = 1 << 25
 
 
 def _float8_key(spec):
-    """What every expert's spec of a use must share for one grouped cast to make all their operands."""
+    """What every expert's spec of a use must share for one grouped cast to make all their operands (DelayedScaling:
+    the module's one state; each expert has its own slots in it)."""
     return (spec.fmt, spec.scaling, spec.block, spec.power_of_2_scales, spec.amax_epsilon,
-            id(spec.amax_reduction_group))
+            id(spec.amax_reduction_group), id(spec.state))
+
+
+def _delayed_scales(splits: list[int], slots: list[str], state, fmt: str, device) -> torch.Tensor | None:
+    """DelayedScaling: the experts' scales ``[E]`` from their slots, as each expert's cast would take them; None where
+    a slot of an expert with tokens has no history yet (its first scale comes from its own rows' amax: the
+    per-expert casts make it)."""
+    if state is None or any(n and state.fresh(slot) for slot, n in zip(slots, splits)):
+        return None
+    return torch.stack([state.scale_for(slot, fmt, device).reshape(()) for slot in slots])
 
 
 def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool):
-    """Per-tensor FP8 current scaling: every expert's operands from one grouped cast (an amax pass and one cast
-    launch over all experts, each expert's segment with its own scale: ``grouped_float8_cast``), bit for bit
-    what each expert's quantizer makes of its rows; None where the per-expert casts run instead.
+    """Per-tensor FP8 scaling: every expert's operands from one grouped cast (current scaling: an amax pass and one
+    cast launch over all experts, each expert's segment with its own scale; DelayedScaling: one cast launch with
+    each expert's scale from its slot, its amax recorded there after: ``grouped_float8_cast``), bit for bit what
+    each expert's quantizer makes of its rows; None where the per-expert casts run instead.
 
     Taken for tensors of up to ``GROUPED_FP8_CAST_MAX_ELEMENTS`` elements per expert (larger ones run faster
     per expert), where every expert's token count is a multiple of 16 (tokens padded per expert, as FP8 MoE training
     pads them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts
     the kernel's transposed writes ran 4x slower than with aligned ones on an H100, slower than the per-expert
-    casts. Not taken for other scalings (DelayedScaling's per-expert histories, block scales), for token
-    segments under an amax reduction group (the ranks' counts, hence their choices, may differ), while compiling,
+    casts. Not taken for block scales, for DelayedScaling slots without a history yet (their first scale comes from
+    their own rows), for token segments under an amax reduction group (the ranks' counts, hence their choices,
+    may differ), while compiling,
     for FSDP2-gathered weights or weights inside ``weight_cast_cache`` (its cache serves them), or where no
     Triton kernel runs (the CPU without the interpreter)."""
     q0 = quantizer_of(0)
@@ -164,10 +176,12 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     if not uses or any(n % 16 for n in splits):
         return None
     spec = q0.role(uses[0])
-    if spec.scaling != "current" or spec.block is not None:
+    if spec.scaling not in ("current", "delayed") or spec.block is not None:
         return None
+    delayed = spec.scaling == "delayed"
+    group = getattr(spec.state, "amax_reduction_group", None) if delayed else spec.amax_reduction_group
     uniform = all(n == splits[0] for n in splits)
-    if spec.amax_reduction_group is not None and not uniform:
+    if group is not None and not uniform:
         # the ranks' token counts differ: were the choice theirs, one rank's one all-reduce for all experts
         # would meet another's per-expert ones. Only the weights (equal rows everywhere) are cast grouped
         return None
@@ -181,10 +195,14 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
         return None
     if x.numel() > GROUPED_FP8_CAST_MAX_ELEMENTS * len(splits):
         return None
+    slots = [quantizer_of(e).role(uses[0]).slot for e in range(len(splits))]
+    scale = _delayed_scales(splits, slots, spec.state, spec.fmt, x.device) if delayed else None
+    if delayed and scale is None:
+        return None
     call = GroupedFloat8CastCall(x, None if uniform else _offsets(list(itertools.accumulate(splits)), x.device),
                                  splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",
-                                 None, bool(spec.power_of_2_scales), float(spec.amax_epsilon),
-                                 spec.amax_reduction_group, segment_multiple=16)
+                                 scale, bool(spec.power_of_2_scales), float(spec.amax_epsilon),
+                                 None if delayed else spec.amax_reduction_group, segment_multiple=16)
     try:
         if registry.select("grouped_float8_cast", call, x.device).backend != "triton":
             return None
@@ -193,9 +211,11 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     q8 = registry.run("grouped_float8_cast", call, x.device)
     per_expert = []
     for e, (start, n) in enumerate(zip(_starts(splits), splits)):
-        if n == 0:  # no tokens: nothing cast (the amax all-reduce, if any, was one for all experts)
+        if n == 0:  # no tokens: nothing cast, nothing recorded (the amax all-reduce, if any, was one for all experts)
             per_expert.append(None)
             continue
+        if delayed:  # as each expert's cast records the amax of its rows
+            spec.state.record(slots[e], q8.amax[e])
         ops = [parts[e] if rowwise else None, parts[e] if columnwise else None]  # high-precision uses: the rows
         for a in uses:
             ops[1 - a] = q8.expert(e, start, n, (a,))

@@ -310,3 +310,34 @@ def test_float8_current_large_tensors_cast_per_expert(monkeypatch, mx_config):
     assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
     _assert_same_grads(grouped, linears)
     assert [c[0] for c in calls] == [(48, 64), (48, 48)]  # x and dy; not the weights
+
+
+def test_delayed_scaling_counts_of_16_cast_grouped_after_the_first_step(monkeypatch, mx_config):
+    """DelayedScaling, counts multiples of 16: the first step's casts take each expert's scale from its rows
+    (per expert); later steps cast each tensor in one grouped call with the experts' slot scales and record their
+    amaxes. Every step bit for bit the loop of Linears, histories and scales included."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the grouped FP8 cast runs on Triton: the CPU needs TRITON_INTERPRET=1 (CUDA: tests/gpu)")
+    mx_config(backend="triton")
+    calls = _grouped_fp8_casts(monkeypatch)
+    recipe, splits = RECIPES["fp8_delayed"](), [16, 0, 48]
+    grouped, linears = _pair(3, 32, 16, False, torch.bfloat16)
+    per_step = []
+    for step in range(3):
+        before = len(calls)
+        (y1, dx1), (y2, dx2) = _step(grouped, linears, recipe, splits, torch.bfloat16, seed=20 + step)
+        assert torch.equal(y1, y2) and torch.equal(dx1, dx2), step
+        _assert_same_grads(grouped, linears)
+        for p in [*grouped.parameters(), *(q for lin in linears for q in lin.parameters())]:
+            p.grad = None
+        per_step.append([c[0] for c in calls[before:]])
+    assert per_step[0] == []  # fresh slots: per expert
+    assert per_step[1] == per_step[2] == [(3 * 16, 32), (64, 32), (64, 16)]  # weights, x; dy
+    state = grouped.recipe_state
+    for e, lin in enumerate(linears):
+        if splits[e]:
+            for tensor in ("input", "weight", "grad_output"):
+                i, j = state.slots[f"expert{e}.{tensor}"], lin.recipe_state.slots[tensor]
+                assert torch.equal(state.amax_history[:, i], lin.recipe_state.amax_history[:, j]), (e, tensor)
+                assert torch.equal(state.scale[i], lin.recipe_state.scale[j]), (e, tensor)
