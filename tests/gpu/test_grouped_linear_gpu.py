@@ -63,3 +63,36 @@ def test_matches_loop_of_linears_on_cuda(recipe, bias, splits, monkeypatch):
             assert torch.count_nonzero(got) == 0
         else:
             assert _rel(got, lin.weight.grad) < 1e-2
+
+
+def test_delayed_scaling_grouped_casts_follow_the_loop_over_steps(monkeypatch):
+    """DelayedScaling, aligned counts: from the second step the grouped casts (slot scales, amaxes recorded) run;
+    every step stays close to the loop of Linears and the histories of the experts with tokens agree."""
+    from mxtrain.kernels import registry
+    grouped_casts, real_run = [], registry.run
+    monkeypatch.setattr(registry, "run", lambda op, *a, **k: (op == "grouped_float8_cast" and grouped_casts.append(op))
+                        or real_run(op, *a, **k))
+    splits = SPLITS["aligned"]
+    torch.manual_seed(0)
+    grouped = mxtrain.GroupedLinear(8, 512, 384, bias=False).cuda().bfloat16()
+    linears = [mxtrain.Linear(512, 384, bias=False).cuda().bfloat16() for _ in splits]
+    with torch.no_grad():
+        for e, lin in enumerate(linears):
+            lin.weight.copy_(getattr(grouped, f"weight{e}"))
+    recipe = mxtrain.DelayedScaling(amax_history_len=4)
+    for step in range(3):
+        x = torch.randn(sum(splits), 512, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(sum(splits), 384, device="cuda", dtype=torch.bfloat16)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with mxtrain.mx_autocast(recipe=recipe):
+            y1 = grouped(x1, splits)
+            y2 = torch.cat([lin(xe) for lin, xe in zip(linears, x2.split(splits))])
+        y1.backward(dy)
+        y2.backward(dy)
+        assert _rel(y1, y2) < 1e-2 and _rel(x1.grad, x2.grad) < 1e-2, step
+    assert len(grouped_casts) == 2 * 3  # steps 2 and 3: the weights, x, dy
+    state = grouped.recipe_state
+    for e, (lin, n) in enumerate(zip(linears, splits)):
+        if n:
+            i, j = state.slots[f"expert{e}.input"], lin.recipe_state.slots["input"]
+            torch.testing.assert_close(state.amax_history[:, i], lin.recipe_state.amax_history[:, j])
