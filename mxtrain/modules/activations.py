@@ -4,6 +4,7 @@ where no autograd graph is being built; :func:`gated_activation`, the same as a 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from mxtrain import activations as _torch_ops
 from mxtrain.activations import ACTIVATIONS, GATED, PLAIN, check_activation, is_gated
@@ -39,6 +40,7 @@ class _GatedActivationFn(torch.autograd.Function):
         return activation(h, name)
 
     @staticmethod
+    @once_differentiable  # the kernel's gradient has no graph: a second derivative raises rather than comes out wrong
     def backward(ctx, grad):
         (h,) = ctx.saved_tensors
         if torch.compiler.is_compiling():
@@ -54,6 +56,7 @@ def gated_activation(h: torch.Tensor, name: str = "swiglu") -> torch.Tensor:
     the ``chunk``'s concatenation: a MoE expert layer's SwiGLU took 3.9 ms of an H100 step that way, the
     kernels 1.3 ms). Elsewhere, and while compiling, torch's ops. Results equal torch's, up to one ulp of
     ``h``'s dtype where CUDA's libm differs from the kernel's ``exp``.
+    First derivatives only: a second derivative (``create_graph=True``) raises.
     """
     name = check_activation(name)
     if name not in GATED:

@@ -84,7 +84,7 @@ class _Operands:
 
 
 def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool,
-                     at_once: bool = False) -> _Operands:
+                     at_once: bool = False, rank_invariant: bool = False) -> _Operands:
     """Cast the experts' row blocks of a stacked 2-D tensor for their rowwise / columnwise uses.
 
     ``stacked()`` returns the tensor with every expert's rows in order (``splits`` rows each),
@@ -93,12 +93,14 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
     every use stays inside one expert's rows, one quantize call casts all experts (all uses from one
     read); else each expert is cast alone, all its uses in one call, as ``mxtrain.Linear`` casts it
     (a zero-padded copy would cost more passes over the tensor than the per-expert casts; see module doc).
+    ``rank_invariant``: the tensor's shape and splits are the same on every rank (the weights; not the tokens,
+    whose counts are each rank's own): only such a tensor may choose its casts' collectives by its splits.
     """
     def cast(e, t):
         q = quantizer_of(e)
         return [t, t] if q is None else list(q.quantize(t, rowwise, columnwise, at_once))
 
-    grouped = _grouped_float8(stacked, parts, splits, quantizer_of, rowwise, columnwise)
+    grouped = _grouped_float8(stacked, parts, splits, quantizer_of, rowwise, columnwise, rank_invariant)
     if grouped is not None:
         return grouped
     q0 = quantizer_of(0)
@@ -129,7 +131,7 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
     return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
 
 
-# Float8CurrentScaling: tensors of at most this many elements per expert (on average) are cast for all experts in
+# Per-tensor FP8 (current, delayed): tensors of at most this many elements per expert (on average) are cast for all experts in
 # one grouped cast; larger ones per expert. Measured on an H100 at the Mixtral-8x7B shape (bench_moe): below it
 # the per-expert launches are host-bound (x [16384, 4096]: 0.26 ms grouped against 1.78 ms per expert; the
 # SwiGLU output [16384, 14336]: 0.76 against 1.07), above it the per-expert kernels run faster on the GPU
@@ -153,7 +155,8 @@ def _delayed_scales(splits: list[int], slots: list[str], state, fmt: str, device
     return torch.stack([state.scale_for(slot, fmt, device).reshape(()) for slot in slots])
 
 
-def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool):
+def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool,
+                    rank_invariant: bool):
     """Per-tensor FP8 scaling: every expert's operands from one grouped cast (current scaling: an amax pass and one
     cast launch over all experts, each expert's segment with its own scale; DelayedScaling: one cast launch with
     each expert's scale from its slot, its amax recorded there after: ``grouped_float8_cast``), bit for bit what
@@ -164,8 +167,9 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     pads them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts
     the kernel's transposed writes ran 4x slower than with aligned ones on an H100, slower than the per-expert
     casts. Not taken for block scales, for DelayedScaling slots without a history yet (their first scale comes from
-    their own rows), for token segments under an amax reduction group (the ranks' counts, hence their choices,
-    may differ), while compiling,
+    their own rows), for tensors that are not ``rank_invariant`` (the tokens) under an amax reduction group (each
+    rank's counts would choose its collectives: one all-reduce of all experts' amaxes on one rank could meet
+    per-expert ones on another), while compiling,
     for FSDP2-gathered weights or weights inside ``weight_cast_cache`` (its cache serves them), or where no
     Triton kernel runs (the CPU without the interpreter)."""
     q0 = quantizer_of(0)
@@ -180,24 +184,26 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
         return None
     delayed = spec.scaling == "delayed"
     group = getattr(spec.state, "amax_reduction_group", None) if delayed else spec.amax_reduction_group
-    uniform = all(n == splits[0] for n in splits)
-    if group is not None and not uniform:
-        # the ranks' token counts differ: were the choice theirs, one rank's one all-reduce for all experts
-        # would meet another's per-expert ones. Only the weights (equal rows everywhere) are cast grouped
+    if group is not None and not rank_invariant:
+        # each rank's token counts would choose its collectives: one all-reduce of all experts' amaxes here could
+        # meet per-expert all-reduces on a rank whose counts are ragged. Only the weights are cast grouped
         return None
+    uniform = all(n == splits[0] for n in splits)
     key = _float8_key(spec)
     if any(_float8_key(quantizer_of(e).role(a)) != key for e in range(len(splits)) for a in uses):
         return None
     if any(hasattr(p, "mx_gathered_plane") for p in parts) or (_WEIGHT_CASTS.depth and isinstance(parts[0], nn.Parameter)):
         return None
-    x = stacked()
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.stride(1) != 1:
-        return None
-    if x.numel() > GROUPED_FP8_CAST_MAX_ELEMENTS * len(splits):
+    p0 = parts[0]
+    if (p0.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or sum(splits) * p0.shape[-1] > GROUPED_FP8_CAST_MAX_ELEMENTS * len(splits)):
         return None
     slots = [quantizer_of(e).role(uses[0]).slot for e in range(len(splits))]
-    scale = _delayed_scales(splits, slots, spec.state, spec.fmt, x.device) if delayed else None
+    scale = _delayed_scales(splits, slots, spec.state, spec.fmt, p0.device) if delayed else None
     if delayed and scale is None:
+        return None
+    x = stacked()  # (weights that do not share one buffer are concatenated here: only once the path is taken)
+    if x.stride(1) != 1:
         return None
     call = GroupedFloat8CastCall(x, None if uniform else _offsets(list(itertools.accumulate(splits)), x.device),
                                  splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",
@@ -343,7 +349,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         # the weights first: their casts are the larger (the GPU starts on them while the host issues the rest)
         keep_dgrad = needs_dgrad and q0.weight.keeps_dgrad_plane()  # FP8: the dgrad plane from forward's cast
         w_ops = grouped_operands(lambda: _stack_rows(list(weights)), weights, [n_out] * num_gemms,
-                                 lambda e: quantizers[e].weight, True, keep_dgrad)
+                                 lambda e: quantizers[e].weight, True, keep_dgrad, rank_invariant=True)
         x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: quantizers[e].input, True,
                                  needs_wgrad)
         y = None
@@ -392,7 +398,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         if need_dx and _first(w_cols, 1) is None:  # MX: the dgrad plane is cast in backward, used at once
             # (on CUDA the cast writes its bf16 values, as it does for mxtrain.Linear's weight parameter)
             w_cols = grouped_operands(lambda: _stack_rows(weights), weights, [weights[0].shape[0]] * num_gemms,
-                                      lambda e: quantizers[e].weight, False, True, at_once=True)
+                                      lambda e: quantizers[e].weight, False, True, at_once=True, rank_invariant=True)
         out = _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)
         if out is None:
             out = _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b)

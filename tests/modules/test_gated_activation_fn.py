@@ -53,3 +53,11 @@ def test_bad_input_is_a_clear_error():
         mxtrain.gated_activation(torch.randn(4, 7))
     with pytest.raises(ValueError, match="floating tensor"):
         mxtrain.gated_activation(torch.ones(4, 8, dtype=torch.int64))
+
+
+def test_second_derivative_raises():
+    """The kernels' gradient carries no graph: asking for a second derivative is an error, not a wrong number."""
+    h = torch.randn(4, 8, requires_grad=True)
+    (g,) = torch.autograd.grad(mxtrain.gated_activation(h).sum(), h, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate|does not require grad"):
+        g.sum().backward()
