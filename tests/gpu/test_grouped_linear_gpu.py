@@ -27,6 +27,19 @@ def _rel(a, b):
 SPLITS = {"ragged": [0, 700, 37, 0, 1290, 128, 5, 900], "aligned": [0, 704, 64, 0, 1280, 128, 32, 896]}
 
 
+def _pair(bias: bool):
+    """A GroupedLinear(8, 512, 384) on CUDA in bf16 and 8 Linears holding its weights (and biases)."""
+    torch.manual_seed(0)
+    grouped = mxtrain.GroupedLinear(8, 512, 384, bias=bias).cuda().bfloat16()
+    linears = [mxtrain.Linear(512, 384, bias=bias).cuda().bfloat16() for _ in range(8)]
+    with torch.no_grad():
+        for e, lin in enumerate(linears):
+            lin.weight.copy_(getattr(grouped, f"weight{e}"))
+            if bias:
+                lin.bias.copy_(getattr(grouped, f"bias{e}"))
+    return grouped, linears
+
+
 @pytest.mark.parametrize("splits", list(SPLITS))
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -35,14 +48,7 @@ def test_matches_loop_of_linears_on_cuda(recipe, bias, splits, monkeypatch):
     real = gl_module._grouped_mm_fn
     monkeypatch.setattr(gl_module, "_grouped_mm_fn", lambda a, b, **kw: grouped_calls.append(1) or real(a, b, **kw))
     splits = SPLITS[splits]
-    torch.manual_seed(0)
-    grouped = mxtrain.GroupedLinear(8, 512, 384, bias=bias).cuda().bfloat16()
-    linears = [mxtrain.Linear(512, 384, bias=bias).cuda().bfloat16() for _ in splits]
-    with torch.no_grad():
-        for e, lin in enumerate(linears):
-            lin.weight.copy_(getattr(grouped, f"weight{e}"))
-            if bias:
-                lin.bias.copy_(getattr(grouped, f"bias{e}"))
+    grouped, linears = _pair(bias)
     x = torch.randn(sum(splits), 512, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(sum(splits), 384, device="cuda", dtype=torch.bfloat16)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -73,12 +79,7 @@ def test_delayed_scaling_grouped_casts_follow_the_loop_over_steps(monkeypatch):
     monkeypatch.setattr(registry, "run", lambda op, *a, **k: (op == "grouped_float8_cast" and grouped_casts.append(op))
                         or real_run(op, *a, **k))
     splits = SPLITS["aligned"]
-    torch.manual_seed(0)
-    grouped = mxtrain.GroupedLinear(8, 512, 384, bias=False).cuda().bfloat16()
-    linears = [mxtrain.Linear(512, 384, bias=False).cuda().bfloat16() for _ in splits]
-    with torch.no_grad():
-        for e, lin in enumerate(linears):
-            lin.weight.copy_(getattr(grouped, f"weight{e}"))
+    grouped, linears = _pair(bias=False)
     recipe = mxtrain.DelayedScaling(amax_history_len=4)
     for step in range(3):
         x = torch.randn(sum(splits), 512, device="cuda", dtype=torch.bfloat16)
