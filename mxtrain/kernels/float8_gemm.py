@@ -257,7 +257,7 @@ def _tensorwise(call: GemmCall) -> torch.Tensor:
     # torch._scaled_mm takes K, N % 16 == 0: other sizes are zero-padded
     pa, pb = call.a.plane(call.a_axis), call.b.plane(call.b_axis)
     return _padded(_scaled_mm_planes, pa, pb, 1, 16, 16, call.out_dtype, call.bias,
-                   fast=_fast_accum(call.a_axis, call.b_axis), **({} if call.out is None else {"out": call.out}))
+                   fast=_fast_accum(call.a_axis, call.b_axis), out=call.out)
 
 
 def _block_supports(call: GemmCall) -> str | None:

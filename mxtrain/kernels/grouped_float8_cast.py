@@ -132,8 +132,6 @@ def _grouped_cast_kernel(x_ptr, ends_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr,
         start0 = tl.multiple_of(start0, 16)
         count0 = tl.multiple_of(count0, 16)
         ex = ex0 + tl.zeros([BM], tl.int32)
-        start = start0 + tl.zeros([BM], tl.int32)
-        count = count0 + tl.zeros([BM], tl.int32)
     else:
         ex, start, count = _row_experts(ends_ptr, rm, T, E, SEG, UNIFORM, BLOCK_E)
     eidx = tl.arange(0, BLOCK_E)

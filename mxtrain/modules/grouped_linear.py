@@ -442,10 +442,7 @@ def _per_expert_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_
 
 def _starts(splits: list[int]) -> list[int]:
     """Each expert's first row in the stacked tokens."""
-    starts = [0]
-    for n in splits[:-1]:
-        starts.append(starts[-1] + n)
-    return starts
+    return list(itertools.accumulate(splits[:-1], initial=0))
 
 
 def _grouped_backward(ctx, dy, x_ops, dy_ops, w_cols, weights, need_dx, need_w, need_b):
