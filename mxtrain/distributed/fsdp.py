@@ -108,6 +108,8 @@ class _Stats:
     amax_reductions: int = 0  # FP8 gathers: batched all-reduces of weight amaxes
     amax_bytes: int = 0  # what this rank put into them
     planes: dict = field(default_factory=dict)  # "rowwise"/"columnwise"/"both"/"high_precision" -> count
+    resent: int = 0  # gathers that sent what the weight's forward gather sent (no cast: see _SentShard)
+    transposes: int = 0  # FP8 dgrad planes made by transposing gathered codes
 
 
 _STATS = _Stats()
@@ -340,6 +342,25 @@ def _fp8_cached(group, key, fsdp_param):
     return mine
 
 
+class _SentShard:
+    """What a forward all-gather of a weight sent (its inputs and the metadata they need), kept for the backward
+    gather that FSDP makes after resharding: that gather sends the same bytes when it asks for the same planes
+    (``key``) cast at the same scales (``refs``: the objects the scales came from, compared by identity) from the
+    weight's unchanged data (the same tensor at the same version: an optimizer step, a checkpoint load or an edit
+    under ``no_grad`` bumps it). Used once; a rank's own decision (nothing goes over the wire differently).
+    Costs one shard's bytes per weight (1 byte per element for FP8) from forward to backward."""
+
+    __slots__ = ("data", "version", "key", "refs", "inputs", "meta")
+
+    def __init__(self, data, key, refs, inputs, meta):
+        self.data, self.version, self.key, self.refs = data, data._version, key, refs
+        self.inputs, self.meta = inputs, meta
+
+    def holds(self, data, key, refs) -> bool:
+        return (self.data is data and self.version == data._version and self.key == key
+                and len(self.refs) == len(refs) and all(a is b for a, b in zip(self.refs, refs)))
+
+
 class MXAllGatherWeight(torch.Tensor):
     """A high-precision weight (a plain tensor inside) whose FSDP2 all-gathers send MX bytes.
 
@@ -441,6 +462,14 @@ class MXAllGatherWeight(torch.Tensor):
             roles = [DGRAD, FPROP] if both else [DGRAD]
         else:
             roles = [FPROP, DGRAD]
+        # A forward gather whose weight FSDP reshards after forward is gathered again before backward, unchanged
+        # unless the weight was written in between: keep what it sends, and let that gather send it again when
+        # it asks for the same bytes (no second cast; see _SentShard)
+        sent, self._mx_sent = getattr(self, "_mx_sent", None), None
+        if phase != TrainingState.PRE_BACKWARD:
+            sent = None
+        keep = (phase == TrainingState.FORWARD and group._reshard_after_forward
+                and not torch.is_inference_mode_enabled())
         uses = fp8 = None
         if recipe is not None and isinstance(recipe.role("fprop_weight"), Float8RoleSpec):
             fp8 = self._fp8_uses(recipe, roles, phase, group, module)
@@ -454,14 +483,18 @@ class MXAllGatherWeight(torch.Tensor):
                 uses = None
 
         if fp8 is not None:
-            inputs, meta = self._fp8_input(fp8, fsdp_param, group, orig_size, world, param_dtype)
+            inputs, meta = self._fp8_input(fp8, fsdp_param, group, orig_size, world, param_dtype, sent, keep)
         elif uses is None:
             inputs, meta = self._high_precision_input(orig_size, world, param_dtype)
         else:
-            inputs, meta = self._mx_input(uses, orig_size, world, param_dtype)
+            # (MX planes differ by pass unless every gather sends both: a traced weight's)
+            inputs, meta = self._mx_input(uses, orig_size, world, param_dtype, sent, keep and bool(info.traced))
         # a forward gather whose planes serve backward (not gathered again, or gathered again with the same layout
         # into the same buffers): a traced module may save them for its backward
         meta["kept"] = phase == TrainingState.FORWARD and (info.traced or len(roles) > 1)
+        # FP8: the dgrad plane of a traced forward gather is refilled by the backward gather before any use (the
+        # traced forward only saves it): the transpose waits for that gather
+        meta["dgrad_later"] = keep and bool(info.traced)
         layout = (inputs[0].numel(), inputs[0].dtype)
         outputs = fsdp_param.all_gather_outputs
         if outputs and (outputs[0].numel() != layout[0] * world or outputs[0].dtype != layout[1]):
@@ -498,9 +531,13 @@ class MXAllGatherWeight(torch.Tensor):
         return (x.contiguous(),), {"kind": "hp", "what": "high_precision", "shape": tuple(orig_size),
                                    "dtype": param_dtype, "world": world}
 
-    def _mx_input(self, uses, orig_size, world, param_dtype):
+    def _mx_input(self, uses, orig_size, world, param_dtype, sent=None, keep=False):
         n = orig_size[0]
         rows = self._local_rows(orig_size, world)
+        key = ("mx", tuple(uses), param_dtype, world, tuple(orig_size))
+        if sent is not None and sent.holds(self._data, key, ()):
+            _STATS.resent += 1
+            return sent.inputs, dict(sent.meta)
         check_shard_shape(self._info.name, tuple(orig_size), world, [spec.block_size for spec, a in uses if a == 0])
         by_spec: dict = {}
         for spec, axis in uses:
@@ -529,8 +566,11 @@ class MXAllGatherWeight(torch.Tensor):
         axes = {p["axis"] for p in planes}
         what = "both" if len(axes) > 1 else ("rowwise" if 1 in axes else "columnwise")
         assert rows * world == n
-        return (buf,), {"kind": "mx", "what": what, "planes": planes, "shape": tuple(orig_size),
-                        "dtype": param_dtype, "world": world}
+        meta = {"kind": "mx", "what": what, "planes": planes, "shape": tuple(orig_size), "dtype": param_dtype,
+                "world": world}
+        if keep:
+            self._mx_sent = _SentShard(self._data, key, (), (buf,), dict(meta))
+        return (buf,), meta
 
     # ---- FP8 recipes (Float8CurrentScaling, DelayedScaling, Float8BlockScaling)
 
@@ -673,22 +713,51 @@ class MXAllGatherWeight(torch.Tensor):
         self._info.delayed_cast = (*key, scale)
         return scale
 
-    def _fp8_input(self, uses, fsdp_param, group, orig_size, world, param_dtype):
+    def _fp8_input(self, uses, fsdp_param, group, orig_size, world, param_dtype, sent=None, keep=False):
         """This rank's rows as FP8 codes (uint8, padded to FSDP's shard rows); the scale(s) in the metadata.
 
         Every rank derives the same scales from the all-reduced amax (current, block) or from the
-        module's state (delayed), so only the codes travel: 1 byte per element."""
+        module's state (delayed), so only the codes travel: 1 byte per element. ``sent``: the forward
+        gather's codes, sent again when they were cast at the very scales this gather casts at (the
+        same result objects of the amax all-reduce or of the delayed state) from the unchanged weight."""
         spec = uses[0][0]
         n, k = orig_size
         rows = self._local_rows(orig_size, world)
         pg = fsdp_param.mesh_info.shard_process_group
-        amax, scale, scale_inv = self._fp8_scales(spec, fsdp_param, group, pg, param_dtype)
+        scales = self._fp8_scales(spec, fsdp_param, group, pg, param_dtype)
+        amax, scale, scale_inv = scales
+        fmt = spec.fmt
+        if spec.block is None and spec.scaling == "delayed":
+            scale = self._delayed_scale(spec, fmt, amax, self.device)
+        key = ("fp8", fmt, spec.block, spec.scaling, spec.power_of_2_scales, spec.amax_epsilon, param_dtype, world,
+               tuple(orig_size))
+        refs = (scales, scale)
+        if sent is not None and sent.holds(self._data, key, refs):
+            buf, scale_inv, amax = sent.inputs[0], sent.meta["scale_inv"], sent.meta["amax"]
+            _STATS.resent += 1
+        else:
+            buf, scale_inv, amax = self._fp8_codes(spec, pg, orig_size, rows, param_dtype, amax, scale, scale_inv)
+            if keep:
+                self._mx_sent = _SentShard(self._data, key, refs, (buf,), {"scale_inv": scale_inv, "amax": amax})
+        axes = {axis for _, axis in uses}
+        what = "both" if len(axes) > 1 else ("rowwise" if 1 in axes else "columnwise")
+        # host-side only (no device sync per step): FSDP2 gathers eagerly, and the update before this cast took
+        # every amax recorded so far, so the forward's own update (compiled or not) finds nothing new and leaves
+        # the scales as cast here; only a later eager update with new amaxes makes these codes stale (not seen:
+        # a compiled forward of a module called twice per gather, whose second update finds the first's amaxes)
+        updates = spec.state.eager_updates if spec.scaling == "delayed" else None
+        return (buf,), {
+            "kind": "fp8", "what": what, "shape": tuple(orig_size), "dtype": param_dtype, "world": world,
+            "fmt": fmt, "block": spec.block, "scale_inv": scale_inv, "amax": amax,
+            "specs": {axis: spec for spec, axis in uses}, "updates": updates}
+
+    def _fp8_codes(self, spec, pg, orig_size, rows, param_dtype, amax, scale, scale_inv):
+        """``(codes as uint8 [rows, K], scale_inv, amax)`` of this rank's shard cast at the given scale(s)."""
+        n, k = orig_size
         x = self._data.to(param_dtype).contiguous()
         fmt = spec.fmt
         kernels = _triton_float8_casts(x.device, x.dtype) if x.numel() else None
         if spec.block is None:
-            if spec.scaling == "delayed":
-                scale = self._delayed_scale(spec, fmt, amax, x.device)
             if kernels is not None:  # one kernel: the codes and scale_inv (from the given scale, or the amax)
                 q, _ = kernels[0](x, fmt, scale=scale, amax=None if scale is not None else amax,
                                   power_of_2_scales=spec.power_of_2_scales, amax_epsilon=spec.amax_epsilon)
@@ -717,17 +786,7 @@ class MXAllGatherWeight(torch.Tensor):
         buf = codes.view(torch.uint8)
         if buf.shape[0] != rows:  # uneven sharding: FSDP wants every rank's input padded to the same rows
             buf = torch.cat([buf, buf.new_zeros((rows - buf.shape[0], k))])
-        axes = {axis for _, axis in uses}
-        what = "both" if len(axes) > 1 else ("rowwise" if 1 in axes else "columnwise")
-        # host-side only (no device sync per step): FSDP2 gathers eagerly, and the update before this cast took
-        # every amax recorded so far, so the forward's own update (compiled or not) finds nothing new and leaves
-        # the scales as cast here; only a later eager update with new amaxes makes these codes stale (not seen:
-        # a compiled forward of a module called twice per gather, whose second update finds the first's amaxes)
-        updates = spec.state.eager_updates if spec.scaling == "delayed" else None
-        return (buf,), {
-            "kind": "fp8", "what": what, "shape": tuple(orig_size), "dtype": param_dtype, "world": world,
-            "fmt": fmt, "block": spec.block, "scale_inv": scale_inv, "amax": amax,
-            "specs": {axis: spec for spec, axis in uses}, "updates": updates}
+        return buf, scale_inv, amax
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         (buf,) = all_gather_outputs
@@ -767,6 +826,9 @@ class _GatheredState:
     owner: Any = None  # weakref to the sharded MXAllGatherWeight (its FSDPParam holds the unsharded parameter)
     kept: bool = False  # the planes serve backward too (not gathered again, or refilled in place before it)
     anchor: Any = None  # the _GatheredAnchor traced modules take in place of the weight (made with the state)
+    # FP8: the dgrad plane's buffer is laid out but not yet written (a traced forward gather; the backward gather
+    # writes it before backward reads it); an eager use before then transposes the rowwise codes itself
+    dgrad_pending: bool = False
 
     def fill(self, buf: torch.Tensor, meta: dict) -> None:
         world, shape = meta["world"], meta["shape"]
@@ -830,6 +892,7 @@ class _GatheredState:
         row = buf.view(fp8).view(-1, k)[:n]
         block, scale_inv = meta["block"], meta["scale_inv"]
         planes = {}
+        self.dgrad_pending = False
         for axis, spec in meta["specs"].items():
             if axis == 1:
                 plane = Float8Plane(row, scale_inv, 1, block)
@@ -839,8 +902,12 @@ class _GatheredState:
                     _free(arena)
                     arena = self.inner[0] = torch.empty(n * k, dtype=torch.uint8, device=buf.device)
                 col = arena.view(fp8).view(k, n)
-                with torch.autograd._unsafe_preserve_version_counter(arena):  # as in fill
-                    transpose_bytes(row, col)  # (torch's strided copy of bytes: a tenth of the bandwidth)
+                if meta.get("dgrad_later"):
+                    self.dgrad_pending = True
+                else:
+                    with torch.autograd._unsafe_preserve_version_counter(arena):  # as in fill
+                        transpose_bytes(row, col)  # (torch's strided copy of bytes: a tenth of the bandwidth)
+                    _STATS.transposes += 1
                 plane = Float8Plane(col, scale_inv if block is None else scale_inv.t().contiguous(), 0, block)
             planes[axis] = (spec, Float8Tensor((plane,), meta["fmt"], (n, k), meta["dtype"], meta["amax"]))
         self.planes, self.delayed_updates = planes, meta["updates"]
@@ -949,11 +1016,17 @@ class MXGatheredWeight(torch.Tensor):
             return None
         entry = self._state.planes.get(axis % 2)
         row = self._state.planes.get(1)
+        if axis % 2 == 0 and not torch.compiler.is_compiling() and self._state.dgrad_pending:
+            entry = None  # laid out for a traced backward, not written yet: transposed here (below)
         if entry is None and axis % 2 == 0 and row is not None and isinstance(row[1], Float8Tensor):
             # an FP8 dgrad plane asked for in forward (see mx_keep_dgrad_plane): the transpose of the
             # gathered codes (and block scales) is the full weight's, exactly
             p = row[1].plane(1)
-            data = p.data.t().contiguous() if torch.compiler.is_compiling() else transpose_bytes(p.data)
+            if torch.compiler.is_compiling():
+                data = p.data.t().contiguous()
+            else:
+                data = transpose_bytes(p.data)
+                _STATS.transposes += 1
             col = Float8Plane(data, p.scale_inv if p.block is None else p.scale_inv.t().contiguous(), 0, p.block)
             entry = (row[0], dataclasses.replace(row[1], planes=(col,)))
         if entry is None or (entry[0] != spec and not _first_step_view_of(spec, entry[0])):

@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import mxtrain
+import mxtrain.distributed as mxdist
 from mxtrain.distributed import enable_quantized_all_gather
 
 WIDTH, FFN, TOKENS = 64, 128, 16
@@ -78,7 +79,7 @@ def scenario_compile(rank: int, device) -> dict:
 
     import mxtrain.modules._common as common
 
-    result, eager = {}, {}
+    result, eager, eager_stats = {}, {}, {}
     warnings.simplefilter("always")
     for name, reshard, inner in (("fp8_current", True, False), ("mxfp8", True, False), ("fp8_current", False, False),
                                  ("mxfp8", False, False), ("fp8_current", True, True), ("mxfp8", True, True),
@@ -86,7 +87,9 @@ def scenario_compile(rank: int, device) -> dict:
                                  ("fp8_delayed", True, True)):
         recipe = mxtrain.recipe_from_string(name)
         if (name, reshard) not in eager:
+            mxdist.reset_all_gather_stats()
             eager[name, reshard] = grads(recipe, False, device, rank, reshard, steps=3)
+            eager_stats[name, reshard] = _gather_counts()
         torch._dynamo.reset()
         counters.clear()
         common._WARNED_EAGER_GATHERED.clear()
@@ -96,8 +99,10 @@ def scenario_compile(rank: int, device) -> dict:
             steps.append((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]))
             counters.clear()
 
+        mxdist.reset_all_gather_stats()
         with warnings.catch_warnings(record=True) as seen:
             compiled = grads(recipe, True, device, rank, reshard, steps=3, inner=inner, after_step=after_step)
+        gathered = _gather_counts()
         ref = eager[name, reshard]
         result[f"{name}-{'reshard' if reshard else 'keep'}{'-inner' if inner else ''}"] = {
             "params": sorted(ref),
@@ -108,6 +113,7 @@ def scenario_compile(rank: int, device) -> dict:
             "no_grad": sorted(n for n, g in compiled.items() if g is None or not g.abs().max() > 0),
             "differ": sorted(n for n, g in compiled.items()
                              if g is not None and ref.get(n) is not None and not torch.equal(g, ref[n])),
+            "gathers": gathered, "eager_gathers": eager_stats[name, reshard],
         }
     # DCP resume of compiled blocks (traced gathers; DelayedScaling's state): the resumed run's losses
     for name in ("fp8_delayed", "mxfp8"):
@@ -127,6 +133,13 @@ def scenario_compile(rank: int, device) -> dict:
             "differ": sorted(n for n, g in got.items() if g is None or not torch.equal(g, ref[n])),
         }
     return result
+
+
+def _gather_counts() -> dict:
+    """Of the all-gathers since the last reset: how many, how many sent the forward gather's bytes again, how
+    many FP8 dgrad planes were transposed from gathered codes."""
+    s = mxdist.all_gather_stats()
+    return {"gathers": s["gathers"], "resent": s["resent"], "transposes": s["transposes"]}
 
 
 def _resume(recipe, device, rank: int) -> dict:

@@ -352,7 +352,7 @@ def fp8_edit_between_passes(rank, world, device, recipe, mp=torch.bfloat16):
     fwd_scale_inv = rec.planes["1.weight:1"][3]
     stats = mxdist.all_gather_stats()
     return {"after_forward": after_forward, "amax_reductions": stats["amax_reductions"],
-            "fp8_gathers": stats["fp8_gathers"], "edited_plane_matches": same,
+            "fp8_gathers": stats["fp8_gathers"], "resent": stats["resent"], "edited_plane_matches": same,
             "scale_changed": not torch.equal(fwd_scale_inv if spec.block is None else fwd_scale_inv.t(), scale_inv)}
 
 

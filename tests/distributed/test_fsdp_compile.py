@@ -87,3 +87,36 @@ def test_compiled_blocks_resume_from_a_checkpoint_bit_identically(compiled, reci
     # traced quantized gathers and DelayedScaling's state through mxtrain.distributed.save / load_checkpoint
     r = compiled[f"{recipe}-resume"]
     assert r["resumed"] == r["straight"]
+
+
+WEIGHTS, STEPS = 5, 3  # gathered weights (LayerNormMLP 2, LayerNormLinear 1, Linear 2), steps of each run
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed", "mxfp8"])
+@pytest.mark.parametrize("config", CONFIGS)
+def test_backward_gathers_send_the_forward_gathers_bytes_without_casting_again(compiled, recipe, config):
+    # A weight resharded after forward is gathered again before backward, unchanged. FP8 codes are the same
+    # bytes for either pass: that gather sends the forward's again (no cast), eager or compiled; MX planes
+    # differ by pass, except for a traced weight, whose gathers all send both planes. No reshard after forward:
+    # one gather a step, nothing kept
+    r = compiled[f"{recipe}-{config}"]
+    per_step = 2 if config != "keep" else 1
+    for run in ("gathers", "eager_gathers"):
+        assert r[run]["gathers"] == WEIGHTS * per_step * STEPS
+    if config == "keep":
+        assert r["gathers"]["resent"] == r["eager_gathers"]["resent"] == 0
+    elif recipe.startswith("fp8"):
+        assert r["gathers"]["resent"] == r["eager_gathers"]["resent"] == WEIGHTS * STEPS
+    else:
+        assert r["eager_gathers"]["resent"] == 0
+        # traced from the first gather (compiled before fully_shard), or from the second step (inner)
+        assert r["gathers"]["resent"] == WEIGHTS * (STEPS - (config == "reshard-inner"))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed"])
+@pytest.mark.parametrize("config", CONFIGS)
+def test_fp8_dgrad_planes_are_transposed_once_a_step(compiled, recipe, config):
+    # a traced forward gather lays the dgrad plane out for the backward gather to write (before, every gather
+    # of a traced weight transposed: the forward's transpose was overwritten before backward read it)
+    r = compiled[f"{recipe}-{config}"]
+    assert r["gathers"]["transposes"] == r["eager_gathers"]["transposes"] == WEIGHTS * STEPS

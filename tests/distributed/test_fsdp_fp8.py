@@ -61,8 +61,13 @@ def test_fp8_weight_edited_after_forward_is_not_reused(fp8, recipe):
     # backward only the edited Linear's gather all-reduces again
     forward = 3 if recipe == "block" else 1
     assert r["after_forward"] == forward and r["amax_reductions"] == forward + 1
-    # its dgrad plane is the cast of the edited full weight, not codes at the forward's scale
+    # its dgrad plane is the cast of the edited full weight, not codes at the forward's scale. A backward gather
+    # sends the forward's codes again (no cast) where its scales are the very results the forward cast at: the
+    # last Linear's (gathered first in backward) and, for 128 x 128 blocks (one all-reduce a group), the first
+    # Linear's too; per tensor, the edited weight's all-reduce renewed every weight's amax (one all-reduce for
+    # the tree), so the first Linear casts again (the same codes: it cannot tell without reading the device)
     assert r["edited_plane_matches"] and r["scale_changed"]
+    assert r["resent"] == (2 if recipe == "block" else 1)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
