@@ -343,12 +343,12 @@ def _fp8_cached(group, key, fsdp_param):
 
 
 class _SentShard:
-    """What a forward all-gather of a weight sent (its inputs and the metadata they need), kept for the backward
-    gather that FSDP makes after resharding: that gather sends the same bytes when it asks for the same planes
-    (``key``) cast at the same scales (``refs``: the objects the scales came from, compared by identity) from the
+    """The FP8 codes a forward all-gather of a weight sent (with the metadata they need), kept for the backward
+    gather that FSDP makes after resharding: that gather sends the same bytes when they come from the same cast
+    (``key``) at the same scales (``refs``: the objects the scales came from, compared by identity) of the
     weight's unchanged data (the same tensor at the same version: an optimizer step, a checkpoint load or an edit
     under ``no_grad`` bumps it). Used once; a rank's own decision (nothing goes over the wire differently).
-    Costs one shard's bytes per weight (1 byte per element for FP8) from forward to backward."""
+    Costs one shard's codes per weight (1 byte per element / world size) from forward to backward."""
 
     __slots__ = ("data", "version", "key", "refs", "inputs", "meta")
 
@@ -463,8 +463,9 @@ class MXAllGatherWeight(torch.Tensor):
         else:
             roles = [FPROP, DGRAD]
         # A forward gather whose weight FSDP reshards after forward is gathered again before backward, unchanged
-        # unless the weight was written in between: keep what it sends, and let that gather send it again when
-        # it asks for the same bytes (no second cast; see _SentShard)
+        # unless the weight was written in between: keep the FP8 codes it sends, and let that gather send them
+        # again when they are cast at the same scales (no second cast; see _SentShard). (Not MX planes: they
+        # differ by pass, or, for a traced weight, take 2 bytes per element to keep, for one launch saved.)
         sent, self._mx_sent = getattr(self, "_mx_sent", None), None
         if phase != TrainingState.PRE_BACKWARD:
             sent = None
@@ -487,8 +488,7 @@ class MXAllGatherWeight(torch.Tensor):
         elif uses is None:
             inputs, meta = self._high_precision_input(orig_size, world, param_dtype)
         else:
-            # (MX planes differ by pass unless every gather sends both: a traced weight's)
-            inputs, meta = self._mx_input(uses, orig_size, world, param_dtype, sent, keep and bool(info.traced))
+            inputs, meta = self._mx_input(uses, orig_size, world, param_dtype)
         # a forward gather whose planes serve backward (not gathered again, or gathered again with the same layout
         # into the same buffers): a traced module may save them for its backward
         meta["kept"] = phase == TrainingState.FORWARD and (info.traced or len(roles) > 1)
@@ -531,13 +531,9 @@ class MXAllGatherWeight(torch.Tensor):
         return (x.contiguous(),), {"kind": "hp", "what": "high_precision", "shape": tuple(orig_size),
                                    "dtype": param_dtype, "world": world}
 
-    def _mx_input(self, uses, orig_size, world, param_dtype, sent=None, keep=False):
+    def _mx_input(self, uses, orig_size, world, param_dtype):
         n = orig_size[0]
         rows = self._local_rows(orig_size, world)
-        key = ("mx", tuple(uses), param_dtype, world, tuple(orig_size))
-        if sent is not None and sent.holds(self._data, key, ()):
-            _STATS.resent += 1
-            return sent.inputs, dict(sent.meta)
         check_shard_shape(self._info.name, tuple(orig_size), world, [spec.block_size for spec, a in uses if a == 0])
         by_spec: dict = {}
         for spec, axis in uses:
@@ -566,11 +562,8 @@ class MXAllGatherWeight(torch.Tensor):
         axes = {p["axis"] for p in planes}
         what = "both" if len(axes) > 1 else ("rowwise" if 1 in axes else "columnwise")
         assert rows * world == n
-        meta = {"kind": "mx", "what": what, "planes": planes, "shape": tuple(orig_size), "dtype": param_dtype,
-                "world": world}
-        if keep:
-            self._mx_sent = _SentShard(self._data, key, (), (buf,), dict(meta))
-        return (buf,), meta
+        return (buf,), {"kind": "mx", "what": what, "planes": planes, "shape": tuple(orig_size),
+                        "dtype": param_dtype, "world": world}
 
     # ---- FP8 recipes (Float8CurrentScaling, DelayedScaling, Float8BlockScaling)
 
