@@ -245,6 +245,9 @@ class _WeightInfo:
     # DelayedScaling: (state, slot, its eager update count, the weight data's version, scale) of the last gather's
     # cast; a later gather of the unchanged weight at the same update count (backward's) casts at that scale
     delayed_cast: Any = None
+    # MX, traced: the gathered weight holds both planes in fixed places (a gather that sent both laid them out), so
+    # a gather may send only the plane its pass reads and write it in place (see _GatheredState.fill)
+    mx_slots: bool = False
 
 
 # Ops whose results stay MXAllGatherWeight: what FSDP2 does to build and pad the
@@ -447,7 +450,11 @@ class MXAllGatherWeight(torch.Tensor):
 
         if info.traced is None:
             info.traced = _compiled_group(group)
-        if info.traced and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD):
+        fp8_recipe = recipe is not None and isinstance(recipe.role("fprop_weight"), Float8RoleSpec)
+        if info.traced and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD) and (
+                fp8_recipe or not info.mx_slots):
+            # a traced weight's gathered planes all exist from the first gather on (FP8: the same codes serve both;
+            # MX: both planes sent once, to lay them out; later gathers send the pass's own, as below)
             roles = [FPROP, DGRAD]
         elif phase == TrainingState.FORWARD:
             # One gather must also serve backward when the weight is not resharded in between.
@@ -472,7 +479,7 @@ class MXAllGatherWeight(torch.Tensor):
         keep = (phase == TrainingState.FORWARD and group._reshard_after_forward
                 and not torch.is_inference_mode_enabled())
         uses = fp8 = None
-        if recipe is not None and isinstance(recipe.role("fprop_weight"), Float8RoleSpec):
+        if fp8_recipe:
             fp8 = self._fp8_uses(recipe, roles, phase, group, module)
         elif recipe is not None:
             uses = [(recipe.role(role), axis) for role, axis in roles]
@@ -495,6 +502,8 @@ class MXAllGatherWeight(torch.Tensor):
         # FP8: the dgrad plane of a traced forward gather is refilled by the backward gather before any use (the
         # traced forward only saves it): the transpose waits for that gather
         meta["dgrad_later"] = keep and bool(info.traced)
+        # MX: a traced weight's planes stay in their places; a gather that sends one writes it there
+        meta["slots"] = bool(info.traced) and meta["kind"] == "mx"
         layout = (inputs[0].numel(), inputs[0].dtype)
         outputs = fsdp_param.all_gather_outputs
         if outputs and (outputs[0].numel() != layout[0] * world or outputs[0].dtype != layout[1]):
@@ -819,9 +828,12 @@ class _GatheredState:
     owner: Any = None  # weakref to the sharded MXAllGatherWeight (its FSDPParam holds the unsharded parameter)
     kept: bool = False  # the planes serve backward too (not gathered again, or refilled in place before it)
     anchor: Any = None  # the _GatheredAnchor traced modules take in place of the weight (made with the state)
-    # FP8: the dgrad plane's buffer is laid out but not yet written (a traced forward gather; the backward gather
-    # writes it before backward reads it); an eager use before then transposes the rowwise codes itself
-    dgrad_pending: bool = False
+    # axes (1 rowwise, 0 columnwise) whose planes are laid out but not written by the last gather: a traced
+    # module's (FP8: the dgrad plane of a forward gather; MX: the plane the pass does not read). The gather
+    # before the pass that reads one writes it there. An eager use of one before then: FP8 transposes the
+    # gathered codes; MX has no such plane
+    pending: frozenset = frozenset()
+    slots: dict = field(default_factory=dict)  # MX, traced: axis -> (plane fields, destination offset in inner[0])
 
     def fill(self, buf: torch.Tensor, meta: dict) -> None:
         world, shape = meta["world"], meta["shape"]
@@ -830,7 +842,8 @@ class _GatheredState:
             self._fill_fp8(buf, meta)
             return
         if meta["kind"] == "hp":
-            self.planes = {}
+            self.planes, self.pending, self.slots = {}, frozenset(), {}
+            self._mark_slots()
             self.hp = buf.view(-1, *shape[1:])[: shape[0]]
             _free(self.inner[0])
             return
@@ -840,16 +853,10 @@ class _GatheredState:
             self._fill_values(per_rank, meta)
             _free(buf)
             return
-        sizes = []
-        for p in meta["planes"]:
-            sizes += [math.prod(p["data_shape"]), math.prod(p["scale_shape"])]
-        total = sum(sizes) * world
-        arena = self.inner[0]
-        if arena.numel() != total:
-            _free(arena)
-            arena = self.inner[0] = torch.empty(total, dtype=torch.uint8, device=buf.device)
-        planes, src_off, dst_off = {}, 0, 0
-        for p in meta["planes"]:
+        sizes = [(math.prod(p["data_shape"]) + math.prod(p["scale_shape"])) * world for p in meta["planes"]]
+        arena, offsets = self._place(meta, sizes, False, buf.device)
+        planes, src_off = {}, 0
+        for p, dst_off in zip(meta["planes"], offsets):
             full = []
             for shard_shape in (p["data_shape"], p["scale_shape"]):
                 numel = math.prod(shard_shape)
@@ -870,10 +877,50 @@ class _GatheredState:
                            fmt=p["fmt"], block_size=p["block_size"], shape=tuple(shape), dtype=meta["dtype"],
                            scale_mode=p["scale_mode"], rounding=p["rounding"], whole_axis=p["whole_axis"])
             planes[p["axis"]] = (p["spec"], mxt)
-        self.planes = planes
+        self._set_planes(planes)
         # The planes are copied out: give the all-gather output's memory back now rather than
         # at reshard (FSDP reallocates it before the next all-gather).
         _free(buf)
+
+    def _place(self, meta: dict, sizes: list, values: bool, device) -> tuple:
+        """``(inner[0], offset of each of meta's planes in it)``. A traced MX weight (``meta["slots"]``) keeps its
+        planes in fixed places once a gather of both laid them out: a later gather that sends some of them writes
+        each into its place (the arena, and the planes of the others, as they are), so the buffers a traced
+        forward saved are the ones the backward's gather writes. Otherwise the planes are laid out in order."""
+        keys = [(p["axis"], p["data_shape"], p["scale_shape"], p["fmt"], p["block_size"], p["packed"],
+                 p["scale_mode"], p["rounding"], p["whole_axis"], values, meta["dtype"], meta["world"], p["spec"])
+                for p in meta["planes"]]
+        arena = self.inner[0]
+        if (meta.get("slots") and self.slots and arena.numel() == self.slots["bytes"]
+                and all(k[0] in self.slots and self.slots[k[0]][0] == k for k in keys)):
+            self.pending = frozenset(a for a in self.slots if a != "bytes") - {k[0] for k in keys}
+            for p in meta["planes"]:  # the spec objects of the laid-out planes (equal ones: a traced graph's guards
+                p["spec"] = self.slots[p["axis"]][2]  # compare them by identity)
+            return arena, [self.slots[k[0]][1] for k in keys]
+        total = sum(sizes)
+        if arena.numel() != total:
+            _free(arena)
+            arena = self.inner[0] = torch.empty(total, dtype=torch.uint8, device=device)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        both = {k[0] for k in keys} == {0, 1}
+        self.slots = ({k[0]: (k, off, p["spec"]) for k, off, p in zip(keys, offsets, meta["planes"])}
+                      | {"bytes": total} if meta.get("slots") and both else {})
+        self.pending = frozenset()
+        return arena, offsets
+
+    def _set_planes(self, planes: dict) -> None:
+        """The planes this gather wrote, beside those laid out before and not written now (``pending``)."""
+        if self.pending:  # in the order of the gather that laid them out (rowwise first): what a traced graph saw
+            merged = {**{a: e for a, e in self.planes.items() if a in self.pending}, **planes}
+            planes = {a: merged[a] for a in sorted(merged, reverse=True)}
+        self.planes = planes
+        self._mark_slots()
+
+    def _mark_slots(self) -> None:
+        # what the sharded weight's next gather reads: whether it may send one plane (see fsdp_pre_all_gather)
+        owner = self.owner() if self.owner is not None else None
+        if owner is not None:
+            owner._info.mx_slots = bool(self.slots)
 
     def _fill_fp8(self, buf: torch.Tensor, meta: dict) -> None:
         """FP8 planes of the full weight: the gathered rows are its rowwise codes as they are (rank r's
@@ -885,7 +932,8 @@ class _GatheredState:
         row = buf.view(fp8).view(-1, k)[:n]
         block, scale_inv = meta["block"], meta["scale_inv"]
         planes = {}
-        self.dgrad_pending = False
+        self.pending, self.slots = frozenset(), {}
+        self._mark_slots()
         for axis, spec in meta["specs"].items():
             if axis == 1:
                 plane = Float8Plane(row, scale_inv, 1, block)
@@ -896,7 +944,7 @@ class _GatheredState:
                     arena = self.inner[0] = torch.empty(n * k, dtype=torch.uint8, device=buf.device)
                 col = arena.view(fp8).view(k, n)
                 if meta.get("dgrad_later"):
-                    self.dgrad_pending = True
+                    self.pending = frozenset((0,))
                 else:
                     with torch.autograd._unsafe_preserve_version_counter(arena):  # as in fill
                         transpose_bytes(row, col)  # (torch's strided copy of bytes: a tenth of the bandwidth)
@@ -921,15 +969,11 @@ class _GatheredState:
         rows = shape[0] // world
         numel = math.prod(shape)
         itemsize = dtype.itemsize
-        total = numel * itemsize * len(meta["planes"])
-        arena = self.inner[0]
-        if arena.numel() != total:
-            _free(arena)
-            arena = self.inner[0] = torch.empty(total, dtype=torch.uint8, device=per_rank.device)
+        arena, offsets = self._place(meta, [numel * itemsize] * len(meta["planes"]), True, per_rank.device)
         planes, src_off = {}, 0
         step = per_rank.stride(0)
-        for i, p in enumerate(meta["planes"]):
-            full = arena[i * numel * itemsize:(i + 1) * numel * itemsize].view(dtype).view(shape)
+        for p, off in zip(meta["planes"], offsets):
+            full = arena[off:off + numel * itemsize].view(dtype).view(shape)
             nd, ns = math.prod(p["data_shape"]), math.prod(p["scale_shape"])
             # rank 0's plane; rank r's lies one row of the gather buffer further: one launch writes them all
             # (the CUDA dequantize where it applies, else Triton's)
@@ -944,7 +988,7 @@ class _GatheredState:
             planes[p["axis"]] = (p["spec"], MXTensor._unchecked((), p["fmt"], p["block_size"], shape, dtype,
                                                                 p["scale_mode"], p["rounding"], p["whole_axis"],
                                                                 ((p["axis"], full),)))
-        self.planes = planes
+        self._set_planes(planes)
 
 
 # "auto": gathered planes become bf16 values where the GEMM would dequantize them anyway (CUDA, bf16
@@ -1009,8 +1053,8 @@ class MXGatheredWeight(torch.Tensor):
             return None
         entry = self._state.planes.get(axis % 2)
         row = self._state.planes.get(1)
-        if axis % 2 == 0 and not torch.compiler.is_compiling() and self._state.dgrad_pending:
-            entry = None  # laid out for a traced backward, not written yet: transposed here (below)
+        if not torch.compiler.is_compiling() and axis % 2 in self._state.pending:
+            entry = None  # laid out for a traced pass, not written yet: FP8 transposes the codes (below)
         if entry is None and axis % 2 == 0 and row is not None and isinstance(row[1], Float8Tensor):
             # an FP8 dgrad plane asked for in forward (see mx_keep_dgrad_plane): the transpose of the
             # gathered codes (and block scales) is the full weight's, exactly

@@ -139,7 +139,8 @@ def _gather_counts() -> dict:
     """Of the all-gathers since the last reset: how many, how many sent the forward gather's bytes again, how
     many FP8 dgrad planes were transposed from gathered codes."""
     s = mxdist.all_gather_stats()
-    return {"gathers": s["gathers"], "resent": s["resent"], "transposes": s["transposes"]}
+    return {"gathers": s["gathers"], "resent": s["resent"], "transposes": s["transposes"], "planes": s["planes"],
+            "bytes": s["bytes_sent"]}
 
 
 def _resume(recipe, device, rank: int) -> dict:
