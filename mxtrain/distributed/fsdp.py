@@ -238,16 +238,17 @@ class _WeightInfo:
     gemm: str = ""  # LayerNormMLP's "fc1" / "fc2": the GEMM whose DelayedScaling slots the weight uses
     recipe: Any = None  # the recipe of the last forward all-gather (backward reuses it)
     recipe_seen: bool = False
-    # traced by torch.compile: every gather sends both planes, so that the backward's gather refills, in place, the
-    # buffers whose views the traced forward saved for its backward (see MXGatheredWeight.mx_traced_weight);
-    # None until the first gather looks at the FSDP group
+    # traced by torch.compile: every gather lays out both planes in one place, so that the backward's gather refills,
+    # in place, the buffers whose views the traced forward saved for its backward (MX forward gathers send the
+    # rowwise plane only once a gather of both laid them out; see MXGatheredWeight.mx_traced_weight); None until
+    # the first gather looks at the FSDP group
     traced: bool | None = None
     # DelayedScaling: (state, slot, its eager update count, the weight data's version, scale) of the last gather's
     # cast; a later gather of the unchanged weight at the same update count (backward's) casts at that scale
     delayed_cast: Any = None
-    # MX, traced: the gathered weight holds both planes in fixed places (a gather that sent both laid them out), so
-    # a gather may send only the plane its pass reads and write it in place (see _GatheredState.fill)
-    mx_slots: bool = False
+    # MX, traced: the layout key (_mx_layout_key) under which the gathered weight holds both planes in fixed places
+    # (a gather that sent both laid them out), or None; a forward gather then sends the rowwise plane only
+    mx_slots: Any = None
 
 
 # Ops whose results stay MXAllGatherWeight: what FSDP2 does to build and pad the
@@ -343,6 +344,14 @@ def _fp8_cached(group, key, fsdp_param):
         if fp is fsdp_param:
             mine = res
     return mine
+
+
+def _mx_layout_key(recipe, param_dtype, world: int, device) -> tuple:
+    """What fixes where a traced MX weight's two planes lie in its gathered buffer (``_GatheredState._place``): the
+    two weight roles' specs, the param dtype, the world size and whether the planes arrive as values. A forward
+    gather sends one plane only into a layout made under the same key (the same on every rank)."""
+    return ((recipe.role(FPROP[0]), FPROP[1]), (recipe.role(DGRAD[0]), DGRAD[1]), param_dtype, world,
+            _gather_values(device, param_dtype))
 
 
 class _SentShard:
@@ -451,10 +460,17 @@ class MXAllGatherWeight(torch.Tensor):
         if info.traced is None:
             info.traced = _compiled_group(group)
         fp8_recipe = recipe is not None and isinstance(recipe.role("fprop_weight"), Float8RoleSpec)
-        if info.traced and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD) and (
-                fp8_recipe or not info.mx_slots):
-            # a traced weight's gathered planes all exist from the first gather on (FP8: the same codes serve both;
-            # MX: both planes sent once, to lay them out; later gathers send the pass's own, as below)
+        # A forward gather that FSDP follows with a backward gather of the same weight (resharded after forward;
+        # not a forward recomputed inside backward, whose group is not gathered again before its backward)
+        again = (phase == TrainingState.FORWARD and group._reshard_after_forward
+                 and torch._C._current_graph_task_id() == -1)  # (-1: no backward running on this thread)
+        if (info.traced and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
+                and not (again and not fp8_recipe and recipe is not None and info.mx_slots == _mx_layout_key(
+                    recipe, param_dtype, world, self.device))):
+            # a traced weight's gathered planes all exist in every gather (FP8: the same codes serve both). MX: the
+            # backward's gather sends both (a recompute inside the compiled backward may read the rowwise one);
+            # a forward gather followed by that one sends the rowwise plane only, into the place a gather of both
+            # laid out (the compiled forward only saves the columnwise one: the backward's gather writes it)
             roles = [FPROP, DGRAD]
         elif phase == TrainingState.FORWARD:
             # One gather must also serve backward when the weight is not resharded in between.
@@ -476,8 +492,7 @@ class MXAllGatherWeight(torch.Tensor):
         sent, self._mx_sent = getattr(self, "_mx_sent", None), None
         if phase != TrainingState.PRE_BACKWARD:
             sent = None
-        keep = (phase == TrainingState.FORWARD and group._reshard_after_forward
-                and not torch.is_inference_mode_enabled())
+        keep = again and not torch.is_inference_mode_enabled()
         uses = fp8 = None
         if fp8_recipe:
             fp8 = self._fp8_uses(recipe, roles, phase, group, module)
@@ -499,9 +514,9 @@ class MXAllGatherWeight(torch.Tensor):
         # a forward gather whose planes serve backward (not gathered again, or gathered again with the same layout
         # into the same buffers): a traced module may save them for its backward
         meta["kept"] = phase == TrainingState.FORWARD and (info.traced or len(roles) > 1)
-        # FP8: the dgrad plane of a traced forward gather is refilled by the backward gather before any use (the
+        # FP8: the dgrad plane of a traced forward gather is written by the backward gather before any use (the
         # traced forward only saves it): the transpose waits for that gather
-        meta["dgrad_later"] = keep and bool(info.traced)
+        meta["dgrad_later"] = again and bool(info.traced)
         # MX: a traced weight's planes stay in their places; a gather that sends one writes it there
         meta["slots"] = bool(info.traced) and meta["kind"] == "mx"
         layout = (inputs[0].numel(), inputs[0].dtype)
@@ -893,7 +908,7 @@ class _GatheredState:
         arena = self.inner[0]
         if (meta.get("slots") and self.slots and arena.numel() == self.slots["bytes"]
                 and all(k[0] in self.slots and self.slots[k[0]][0] == k for k in keys)):
-            self.pending = frozenset(a for a in self.slots if a != "bytes") - {k[0] for k in keys}
+            self.pending = frozenset(a for a in self.slots if isinstance(a, int)) - {k[0] for k in keys}
             for p in meta["planes"]:  # the spec objects of the laid-out planes (equal ones: a traced graph's guards
                 p["spec"] = self.slots[p["axis"]][2]  # compare them by identity)
             return arena, [self.slots[k[0]][1] for k in keys]
@@ -903,24 +918,26 @@ class _GatheredState:
             arena = self.inner[0] = torch.empty(total, dtype=torch.uint8, device=device)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         both = {k[0] for k in keys} == {0, 1}
-        self.slots = ({k[0]: (k, off, p["spec"]) for k, off, p in zip(keys, offsets, meta["planes"])}
-                      | {"bytes": total} if meta.get("slots") and both else {})
+        self.slots = {}
+        if meta.get("slots") and both:
+            specs = {p["axis"]: p["spec"] for p in meta["planes"]}
+            self.slots = {k[0]: (k, off, p["spec"]) for k, off, p in zip(keys, offsets, meta["planes"])}
+            self.slots["bytes"] = total
+            self.slots["key"] = ((specs[1], 1), (specs[0], 0), meta["dtype"], meta["world"], values)
         self.pending = frozenset()
         return arena, offsets
 
     def _set_planes(self, planes: dict) -> None:
         """The planes this gather wrote, beside those laid out before and not written now (``pending``)."""
-        if self.pending:  # in the order of the gather that laid them out (rowwise first): what a traced graph saw
-            merged = {**{a: e for a, e in self.planes.items() if a in self.pending}, **planes}
-            planes = {a: merged[a] for a in sorted(merged, reverse=True)}
-        self.planes = planes
+        merged = {**{a: e for a, e in self.planes.items() if a in self.pending}, **planes}
+        self.planes = {a: merged[a] for a in sorted(merged, reverse=True)}  # rowwise first, as a traced graph saw
         self._mark_slots()
 
     def _mark_slots(self) -> None:
         # what the sharded weight's next gather reads: whether it may send one plane (see fsdp_pre_all_gather)
         owner = self.owner() if self.owner is not None else None
         if owner is not None:
-            owner._info.mx_slots = bool(self.slots)
+            owner._info.mx_slots = self.slots.get("key")
 
     def _fill_fp8(self, buf: torch.Tensor, meta: dict) -> None:
         """FP8 planes of the full weight: the gathered rows are its rowwise codes as they are (rank r's
@@ -1121,8 +1138,8 @@ class MXGatheredWeight(torch.Tensor):
         inputs, and the weight itself never enters the graph, so its gradient would be dropped. The anchor
         is the weight's graph input: its gradient goes to FSDP's unsharded parameter. The backward graph
         reads the planes the forward saw, so it traces where those serve backward: no reshard after forward,
-        or a weight whose gathers all send both planes (``_WeightInfo.traced``: FSDP2 then refills the same
-        buffers before backward). A weight traced for the first time by a module that is not itself the
+        or a weight whose gathers all lay out both planes in one place (``_WeightInfo.traced``: FSDP2's
+        backward gather then refills the same buffers before backward). A weight traced for the first time by a module that is not itself the
         ``torch.compile`` wrapper FSDP2 manages runs its first step eagerly (see :meth:`mx_trace_next_gathers`).
         DelayedScaling (amax records, stale-code check) runs eagerly."""
         s = self._state
@@ -1133,14 +1150,14 @@ class MXGatheredWeight(torch.Tensor):
             return f"{s.name} was not all-gathered by FSDP2"
         if not s.kept:
             return (f"{s.name} was gathered for forward only (its backward plane comes in a later gather, which a "
-                    "traced backward cannot see); its gathers send both planes from now on, and it traces from the "
+                    "traced backward cannot see); its gathers lay out both planes from now on, and it traces from the "
                     "next step")
         if any(isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed" for spec, _ in s.planes.values()):
             return f"{s.name} carries DelayedScaling codes (their amax records and staleness check run eagerly)"
         return s.anchor
 
     def mx_trace_next_gathers(self) -> None:
-        """From the next all-gather on, send both planes in every gather of this weight, in one layout, so that
+        """From the next all-gather on, lay out both planes of this weight in one place at every gather, so that
         a traced module can save the forward's planes for its backward (the backward gather refills them)."""
         owner = self._state.owner() if self._state.owner is not None else None
         if owner is not None:
