@@ -494,6 +494,36 @@ def fp8_other_model_on_one_rank(rank, world, device, recipe):
             "grads": all(m.weight.grad is not None for m in model)}
 
 
+def fp8_units_inside_a_checkpoint(rank, world, device, recipe, steps=2):
+    """Each block's modules are FSDP units of their own inside the block's checkpointed region (the recompute in
+    backward needs them gathered again): no kept codes after a step, the losses of FSDP2's own high-precision
+    all-gathers, the gather and resend counts."""
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(mx: bool):
+        model = build(0, device, checkpoint=True, recipe=recipe)
+        if mx:
+            mxdist.enable_mx_all_gather(model, activation_checkpointing=True, recipe=recipe)
+        for blk in model.blocks:
+            for unit in (blk.qkv, blk.proj, blk.mlp):
+                fully_shard(unit)
+            fully_shard(blk)
+        fully_shard(model)
+        return model
+
+    batches = global_batches(steps, 1, world, device, b=8)
+    model = sharded(True)
+    mxdist.reset_all_gather_stats()
+    losses = train_steps(model, make_opt(model), batches, recipe, rank, world, True, sum_grads=True)
+    kept = sorted(name for name, p in model.named_parameters()
+                  if getattr(p.to_local(), "_mx_sent", None) is not None)
+    stats = mxdist.all_gather_stats()
+    plain_model = sharded(False)
+    plain = train_steps(plain_model, make_opt(plain_model), batches, recipe, rank, world, True, sum_grads=True)
+    return {"dist": losses, "plain": plain, "kept_after_step": kept, "fp8_gathers": stats["fp8_gathers"],
+            "resent": stats["resent"]}
+
+
 def scenario_fp8(rank, world, device, out):
     """FP8 recipes' all-gathers: planes against one process, bytes, training parity, DCP resume."""
     res = {"world": world, "device": str(device)}
@@ -507,6 +537,7 @@ def scenario_fp8(rank, world, device, out):
         res["bytes"][name + "_fp32_params"] = count_all_gather_bytes(rank, world, device, recipe, True, None)
         res["edit"][name] = fp8_edit_between_passes(rank, world, device, recipe)
         res.setdefault("one_rank_model", {})[name] = fp8_other_model_on_one_rank(rank, world, device, recipe)
+        res.setdefault("units_in_checkpoint", {})[name] = fp8_units_inside_a_checkpoint(rank, world, device, recipe)
         # 128 tokens per rank: Float8BlockScaling's wgrad blocks (128 tokens) then never straddle ranks
         kw = dict(ref_recipe=ref, b=8, sum_grads=True, vs_plain=True)
         res["parity"][name] = parity(rank, world, device, recipe, steps=3, **kw)

@@ -79,6 +79,20 @@ def test_fp8_amax_all_reduce_ignores_a_model_on_one_rank_only(fp8, recipe):
     assert r["amax_reductions"] == (3 if recipe == "block" else 1)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_units_gathered_by_a_recompute_keep_nothing(fp8, recipe):
+    """FSDP units inside a checkpointed block: their forward gathers keep the codes, and the gathers before the
+    recompute (torch 2.13 makes them in the units' pre-backward) send them again; nothing stays kept after a step,
+    and the losses equal FSDP2's own high-precision all-gathers. (A unit gathered in FSDP's forward phase while a
+    backward runs keeps nothing: fsdp_pre_all_gather checks for a running backward; this structure does not
+    reach that path on torch 2.13.)"""
+    r = fp8["units_in_checkpoint"][recipe]
+    assert r["kept_after_step"] == []
+    assert r["dist"] == r["plain"]  # the gathered codes are what the modules cast from the full weight
+    # each step: 2 blocks x 4 weights gathered in forward and again for the recompute
+    assert r["fp8_gathers"] == 2 * 2 * 2 * 4, r
+
+
 PARITY_CASES = ["", "_mixed", "_no_reshard", "_act_ckpt", "_grad_accum_no_sync"]
 
 
