@@ -248,7 +248,7 @@ class _WeightInfo:
     delayed_cast: Any = None
     # MX, traced: the layout key (_mx_layout_key) under which the gathered weight holds both planes in fixed places
     # (a gather that sent both laid them out), or None; a forward gather then sends the rowwise plane only
-    mx_slots: Any = None
+    mx_layout: Any = None
 
 
 # Ops whose results stay MXAllGatherWeight: what FSDP2 does to build and pad the
@@ -465,7 +465,7 @@ class MXAllGatherWeight(torch.Tensor):
         again = (phase == TrainingState.FORWARD and group._reshard_after_forward
                  and torch._C._current_graph_task_id() == -1)  # (-1: no backward running on this thread)
         if (info.traced and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
-                and not (again and not fp8_recipe and recipe is not None and info.mx_slots == _mx_layout_key(
+                and not (again and not fp8_recipe and recipe is not None and info.mx_layout == _mx_layout_key(
                     recipe, param_dtype, world, self.device))):
             # a traced weight's gathered planes all exist in every gather (FP8: the same codes serve both). MX: the
             # backward's gather sends both (a recompute inside the compiled backward may read the rowwise one);
@@ -517,8 +517,8 @@ class MXAllGatherWeight(torch.Tensor):
         # FP8: the dgrad plane of a traced forward gather is written by the backward gather before any use (the
         # traced forward only saves it): the transpose waits for that gather
         meta["dgrad_later"] = again and bool(info.traced)
-        # MX: a traced weight's planes stay in their places; a gather that sends one writes it there
-        meta["slots"] = bool(info.traced) and meta["kind"] == "mx"
+        # MX: a traced weight's planes stay in their places (_PlaneLayout); a gather that sends one writes it there
+        meta["in_place"] = bool(info.traced) and meta["kind"] == "mx"
         layout = (inputs[0].numel(), inputs[0].dtype)
         outputs = fsdp_param.all_gather_outputs
         if outputs and (outputs[0].numel() != layout[0] * world or outputs[0].dtype != layout[1]):
@@ -826,6 +826,15 @@ class MXAllGatherWeight(torch.Tensor):
 # --------------------------------------------------------------------------- the all-gathered weight
 
 @dataclass
+class _PlaneLayout:
+    """Where a traced MX weight's two planes lie in its gathered buffer (``_GatheredState.inner[0]``)."""
+
+    places: dict  # axis -> (the plane's description, its offset in the buffer, its spec object)
+    bytes: int  # the buffer's size
+    key: tuple  # what made it (_mx_layout_key): a forward gather sends one plane into it only under the same key
+
+
+@dataclass
 class _GatheredState:
     """What the last all-gather brought: full MX planes (in ``inner[0]``) or the high-precision weight.
 
@@ -848,7 +857,7 @@ class _GatheredState:
     # before the pass that reads one writes it there. An eager use of one before then: FP8 transposes the
     # gathered codes; MX has no such plane
     pending: frozenset = frozenset()
-    slots: dict = field(default_factory=dict)  # MX, traced: axis -> (plane fields, destination offset in inner[0])
+    layout: Any = None  # MX, traced: where both planes lie in inner[0] (_PlaneLayout), once a gather laid them out
 
     def fill(self, buf: torch.Tensor, meta: dict) -> None:
         world, shape = meta["world"], meta["shape"]
@@ -857,8 +866,8 @@ class _GatheredState:
             self._fill_fp8(buf, meta)
             return
         if meta["kind"] == "hp":
-            self.planes, self.pending, self.slots = {}, frozenset(), {}
-            self._mark_slots()
+            self.planes, self.pending, self.layout = {}, frozenset(), None
+            self._mark_layout()
             self.hp = buf.view(-1, *shape[1:])[: shape[0]]
             _free(self.inner[0])
             return
@@ -898,7 +907,7 @@ class _GatheredState:
         _free(buf)
 
     def _place(self, meta: dict, sizes: list, values: bool, device) -> tuple:
-        """``(inner[0], offset of each of meta's planes in it)``. A traced MX weight (``meta["slots"]``) keeps its
+        """``(inner[0], offset of each of meta's planes in it)``. A traced MX weight (``meta["in_place"]``) keeps its
         planes in fixed places once a gather of both laid them out: a later gather that sends some of them writes
         each into its place (the arena, and the planes of the others, as they are), so the buffers a traced
         forward saved are the ones the backward's gather writes. Otherwise the planes are laid out in order."""
@@ -906,24 +915,25 @@ class _GatheredState:
                  p["scale_mode"], p["rounding"], p["whole_axis"], values, meta["dtype"], meta["world"], p["spec"])
                 for p in meta["planes"]]
         arena = self.inner[0]
-        if (meta.get("slots") and self.slots and arena.numel() == self.slots["bytes"]
-                and all(k[0] in self.slots and self.slots[k[0]][0] == k for k in keys)):
-            self.pending = frozenset(a for a in self.slots if isinstance(a, int)) - {k[0] for k in keys}
+        lay = self.layout
+        if (meta.get("in_place") and lay is not None and arena.numel() == lay.bytes
+                and all(lay.places.get(k[0], (None,))[0] == k for k in keys)):
+            self.pending = frozenset(lay.places) - {k[0] for k in keys}
             for p in meta["planes"]:  # the spec objects of the laid-out planes (equal ones: a traced graph's guards
-                p["spec"] = self.slots[p["axis"]][2]  # compare them by identity)
-            return arena, [self.slots[k[0]][1] for k in keys]
+                p["spec"] = lay.places[p["axis"]][2]  # compare them by identity)
+            return arena, [lay.places[k[0]][1] for k in keys]
         total = sum(sizes)
         if arena.numel() != total:
             _free(arena)
             arena = self.inner[0] = torch.empty(total, dtype=torch.uint8, device=device)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         both = {k[0] for k in keys} == {0, 1}
-        self.slots = {}
-        if meta.get("slots") and both:
+        self.layout = None
+        if meta.get("in_place") and both:
             specs = {p["axis"]: p["spec"] for p in meta["planes"]}
-            self.slots = {k[0]: (k, off, p["spec"]) for k, off, p in zip(keys, offsets, meta["planes"])}
-            self.slots["bytes"] = total
-            self.slots["key"] = ((specs[1], 1), (specs[0], 0), meta["dtype"], meta["world"], values)
+            self.layout = _PlaneLayout(
+                places={k[0]: (k, off, p["spec"]) for k, off, p in zip(keys, offsets, meta["planes"])}, bytes=total,
+                key=((specs[1], 1), (specs[0], 0), meta["dtype"], meta["world"], values))
         self.pending = frozenset()
         return arena, offsets
 
@@ -931,13 +941,13 @@ class _GatheredState:
         """The planes this gather wrote, beside those laid out before and not written now (``pending``)."""
         merged = {**{a: e for a, e in self.planes.items() if a in self.pending}, **planes}
         self.planes = {a: merged[a] for a in sorted(merged, reverse=True)}  # rowwise first, as a traced graph saw
-        self._mark_slots()
+        self._mark_layout()
 
-    def _mark_slots(self) -> None:
+    def _mark_layout(self) -> None:
         # what the sharded weight's next gather reads: whether it may send one plane (see fsdp_pre_all_gather)
         owner = self.owner() if self.owner is not None else None
         if owner is not None:
-            owner._info.mx_slots = self.slots.get("key")
+            owner._info.mx_layout = None if self.layout is None else self.layout.key
 
     def _fill_fp8(self, buf: torch.Tensor, meta: dict) -> None:
         """FP8 planes of the full weight: the gathered rows are its rowwise codes as they are (rank r's
@@ -949,8 +959,8 @@ class _GatheredState:
         row = buf.view(fp8).view(-1, k)[:n]
         block, scale_inv = meta["block"], meta["scale_inv"]
         planes = {}
-        self.pending, self.slots = frozenset(), {}
-        self._mark_slots()
+        self.pending, self.layout = frozenset(), None
+        self._mark_layout()
         for axis, spec in meta["specs"].items():
             if axis == 1:
                 plane = Float8Plane(row, scale_inv, 1, block)
