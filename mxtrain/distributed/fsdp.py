@@ -355,18 +355,18 @@ def _mx_layout_key(recipe, param_dtype, world: int, device) -> tuple:
 
 
 class _SentShard:
-    """The FP8 codes a forward all-gather of a weight sent (with the metadata they need), kept for the backward
+    """The FP8 codes a forward all-gather of a weight sent (with their scale_inv and amax), kept for the backward
     gather that FSDP makes after resharding: that gather sends the same bytes when they come from the same cast
     (``key``) at the same scales (``refs``: the objects the scales came from, compared by identity) of the
     weight's unchanged data (the same tensor at the same version: an optimizer step, a checkpoint load or an edit
     under ``no_grad`` bumps it). Used once; a rank's own decision (nothing goes over the wire differently).
     Costs one shard's codes per weight (1 byte per element / world size) from forward to backward."""
 
-    __slots__ = ("data", "version", "key", "refs", "inputs", "meta")
+    __slots__ = ("data", "version", "key", "refs", "codes", "scale_inv", "amax")
 
-    def __init__(self, data, key, refs, inputs, meta):
+    def __init__(self, data, key, refs, codes, scale_inv, amax):
         self.data, self.version, self.key, self.refs = data, data._version, key, refs
-        self.inputs, self.meta = inputs, meta
+        self.codes, self.scale_inv, self.amax = codes, scale_inv, amax
 
     def holds(self, data, key, refs) -> bool:
         return (self.data is data and self.version == data._version and self.key == key
@@ -750,12 +750,12 @@ class MXAllGatherWeight(torch.Tensor):
                tuple(orig_size))
         refs = (scales, scale)
         if sent is not None and sent.holds(self._data, key, refs):
-            buf, scale_inv, amax = sent.inputs[0], sent.meta["scale_inv"], sent.meta["amax"]
+            buf, scale_inv, amax = sent.codes, sent.scale_inv, sent.amax
             _STATS.resent += 1
         else:
             buf, scale_inv, amax = self._fp8_codes(spec, pg, orig_size, rows, param_dtype, amax, scale, scale_inv)
             if keep:
-                self._mx_sent = _SentShard(self._data, key, refs, (buf,), {"scale_inv": scale_inv, "amax": amax})
+                self._mx_sent = _SentShard(self._data, key, refs, buf, scale_inv, amax)
         axes = {axis for _, axis in uses}
         what = "both" if len(axes) > 1 else ("rowwise" if 1 in axes else "columnwise")
         # host-side only (no device sync per step): FSDP2 gathers eagerly, and the update before this cast took
@@ -1149,8 +1149,9 @@ class MXGatheredWeight(torch.Tensor):
         is the weight's graph input: its gradient goes to FSDP's unsharded parameter. The backward graph
         reads the planes the forward saw, so it traces where those serve backward: no reshard after forward,
         or a weight whose gathers all lay out both planes in one place (``_WeightInfo.traced``: FSDP2's
-        backward gather then refills the same buffers before backward). A weight traced for the first time by a module that is not itself the
-        ``torch.compile`` wrapper FSDP2 manages runs its first step eagerly (see :meth:`mx_trace_next_gathers`).
+        backward gather then refills the same buffers before backward). A weight traced for the first time by a
+        module that is not itself the ``torch.compile`` wrapper FSDP2 manages runs its first step eagerly (see
+        :meth:`mx_trace_next_gathers`).
         DelayedScaling (amax records, stale-code check) runs eagerly."""
         s = self._state
         # the anchor is made with the state, by FSDP2's post-all-gather, which also sets the owner; the owner (the

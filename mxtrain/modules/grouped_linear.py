@@ -131,8 +131,8 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
     return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
 
 
-# Per-tensor FP8 (current, delayed): tensors of at most this many elements per expert (on average) are cast for all experts in
-# one grouped cast; larger ones per expert. Measured on an H100 at the Mixtral-8x7B shape (bench_moe): below it
+# Per-tensor FP8 (current, delayed): tensors of at most this many elements per expert (on average) are cast for
+# all experts in one grouped cast; larger ones per expert. Measured on an H100 at the Mixtral-8x7B shape (bench_moe): below it
 # the per-expert launches are host-bound (x [16384, 4096]: 0.26 ms grouped against 1.78 ms per expert; the
 # SwiGLU output [16384, 14336]: 0.76 against 1.07), above it the per-expert kernels run faster on the GPU
 # (the weights [8, 28672, 4096]: 2.30 ms per expert against 2.68 grouped; dh [16384, 28672]: 1.27 against 1.46)

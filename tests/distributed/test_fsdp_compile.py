@@ -1,9 +1,10 @@
 """FSDP2 quantized all-gathers with compiled blocks. Dynamo takes the gathered-weight subclass (MXGatheredWeight)
 for a Python object, not a tensor: passed to a module's autograd function as it is, it never entered the graph and
 its gradient was dropped (every GEMM weight of a compiled block trained not at all, silently). Modules now hand the
-function a traced stand-in whose gradient reaches FSDP's parameter, and a traced weight's gathers all lay out both
-planes in one place, so that the backward's gather refills the buffers the traced forward saved. 2 ranks, gloo on CPU (NCCL
-when CUDA is there), 3 steps (later steps gather updated weights), gradients compared with eager's bit for bit."""
+function a traced stand-in whose gradient reaches FSDP's parameter, and a traced weight's gathers all lay out
+both planes in one place, so that the backward's gather refills the buffers the traced forward saved. 2 ranks, gloo
+on CPU (NCCL when CUDA is there), 3 steps (later steps gather updated weights), gradients compared with eager's bit
+for bit."""
 
 from __future__ import annotations
 
