@@ -22,7 +22,9 @@ the expert GEMMs and the activation are timed (routing, permutation excluded). E
 parameters' gradients unset (as after ``zero_grad(set_to_none=True)``), so backward writes them rather
 than adding to the last step's. The SwiGLU between the layers is ``mxtrain.gated_activation`` (one Triton
 pass forward and one backward on CUDA) in every mode; ``--act torch`` runs ``F.silu(gate) * up``
-instead. ``--profile`` then prints each mode's top CUDA kernels of one step (torch.profiler).
+instead. ``--profile`` then prints each mode's top CUDA kernels of one step (torch.profiler). ``--gpu-time``
+adds "GPU ms": the step timed again with all its kernels queued behind a GPU spin, so that none waits for the
+host (the GPU's own time; "ms" less this is what the host's issue costs the step).
 
     python benchmarks/bench_moe.py                         # one GPU (the Mixtral shape)
     python benchmarks/bench_moe.py --small --device cpu    # smoke test: tiny shapes, seconds
@@ -116,17 +118,37 @@ def _step_fn(model, x, dy, splits, recipe):
     return step
 
 
-def time_steps(steps: list, iters: int, warmup: int, cuda: bool) -> list[tuple[float, float]]:
-    """Median seconds of one forward + backward of each step function, and of its issue on the host (until
-    the step returns, before the synchronisation), the steps run in turn."""
+def gpu_seconds(step) -> float:
+    """Seconds the GPU takes for one step whose kernels are all queued before the first runs: the step is issued
+    behind a GPU spin longer than its issue, so no kernel waits for the host (``step`` seconds less this: what
+    the host's issue costs the step)."""
+    t0 = time.perf_counter()
+    step()
+    issue = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(max(2 * issue, 0.01) * 2.5e9))  # cycles: twice the issue time at up to 2.5 GHz
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def time_steps(steps: list, iters: int, warmup: int, cuda: bool,
+               gpu_time: bool = False) -> list[tuple[float, float, float | None]]:
+    """Median seconds of one forward + backward of each step function, of its issue on the host (until
+    the step returns, before the synchronisation), and with ``gpu_time`` of the GPU alone (``gpu_seconds``),
+    the steps run in turn."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(warmup):
         for step in steps:
             step()
     times: list[list[float]] = [[] for _ in steps]
     issues: list[list[float]] = [[] for _ in steps]
+    gpus: list[list[float]] = [[] for _ in steps]
     for _ in range(iters):
-        for step, t, i in zip(steps, times, issues):
+        for step, t, i, g in zip(steps, times, issues, gpus):
             sync()
             t0 = time.perf_counter()
             step()
@@ -134,7 +156,10 @@ def time_steps(steps: list, iters: int, warmup: int, cuda: bool) -> list[tuple[f
             sync()
             t.append(time.perf_counter() - t0)
             i.append(t1 - t0)
-    return [(statistics.median(t), statistics.median(i)) for t, i in zip(times, issues)]
+            if gpu_time and cuda:
+                g.append(gpu_seconds(step))
+    return [(statistics.median(t), statistics.median(i), statistics.median(g) if g else None)
+            for t, i, g in zip(times, issues, gpus)]
 
 
 def profile_step(label: str, step, cuda: bool, top: int) -> None:
@@ -189,6 +214,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--align", type=int, default=32, help="token alignment of the 'aligned' rows (0: none)")
     p.add_argument("--profile", action="store_true", help="print each mode's top CUDA kernels of one step")
+    p.add_argument("--gpu-time", action="store_true",
+                   help="also time each step with its kernels queued behind a GPU spin (the GPU's time alone; CUDA)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per mode with --profile")
     p.add_argument("--act", choices=sorted(ACTS), default="fused",
                    help="the SwiGLU of every mode: mxtrain.gated_activation (fused) or F.silu(gate) * up (torch)")
@@ -246,22 +273,27 @@ def main(argv=None) -> list[dict]:
                 continue
             steps.append(step)
             ok.append(label)
-        secs = dict(zip(ok, time_steps(steps, args.iters, args.warmup, device.type == "cuda")))
+        secs = dict(zip(ok, time_steps(steps, args.iters, args.warmup, device.type == "cuda", args.gpu_time)))
         base = secs.get("bf16 grouped_mm")
-        for label, (sec, issue) in secs.items():
+        for label, (sec, issue, gpu) in secs.items():
             if not any(r["mode"] == label for r in results):  # the baseline: its first group's row
                 # "vs bf16" against the baseline timed alongside (in turn with) this row
                 results.append({"mode": label, "ms": sec * 1e3, "issue_ms": issue * 1e3,
-                                "tflops": flops / sec / 1e12, "vs_bf16": (base[0] if base else sec) / sec})
+                                "gpu_ms": None if gpu is None else gpu * 1e3,
+                                "tflops": flops / sec / 1e12, "vs_bf16": (base[0] if base else sec) / sec,
+                                "gpu_vs_bf16": None if gpu is None or not base else base[2] / gpu})
         if args.profile:
             for label, step in zip(ok, steps):
                 profile_step(label, step, device.type == "cuda", args.top)
         for case in cases[1 if baseline is not None else 0:]:
             case[1].zero_grad(set_to_none=True)
         del cases, steps
-    print(f"{'mode':34s} {'ms':>9s} {'issue ms':>9s} {'TFLOP/s':>8s} {'vs bf16':>8s}")
+    gpu = any(r["gpu_ms"] is not None for r in results)
+    print(f"{'mode':34s} {'ms':>9s} {'issue ms':>9s} {'TFLOP/s':>8s} {'vs bf16':>8s}"
+          + (f" {'GPU ms':>8s} {'GPU vs bf16':>11s}" if gpu else ""))
     for r in results:
-        print(f"{r['mode']:34s} {r['ms']:9.2f} {r['issue_ms']:9.2f} {r['tflops']:8.1f} {r['vs_bf16']:7.2f}x")
+        print(f"{r['mode']:34s} {r['ms']:9.2f} {r['issue_ms']:9.2f} {r['tflops']:8.1f} {r['vs_bf16']:7.2f}x"
+              + (f" {r['gpu_ms'] or 0:8.2f} {r['gpu_vs_bf16'] or 0:10.2f}x" if gpu else ""))
     return results
 
 

@@ -218,14 +218,16 @@ class GroupedFloat8CastCall:
     scale (``grouped_float8_cast.grouped_cast_float8``): ``x [T, K]`` with contiguous rows; the segments end at
     the device tensor ``ends [E]`` or are ``rows_per_expert`` rows each; ``scale [E]`` given: delayed scaling.
     ``segment_multiple``: the caller's promise that every segment's row count is a multiple of it (the kernel
-    does not read the ends on the host; 16 lets it store the transposed plane in 16-byte pieces)."""
+    does not read the ends on the host; 16 lets it store the transposed plane in 16-byte pieces). ``row_amax``
+    (current scaling): ``[T, P]`` fp32 maxima of ``|x|`` over pieces of each row (``mxtrain.modules.amax_hints``),
+    reduced per expert instead of an amax pass over ``x``."""
 
     __slots__ = ("x", "ends", "rows_per_expert", "num_experts", "fmt", "rowwise", "columnwise", "col_layout",
-                 "scale", "power_of_2_scales", "amax_epsilon", "amax_reduction_group", "segment_multiple")
+                 "scale", "power_of_2_scales", "amax_epsilon", "amax_reduction_group", "segment_multiple", "row_amax")
 
     def __init__(self, x, ends, rows_per_expert, num_experts, fmt, rowwise, columnwise, col_layout, scale,
-                 power_of_2_scales, amax_epsilon, amax_reduction_group, segment_multiple=1):
-        self.segment_multiple = segment_multiple
+                 power_of_2_scales, amax_epsilon, amax_reduction_group, segment_multiple=1, row_amax=None):
+        self.segment_multiple, self.row_amax = segment_multiple, row_amax
         self.x, self.ends, self.rows_per_expert, self.num_experts = x, ends, rows_per_expert, num_experts
         self.fmt, self.rowwise, self.columnwise, self.col_layout = fmt, rowwise, columnwise, col_layout
         self.scale, self.power_of_2_scales, self.amax_epsilon = scale, power_of_2_scales, amax_epsilon
@@ -237,7 +239,7 @@ class GroupedFloat8CastCall:
 
     def key(self):
         return (_meta(self.x), _meta(self.ends), _meta(self.scale), self.rows_per_expert, self.num_experts, self.fmt,
-                self.rowwise, self.columnwise, self.col_layout, self.segment_multiple)
+                self.rowwise, self.columnwise, self.col_layout, self.segment_multiple, _meta(self.row_amax))
 
 
 class CrossEntropyCall:

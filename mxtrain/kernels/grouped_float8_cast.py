@@ -6,7 +6,9 @@ a scale of its own. Cast one expert at a time, that is an amax pass and a cast l
 device tensor: no host sync; empty segments allowed) or ``E`` segments of equal length (stacked weights):
 
 * current scaling: one amax pass writes each tile's per-expert maxima, reduced by one ``amax(0)``; the cast
-  pass computes each row's scale from its expert's amax (``compute_scale``: epsilon, power of two);
+  pass computes each row's scale from its expert's amax (``compute_scale``: epsilon, power of two). Where the
+  kernel that wrote ``x`` recorded its row maxima (``row_amax [T, P]``, ``mxtrain.modules.amax_hints``), the
+  amax pass reads those instead of ``x``;
 * delayed scaling: the given per-expert scales; the amaxes come back from the cast pass.
 
 The cast writes the rowwise codes ``[T, K]``, the per-expert ``scale_inv [E]`` and ``amax [E]``, and on
@@ -41,10 +43,15 @@ __all__ = ["GroupedFloat8Tensor", "grouped_cast_float8", "MAX_EXPERTS", "COL_LAY
 MAX_EXPERTS = 1024  # experts the kernels take (a tile compares its rows against every expert's end)
 COL_LAYOUTS = ("expert", "stacked")
 _SINV_STRIDE = 4  # scale_inv[e] at 16-byte steps: each expert's 0-d scale is where cuBLASLt reads it uncopied
-# (BM, BN, warps) of the amax pass and of the cast pass (both planes or one)
+# (BM, BN, warps) of the amax pass and of the cast pass (both planes or one). Timed on an H100 (tile sweep at the
+# Mixtral expert layer's shapes, a [16544, 14336] bf16 tensor in 32-row-aligned segments): amax + cast 0.73 ms with
+# 32 x 256 tiles against 0.85 ms with the 16 x 256 ones (16 x 128: 0.82); the stacked weights [8 x 4096, 14336]
+# 1.35 ms with 32 x 256 or 64 x 128 tiles. Other amax tiles were within 4% (either way)
 AMAX_TILE = (32, 128, 4)
 CAST_TILE = (32, 128, 4)
-CAST_TILE_SEG16 = (16, 256, 4)  # segments of multiples of 16 rows: a tile never straddles two experts
+# segments of multiples of 16 / 32 / 64 rows: tiles of that many rows, each in one expert (the SEG16 branch)
+SEGMENT_TILES = {64: (64, 128, 4), 32: (32, 256, 4), 16: (16, 128, 4)}
+ROW_AMAX_TILE = (128, 4)  # (BM, warps) of the pass over recorded row maxima [T, P] (BN: P's power of two, <= 128)
 
 
 @triton.jit
@@ -123,8 +130,8 @@ def _grouped_cast_kernel(x_ptr, ends_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr,
     every expert's ``scale_inv``. ROW: the codes ``[T, K]``; COL: each expert's transpose, ``[K, m_e]`` at
     element ``K * start_e`` (or, COL_STACKED, the ``[K, T]`` transpose of the whole tensor).
 
-    SEG16 (every segment's rows a multiple of 16, BM == 16): each tile lies in one expert, whose start and
-    count are then scalars known to be multiples of 16, so the transposed rows are stored 16 bytes at a time
+    SEG16 (every segment's rows a multiple of BM, 16 or more): each tile lies in one expert, whose start
+    and count are then scalars known to be multiples of 16, so the transposed rows are stored 16 bytes at a time
     (with per-row counts the compiler stores them byte by byte: 4x slower on an H100)."""
     pid_m, pid_n, rm, rn, mask, v = _load_tile(x_ptr, T, K, stride_xm, X_BF16, BM, BN)
     if SEG16:
@@ -194,6 +201,34 @@ class GroupedFloat8Tensor:
                 planes.append(Float8Plane(self.col[:, start:start + n].contiguous(), self.scale_inv[e], 0))
         return Float8Tensor(tuple(planes), self.fmt, (n, K), self.dtype, self.amax[e])
 
+    def experts(self, splits: list[int], axes=(1,)) -> list[dict | None]:
+        """Every expert's :meth:`expert` at once, for segments of ``splits`` rows (host ints) in order: for each
+        expert ``{axis: Float8Tensor of that plane alone}`` for the ``axes`` asked for, None for an expert without
+        rows. (One ``split`` / ``unbind`` per buffer instead of E slicings of each: a MoE step makes 80 of these.)"""
+        K = self.shape[1]
+        sinv, amax = self.scale_inv.unbind(0), self.amax.unbind(0)
+        rows = self.row.split(splits) if 1 in axes else None
+        cols = None
+        if 0 in axes and self.col_layout == "expert":
+            cols = self.col.split([K * n for n in splits])
+        out, start = [], 0
+        for e, n in enumerate(splits):
+            if n == 0:
+                out.append(None)
+                continue
+            ops = {}
+            for a in axes:
+                if a % 2 == 1:
+                    plane = Float8Plane(rows[e], sinv[e], 1)
+                elif cols is not None:
+                    plane = Float8Plane(cols[e].view(K, n), sinv[e], 0)
+                else:  # a copy: the per-expert GEMM reads [K, n] row-major
+                    plane = Float8Plane(self.col[:, start:start + n].contiguous(), sinv[e], 0)
+                ops[a] = Float8Tensor((plane,), self.fmt, (n, K), self.dtype, amax[e])
+            out.append(ops)
+            start += n
+        return out
+
 
 def _outputs(call: GroupedFloat8CastCall):
     x, (T, K), E = call.x, call.x.shape, call.num_experts
@@ -234,13 +269,23 @@ def _check(call: GroupedFloat8CastCall) -> None:
     if call.scale is not None and (call.scale.shape != (E,) or call.scale.device != x.device):
         raise ValueError(f"grouped_cast_float8: scale must hold the {E} experts' scales on {x.device}, got "
                          f"{list(call.scale.shape)} on {call.scale.device}")
+    r = call.row_amax
+    if r is not None:
+        if call.scale is not None:
+            raise ValueError("grouped_cast_float8: row_amax serves current scaling; with a scale given (delayed "
+                             "scaling) the amaxes come from the cast pass")
+        if r.ndim != 2 or r.shape[0] != x.shape[0] or r.shape[1] < 1 or r.dtype != torch.float32 \
+                or r.device != x.device:
+            raise ValueError(f"grouped_cast_float8: row_amax must be a float32 [{x.shape[0]}, P] tensor (P >= 1) on "
+                             f"{x.device}, got {r.dtype} {list(r.shape)} on {r.device}")
 
 
 def grouped_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, ends: torch.Tensor | None = None,
                         rows_per_expert: int | None = None, num_experts: int | None = None, rowwise: bool = True,
                         columnwise: bool = False, col_layout: str = "expert", scale: torch.Tensor | None = None,
                         power_of_2_scales: bool = False, amax_epsilon: float = 0.0, amax_reduction_group=None,
-                        segment_multiple: int = 1, backend: str | None = None) -> GroupedFloat8Tensor:
+                        segment_multiple: int = 1, row_amax: torch.Tensor | None = None,
+                        backend: str | None = None) -> GroupedFloat8Tensor:
     """Per-tensor FP8 cast of each expert segment of ``x`` (see the module doc), through the registry.
 
     ``x``: ``[T, K]``, or stacked weights ``[E, N, K]`` (then ``rows_per_expert = N``). Segments: ``ends`` (int
@@ -248,7 +293,9 @@ def grouped_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, ends: torch.Tensor |
     delayed scaling, else current scaling (``power_of_2_scales``, ``amax_epsilon``; amaxes all-reduced over
     ``amax_reduction_group``, one call for all experts). ``segment_multiple``: every segment's row count is a
     multiple of it, as the caller knows (the Triton kernel takes it on trust, the reference checks it; 16 and
-    its multiples store the columnwise plane faster).
+    its multiples store the columnwise plane faster). ``row_amax [T, P]`` (current scaling): the maxima of ``|x|``
+    over pieces of each row, as the kernel that wrote ``x`` recorded them: the Triton kernel reduces these
+    instead of reading ``x`` for the amaxes (taken on trust; the reference computes the amaxes from ``x``).
     """
     if x.ndim == 3:
         num_experts = x.shape[0] if num_experts is None else num_experts
@@ -258,7 +305,7 @@ def grouped_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, ends: torch.Tensor |
         num_experts = None if ends is None else ends.shape[0]
     call = GroupedFloat8CastCall(x, ends, rows_per_expert, num_experts, fp8_format_name(fmt), bool(rowwise),
                                  bool(columnwise), col_layout, scale, bool(power_of_2_scales), float(amax_epsilon),
-                                 amax_reduction_group, segment_multiple)
+                                 amax_reduction_group, segment_multiple, row_amax)
     _check(call)
     return registry.run("grouped_float8_cast", call, x.device, backend)
 
@@ -289,20 +336,25 @@ def _triton_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
     seg = call.rows_per_expert if uniform else 0
     block_e = triton.next_power_of_2(E)
     common = dict(UNIFORM=uniform, X_BF16=x.dtype == torch.bfloat16, BLOCK_E=block_e)
-    if call.scale is None:  # current scaling: the amax pass
-        BM, BN, warps = AMAX_TILE
-        grid = (triton.cdiv(T, BM), triton.cdiv(K, BN))
+    if call.scale is None:  # current scaling: the amax pass (over x, or over the row maxima recorded with it)
+        src, P = (xb, K) if call.row_amax is None else (call.row_amax.contiguous(), call.row_amax.shape[1])
+        if call.row_amax is None:
+            BM, BN, warps = AMAX_TILE
+        else:
+            (BM, warps), BN = ROW_AMAX_TILE, min(128, triton.next_power_of_2(P))
+        grid = (triton.cdiv(T, BM), triton.cdiv(P, BN))
         part = torch.empty((grid[0] * grid[1], E), **f32)
-        _grouped_amax_kernel[grid](xb, ends, part, T, K, E, x.stride(0), seg, BM=BM, BN=BN, num_warps=warps,
-                                   **common)
+        _grouped_amax_kernel[grid](src, ends, part, T, P, E, src.stride(0), seg, BM=BM, BN=BN, num_warps=warps,
+                                   **dict(common, X_BF16=common["X_BF16"] and call.row_amax is None))
         amax = all_reduce_amax(part.amax(0), call.amax_reduction_group)
         mode, scale, stride_scale = 1, amax, 0
     else:
         mode, scale = 0, call.scale if call.scale.dtype == torch.float32 else call.scale.float()
         stride_scale = scale.stride(0)
     row, col, sinv = _outputs(call)
-    seg16 = (call.rows_per_expert % 16 == 0) if uniform else call.segment_multiple % 16 == 0
-    BM, BN, warps = CAST_TILE_SEG16 if seg16 else CAST_TILE
+    multiple = call.rows_per_expert if uniform else call.segment_multiple
+    seg16 = multiple % 16 == 0
+    BM, BN, warps = next((t for m, t in SEGMENT_TILES.items() if multiple % m == 0), CAST_TILE)
     grid = (triton.cdiv(T, BM), triton.cdiv(K, BN))
     part = torch.empty((grid[0] * grid[1], E), **f32) if mode == 0 else sinv
     dummy = row if row is not None else col
@@ -319,7 +371,7 @@ def _triton_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
 
 def _reference_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
     """The reference: :func:`~mxtrain.quantization.float8.quantize_float8` of each expert's segment (reads the
-    segment ends on the host)."""
+    segment ends on the host; computes the amaxes from ``x``, whatever ``row_amax`` says)."""
     x, E = call.x, call.num_experts
     T, K = x.shape
     if call.ends is None:
@@ -353,11 +405,11 @@ def _reference_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
 
 def _make_call(*, x, fmt="fp8_e4m3", ends=None, rows_per_expert=None, num_experts=None, rowwise=True,
                columnwise=False, col_layout="expert", scale=None, power_of_2_scales=False, amax_epsilon=0.0,
-               segment_multiple=1):
+               segment_multiple=1, row_amax=None):
     if num_experts is None and ends is not None:
         num_experts = ends.shape[0]
     return GroupedFloat8CastCall(x, ends, rows_per_expert, num_experts, fp8_format_name(fmt), rowwise, columnwise,
-                                 col_layout, scale, power_of_2_scales, amax_epsilon, None, segment_multiple)
+                                 col_layout, scale, power_of_2_scales, amax_epsilon, None, segment_multiple, row_amax)
 
 
 registry.define(registry.Operation("grouped_float8_cast", _make_call, GroupedFloat8CastCall.key))

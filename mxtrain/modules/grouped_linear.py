@@ -43,6 +43,7 @@ from mxtrain.kernels.dispatch import dequantize
 from mxtrain.modules._common import (_WEIGHT_CASTS, apply_module_fn, check_input, check_mx_operands,
                                      release_mx_operands)
 from mxtrain.modules._recipe_state import RecipeStateMixin
+from mxtrain.modules.amax_hints import row_maxima
 from mxtrain.modules.linear import _functional_quantizers, init_linear_, mx_linear_backward, mx_linear_forward
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import Float8Tensor
@@ -84,7 +85,8 @@ class _Operands:
 
 
 def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool,
-                     at_once: bool = False, rank_invariant: bool = False) -> _Operands:
+                     at_once: bool = False, rank_invariant: bool = False, source: torch.Tensor | None = None
+                     ) -> _Operands:
     """Cast the experts' row blocks of a stacked 2-D tensor for their rowwise / columnwise uses.
 
     ``stacked()`` returns the tensor with every expert's rows in order (``splits`` rows each),
@@ -95,12 +97,14 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
     (a zero-padded copy would cost more passes over the tensor than the per-expert casts; see module doc).
     ``rank_invariant``: the tensor's shape and splits are the same on every rank (the weights; not the tokens,
     whose counts are each rank's own): only such a tensor may choose its casts' collectives by its splits.
+    ``source``: the stacked tensor itself where the caller holds it (the tokens): the row maxima recorded with
+    it (``mxtrain.modules.amax_hints``) serve its per-tensor FP8 casts' amaxes.
     """
     def cast(e, t):
         q = quantizer_of(e)
         return [t, t] if q is None else list(q.quantize(t, rowwise, columnwise, at_once))
 
-    grouped = _grouped_float8(stacked, parts, splits, quantizer_of, rowwise, columnwise, rank_invariant)
+    grouped = _grouped_float8(stacked, parts, splits, quantizer_of, rowwise, columnwise, rank_invariant, source)
     if grouped is not None:
         return grouped
     q0 = quantizer_of(0)
@@ -134,9 +138,11 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
 # Per-tensor FP8 (current, delayed): tensors of at most this many elements per expert (on average) are cast for
 # all experts in one grouped cast; larger ones per expert. Measured on an H100 at the Mixtral-8x7B shape (bench_moe): below it
 # the per-expert launches are host-bound (x [16384, 4096]: 0.26 ms grouped against 1.78 ms per expert; the
-# SwiGLU output [16384, 14336]: 0.76 against 1.07), above it the per-expert kernels run faster on the GPU
-# (the weights [8, 28672, 4096]: 2.30 ms per expert against 2.68 grouped; dh [16384, 28672]: 1.27 against 1.46)
-GROUPED_FP8_CAST_MAX_ELEMENTS = 1 << 25
+# SwiGLU output [16384, 14336]: 0.76 against 1.07), the stacked fc2 weights [8, 4096, 14336] as fast grouped
+# (1.31-1.35 ms against 1.30-1.67 per expert, two machines) in 3 launches instead of 24; above it the per-expert
+# kernels run faster on the GPU (the fc1 weights [8, 28672, 4096]: 2.18 ms per expert against 2.47-2.56 grouped;
+# dh [16384, 28672] without recorded row maxima: 1.27 against 1.46)
+GROUPED_FP8_CAST_MAX_ELEMENTS = 1 << 26
 
 
 def _float8_key(spec):
@@ -156,15 +162,17 @@ def _delayed_scales(splits: list[int], slots: list[str], state, fmt: str, device
 
 
 def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool,
-                    rank_invariant: bool):
+                    rank_invariant: bool, source: torch.Tensor | None = None):
     """Per-tensor FP8 scaling: every expert's operands from one grouped cast (current scaling: an amax pass and one
     cast launch over all experts, each expert's segment with its own scale; DelayedScaling: one cast launch with
     each expert's scale from its slot, its amax recorded there after: ``grouped_float8_cast``), bit for bit what
     each expert's quantizer makes of its rows; None where the per-expert casts run instead.
 
     Taken for tensors of up to ``GROUPED_FP8_CAST_MAX_ELEMENTS`` elements per expert (larger ones run faster
-    per expert), where every expert's token count is a multiple of 16 (tokens padded per expert, as FP8 MoE training
-    pads them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts
+    per expert), and for current scaling of a ``source`` of any size whose row maxima a kernel recorded
+    (``mxtrain.modules.amax_hints``: the grouped cast then reads those instead of the tensor, where the
+    per-expert casts would each read their rows once more), where every expert's token count is a multiple of 16
+    (tokens padded per expert, as FP8 MoE training pads them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts
     the kernel's transposed writes ran 4x slower than with aligned ones on an H100, slower than the per-expert
     casts. Not taken for block scales, for DelayedScaling slots without a history yet (their first scale comes from
     their own rows), for tensors that are not ``rank_invariant`` (the tokens) under an amax reduction group (each
@@ -195,8 +203,9 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     if any(hasattr(p, "mx_gathered_plane") for p in parts) or (_WEIGHT_CASTS.depth and isinstance(parts[0], nn.Parameter)):
         return None
     p0 = parts[0]
+    maxima = None if (delayed or source is None) else row_maxima(source)
     if (p0.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-            or sum(splits) * p0.shape[-1] > GROUPED_FP8_CAST_MAX_ELEMENTS * len(splits)):
+            or (maxima is None and sum(splits) * p0.shape[-1] > GROUPED_FP8_CAST_MAX_ELEMENTS * len(splits))):
         return None
     slots = [quantizer_of(e).role(uses[0]).slot for e in range(len(splits))]
     scale = _delayed_scales(splits, slots, spec.state, spec.fmt, p0.device) if delayed else None
@@ -205,10 +214,14 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     x = stacked()  # (weights that do not share one buffer are concatenated here: only once the path is taken)
     if x.stride(1) != 1:
         return None
+    if maxima is not None and x is not source:
+        maxima = None
     call = GroupedFloat8CastCall(x, None if uniform else _offsets(list(itertools.accumulate(splits)), x.device),
                                  splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",
                                  scale, bool(spec.power_of_2_scales), float(spec.amax_epsilon),
-                                 None if delayed else spec.amax_reduction_group, segment_multiple=16)
+                                 None if delayed else spec.amax_reduction_group,
+                                 segment_multiple=next(m for m in (64, 32, 16) if all(n % m == 0 for n in splits)),
+                                 row_amax=maxima)
     try:
         if registry.select("grouped_float8_cast", call, x.device).backend != "triton":
             return None
@@ -216,15 +229,15 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
         return None
     q8 = registry.run("grouped_float8_cast", call, x.device)
     per_expert = []
-    for e, (start, n) in enumerate(zip(_starts(splits), splits)):
-        if n == 0:  # no tokens: nothing cast, nothing recorded (the amax all-reduce, if any, was one for all experts)
+    for e, got in enumerate(q8.experts(splits, tuple(uses))):
+        if got is None:  # no tokens: nothing cast, nothing recorded (an amax all-reduce was one for all experts)
             per_expert.append(None)
             continue
         if delayed:  # as each expert's cast records the amax of its rows
-            spec.state.record(slots[e], q8.amax[e])
+            spec.state.record(slots[e], got[uses[0]].amax)
         ops = [parts[e] if rowwise else None, parts[e] if columnwise else None]  # high-precision uses: the rows
         for a in uses:
-            ops[1 - a] = q8.expert(e, start, n, (a,))
+            ops[1 - a] = got[a]
         per_expert.append(ops)
     return _Operands(splits=splits, per_expert=per_expert)
 
@@ -306,12 +319,30 @@ def _grouped_gemm_ok(x2d, specs, dims) -> bool:
         s is not None and not isinstance(s, Float8RoleSpec) and s.fmt is not None for s in specs)
 
 
+# CUDA group ends recently copied, by (ends, device, stream): a MoE step casts and multiplies the tokens, the SwiGLU
+# output, their gradients by the same counts, four copies of one list (each ~0.1 ms of host time on an H100 host)
+_ENDS: dict = {}
+_ENDS_KEPT = 16
+
+
 def _offsets(ends: list[int], device: torch.device) -> torch.Tensor:
-    """The grouped GEMM's int32 group ends on ``device``; on CUDA copied from pinned memory without
-    blocking (a pageable copy would wait for every kernel queued before it: the host then stops feeding
-    the GPU)."""
-    t = torch.tensor(ends, dtype=torch.int32)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    """The grouped GEMM's (and grouped cast's) int32 group ends on ``device``; on CUDA copied from pinned
+    memory without blocking (a pageable copy would wait for every kernel queued before it: the host then
+    stops feeding the GPU), and the last few kept for calls with the same ends on the same stream (read only,
+    never written: a copy made on another stream is not reused before that stream's copy is known done)."""
+    if device.type != "cuda":
+        return torch.tensor(ends, dtype=torch.int32).to(device)
+    keep = not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
+    key = (tuple(ends), device, torch.cuda.current_stream(device).stream_id) if keep else None
+    hit = _ENDS.get(key) if keep else None
+    if hit is not None:
+        return hit
+    t = torch.tensor(ends, dtype=torch.int32).pin_memory().to(device, non_blocking=True)
+    if keep:
+        if len(_ENDS) >= _ENDS_KEPT:
+            _ENDS.pop(next(iter(_ENDS)))
+        _ENDS[key] = t
+    return t
 
 
 def _grouped_mm(a, b, offs):
@@ -351,7 +382,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         w_ops = grouped_operands(lambda: _stack_rows(list(weights)), weights, [n_out] * num_gemms,
                                  lambda e: quantizers[e].weight, True, keep_dgrad, rank_invariant=True)
         x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: quantizers[e].input, True,
-                                 needs_wgrad)
+                                 needs_wgrad, source=x)
         y = None
         specs = [q0.input.row_spec, q0.weight.row_spec]  # fprop_input, fprop_weight
         if x_ops.full is not None and w_ops.full is not None and _grouped_gemm_ok(x, specs, (x.shape[1], n_out)):
@@ -393,7 +424,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             lambda: x_hp, x_hp.split(splits), splits, lambda e: None, True, True)
         dy = dy.contiguous()
         dy_ops = grouped_operands(lambda: dy, dy.split(splits), splits, lambda e: quantizers[e].grad_output,
-                                  need_dx, any(need_w), at_once=True)
+                                  need_dx, any(need_w), at_once=True, source=dy)
         w_cols = ctx.w_ops
         if need_dx and _first(w_cols, 1) is None:  # MX: the dgrad plane is cast in backward, used at once
             # (on CUDA the cast writes its bf16 values, as it does for mxtrain.Linear's weight parameter)

@@ -82,6 +82,16 @@ def test_per_tensor_current_scaling(fmt, pow2):
     same_fp8(got, quantize_float8(x, fmt, axes=(1, 0), power_of_2_scales=pow2))
 
 
+@pytest.mark.parametrize("rows", [64, 70])
+def test_per_tensor_cast_of_a_tall_tensor_takes_64_row_tiles(monkeypatch, rows):
+    """Both planes of a tensor of TALL_ROWS rows or more come from 64-row tiles (ragged last tile included):
+    bit for bit the reference, as the 32-row tiles are."""
+    monkeypatch.setattr(float8_cast, "TALL_ROWS", 64)
+    x = adversarial(rows, 130, "fp8_e4m3").to(torch.bfloat16)
+    got = float8_cast.triton_quantize_float8(x.to(DEVICE), "fp8_e4m3", axes=(1, 0))
+    same_fp8(got, quantize_float8(x, "fp8_e4m3", axes=(1, 0)), f"{rows} rows")
+
+
 def test_per_tensor_current_scaling_with_a_reduction_group(monkeypatch):
     """With a process group the amax is reduced first and handed to the kernel (all_reduce stubbed here)."""
     seen = []

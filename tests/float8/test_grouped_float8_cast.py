@@ -162,3 +162,45 @@ def test_segment_multiple_is_checked_where_it_can_be():
         gfc.grouped_cast_float8(x.view(3, 16, 16), "fp8_e4m3", segment_multiple=32)
     with pytest.raises(ValueError, match="segment_multiple must be a positive int"):
         gfc.grouped_cast_float8(x, "fp8_e4m3", ends=_ends([48]).cpu(), segment_multiple=0)
+
+
+def _row_maxima(x, pieces):
+    """Max |x| over ``pieces`` column pieces of each row ([rows, pieces] fp32, NaN as +Inf), as a kernel that
+    wrote ``x`` records them (mxtrain.modules.amax_hints)."""
+    a = torch.where(torch.isnan(x), torch.tensor(float("inf")), x.float().abs())
+    return torch.stack([p.amax(1) if p.shape[1] else torch.zeros(x.shape[0]) for p in a.tensor_split(pieces, 1)], 1)
+
+
+@pytest.mark.parametrize("multiple,splits", [(16, [0, 48, 16, 0, 80, 32]), (32, [64, 0, 32, 96]),
+                                             (64, [64, 128, 0]), (1, [0, 37, 5, 70])])
+def test_recorded_row_maxima_replace_the_amax_pass(multiple, splits):
+    """``row_amax``: the experts' amaxes reduced from recorded row maxima: bit for bit the reference (which reads
+    ``x``), for each segment multiple's tile (16-, 32-, 64-row tiles; ragged), non-finite values included."""
+    x = _source(sum(splits), 67, torch.bfloat16, seed=11, nonfinite=True)
+    maxima = _row_maxima(x, 3)
+    q = _run(x, fmt="fp8_e5m2", ends=_ends(splits), columnwise=True, segment_multiple=multiple,
+             row_amax=maxima.to(DEVICE))
+    _check_against_reference(x, splits, q, "fp8_e5m2", (1, 0), what=f"row_amax, multiple {multiple}")
+    w = _source(2 * 64, 40, torch.float32, seed=12)
+    q = _run(w.view(2, 64, 40), fmt="fp8_e4m3", columnwise=True, row_amax=_row_maxima(w, 1).to(DEVICE))
+    _check_against_reference(w, [64, 64], q, "fp8_e4m3", (1, 0), what="row_amax, weights")
+
+
+def test_recorded_row_maxima_are_trusted_and_checked():
+    """The kernel takes the maxima on trust (they are the scales' source: twice the true maxima give each expert
+    the scale of twice its amax), and refuses maxima of the wrong shape, dtype, device, or beside a given scale."""
+    from mxtrain.quantization.float8 import FP8_MAX
+    splits = [32, 16]
+    x = _source(48, 24, torch.float32, seed=13)
+    doubled = _row_maxima(x, 2) * 2
+    q = _run(x, fmt="fp8_e4m3", ends=_ends(splits), segment_multiple=16, row_amax=doubled.to(DEVICE))
+    for e, (a, b) in enumerate(((0, 32), (32, 48))):
+        assert torch.equal(_bits(q.amax[e]), _bits(doubled[a:b].amax()))
+        want = quantize_float8(x[a:b], "fp8_e4m3", scale=FP8_MAX["fp8_e4m3"] / doubled[a:b].amax())
+        assert torch.equal(_codes(q.expert(e, a, b - a).plane(1).data), _codes(want.plane(1).data))
+    with pytest.raises(ValueError, match=r"row_amax must be a float32 \[48, P\] tensor"):
+        _run(x, ends=_ends(splits), row_amax=torch.zeros(47, 2, device=DEVICE))
+    with pytest.raises(ValueError, match=r"row_amax must be a float32 \[48, P\] tensor"):
+        _run(x, ends=_ends(splits), row_amax=torch.zeros(48, 2, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="row_amax serves current scaling"):
+        _run(x, ends=_ends(splits), row_amax=doubled.to(DEVICE), scale=torch.ones(2, device=DEVICE))

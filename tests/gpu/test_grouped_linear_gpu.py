@@ -97,3 +97,41 @@ def test_delayed_scaling_grouped_casts_follow_the_loop_over_steps(monkeypatch):
         if n:
             i, j = state.slots[f"expert{e}.input"], lin.recipe_state.slots["input"]
             torch.testing.assert_close(state.amax_history[:, i], lin.recipe_state.amax_history[:, j])
+
+
+def test_swiglu_records_its_maxima_for_the_fp8_casts_around_it(monkeypatch):
+    """fc1 -> mxtrain.gated_activation -> fc2 under Float8CurrentScaling with 32-aligned counts: the SwiGLU's CUDA
+    kernels record the row maxima of its output and of its input gradient, fc2's input cast and fc1's output-gradient
+    cast take them (no amax pass over those tensors), and every result equals the run with the records dropped,
+    bit for bit."""
+    from mxtrain.kernels import registry
+    from mxtrain.modules import activations
+
+    casts, real_run = [], registry.run
+    monkeypatch.setattr(registry, "run", lambda op, call, *a, **k: (
+        op == "grouped_float8_cast" and casts.append((tuple(call.x.shape), call.row_amax is not None)))
+        or real_run(op, call, *a, **k))
+    splits = SPLITS["aligned"]
+    torch.manual_seed(0)
+    fc1 = mxtrain.GroupedLinear(8, 512, 2 * 384, bias=False).cuda().bfloat16()
+    fc2 = mxtrain.GroupedLinear(8, 384, 512, bias=False).cuda().bfloat16()
+    x = torch.randn(sum(splits), 512, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(sum(splits), 512, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        xi = x.clone().requires_grad_()
+        with mxtrain.mx_autocast(recipe=mxtrain.Float8CurrentScaling()):
+            y = fc2(mxtrain.gated_activation(fc1(xi, splits), "swiglu"), splits)
+        y.backward(dy)
+        out = [y.detach(), xi.grad] + [p.grad.clone() for p in (*fc1.parameters(), *fc2.parameters())]
+        for p in (*fc1.parameters(), *fc2.parameters()):
+            p.grad = None
+        return out
+
+    with_records = run()
+    assert [c for c in casts if c[1]] == [((sum(splits), 384), True), ((sum(splits), 768), True)]
+    casts.clear()
+    monkeypatch.setattr(activations, "record_row_maxima", lambda t, m: None)  # nothing recorded
+    without = run()
+    assert not any(c[1] for c in casts)
+    assert all(torch.equal(a, b) for a, b in zip(with_records, without))

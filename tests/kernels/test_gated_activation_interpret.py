@@ -70,3 +70,32 @@ def test_bad_inputs_are_refused():
         gated_activation(torch.randn(4, 7), "swiglu")
     with pytest.raises(ValueError, match="grad must be"):
         gated_activation_backward(torch.randn(4, 8), torch.randn(4, 8), "swiglu")
+
+
+def _abs_max_rows(t):
+    a = torch.where(torch.isnan(t), torch.tensor(float("inf")), t.float().abs())
+    return a.amax(1) if t.shape[1] else torch.zeros(t.shape[0])
+
+
+@pytest.mark.parametrize("tile", [(4, 512), (1, 1024), (2, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_maxima_beside_the_output(monkeypatch, tile, dtype):
+    """``row_amax=True``: the same output, and per row the max |output| over each program's columns (NaN as
+    +Inf): exact, for tiles of several rows over a row count that is not a multiple of them."""
+    import mxtrain.kernels.gated_activation as ga
+
+    monkeypatch.setattr(ga, "TILE", tile)
+    torch.manual_seed(2)
+    h = (torch.randn(37, 2 * 150) * 3).to(dtype)
+    h[0, 3] = float("nan")
+    h[5, 150 + 7] = float("inf")
+    g = torch.randn(37, 150).to(dtype)
+    y, m = ga.gated_activation(h, "swiglu", row_amax=True)
+    dh, md = ga.gated_activation_backward(h, g, "swiglu", row_amax=True)
+    pieces = -(-150 // min(tile[1], 256))
+    assert m.shape == md.shape == (37, pieces) and m.dtype == md.dtype == torch.float32
+    torch.testing.assert_close(y, ga.gated_activation(h, "swiglu"), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(dh, ga.gated_activation_backward(h, g, "swiglu"), rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(m.amax(1), _abs_max_rows(y)) and torch.equal(md.amax(1), _abs_max_rows(dh))
+    assert m[0].amax() == float("inf") and md[0].amax() == float("inf")  # the NaN row
+    assert ga.gated_activation(torch.empty(0, 8), "swiglu", row_amax=True)[1].shape == (0, 1)
