@@ -8,9 +8,10 @@ activation's derivative; the fp32 formulas are :mod:`mxtrain.kernels.cast`'s (to
 the GPU), so results are torch's up to an ulp where CUDA's libm differs.
 
 ``row_amax=True`` also returns the maxima of ``|result|`` over each program's piece of a row, ``[tokens, P]``
-fp32 (NaN counts as +Inf, as the FP8 amax passes count it): the per-tensor FP8 cast of the result (the
-next GEMM's input, or in backward the previous GEMM's output gradient) then reduces these instead of
-reading the whole result once more for its amax (see :mod:`mxtrain.modules.amax_hints`).
+fp32 (NaN counts as +Inf, as the FP8 amax passes count it): a per-tensor FP8 cast of the result that takes
+them (GroupedLinear's grouped cast under current scaling: the next GEMM's input, or in backward the previous
+GEMM's output gradient) reduces these instead of reading the whole result once more for its amax (see
+:mod:`mxtrain.modules.amax_hints`).
 """
 
 from __future__ import annotations

@@ -51,7 +51,9 @@ AMAX_TILE = (32, 128, 4)
 CAST_TILE = (32, 128, 4)
 # segments of multiples of 16 / 32 / 64 rows: tiles of that many rows, each in one expert (the SEG16 branch)
 SEGMENT_TILES = {64: (64, 128, 4), 32: (32, 256, 4), 16: (16, 128, 4)}
-ROW_AMAX_TILE = (128, 4)  # (BM, warps) of the pass over recorded row maxima [T, P] (BN: P's power of two, <= 128)
+# (BM, warps) of the pass over recorded row maxima [T, P] (BN: P's power of two, <= 128); 32 rows where there are
+# over 64 experts (each tile holds a [BM, experts] comparison)
+ROW_AMAX_TILE = (128, 4)
 
 
 @triton.jit
@@ -342,6 +344,7 @@ def _triton_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
             BM, BN, warps = AMAX_TILE
         else:
             (BM, warps), BN = ROW_AMAX_TILE, min(128, triton.next_power_of_2(P))
+            BM = BM if block_e <= 64 else 32
         grid = (triton.cdiv(T, BM), triton.cdiv(P, BN))
         part = torch.empty((grid[0] * grid[1], E), **f32)
         _grouped_amax_kernel[grid](src, ends, part, T, P, E, src.stride(0), seg, BM=BM, BN=BN, num_warps=warps,

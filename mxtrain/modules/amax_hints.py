@@ -8,10 +8,13 @@ the previous GEMM's output gradient in backward) reduces those few maxima per ex
 tensor (at the Mixtral expert layer's shape: 0.26 ms of the SwiGLU output's and 0.37 ms of its gradient's amax
 passes a step on an H100).
 
-A record is bound to the tensor object and to its version: an in-place change of the tensor (``add_``,
-``copy_``, ``torch.no_grad`` writes) drops it, and so does any other tensor, a view or a copy of it included;
-a cast that finds none computes the amax itself. The maxima are exact (the maxima of the values as stored,
-NaN counted as +Inf as the amax passes count it), so a cast gives the same bits with or without them.
+A record is bound to the tensor object and to its version: an in-place change of the tensor that bumps its
+version (``add_``, ``copy_``, writes under ``torch.no_grad``, through a view too) drops it, and any other tensor, a
+view or a copy of it included, has none; a cast that finds none computes the amax itself. Writes that bypass the
+version counter (``t.data.mul_()``, ``t.data = other``, a raw kernel writing into ``t``) are not seen: after such a
+write, record again or not at all. Inference tensors have no version counter: nothing is recorded for them.
+The maxima are exact (the maxima of the values as stored, NaN counted as +Inf as the amax passes count it), so a
+cast gives the same bits with or without them.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ def record_row_maxima(t: torch.Tensor, maxima: torch.Tensor) -> None:
         raise ValueError(f"record_row_maxima: maxima must be a float32 [{t.shape[0] if t.ndim else '?'}, P] tensor "
                          f"on {t.device} for a 2-D tensor, got {maxima.dtype} {list(maxima.shape)} on "
                          f"{maxima.device} for {list(t.shape)}")
+    if t.is_inference():  # no version counter to bind the record to
+        return
     _RECORDS[t] = (t._version, maxima)
 
 
 def row_maxima(t: torch.Tensor) -> torch.Tensor | None:
     """The maxima recorded for ``t`` (this very tensor, unchanged since), or None."""
-    got = _RECORDS.get(t)
+    got = None if t.is_inference() else _RECORDS.get(t)
     if got is None:
         return None
     version, maxima = got

@@ -135,14 +135,16 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
     return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
 
 
-# Per-tensor FP8 (current, delayed): tensors of at most this many elements per expert (on average) are cast for
-# all experts in one grouped cast; larger ones per expert. Measured on an H100 at the Mixtral-8x7B shape (bench_moe): below it
-# the per-expert launches are host-bound (x [16384, 4096]: 0.26 ms grouped against 1.78 ms per expert; the
-# SwiGLU output [16384, 14336]: 0.76 against 1.07), the stacked fc2 weights [8, 4096, 14336] as fast grouped
-# (1.31-1.35 ms against 1.30-1.67 per expert, two machines) in 3 launches instead of 24; above it the per-expert
-# kernels run faster on the GPU (the fc1 weights [8, 28672, 4096]: 2.18 ms per expert against 2.47-2.56 grouped;
-# dh [16384, 28672] without recorded row maxima: 1.27 against 1.46)
-GROUPED_FP8_CAST_MAX_ELEMENTS = 1 << 26
+# Per-tensor FP8 (current, delayed): token tensors of at most this many elements per expert (on average) are cast
+# for all experts in one grouped cast; larger ones per expert. Measured on an H100 at the Mixtral-8x7B shape
+# (bench_moe): below it the per-expert launches are host-bound (x [16384, 4096]: 0.26 ms grouped against 1.78 ms
+# per expert; the SwiGLU output [16384, 14336]: 0.76 against 1.07), above it the per-expert kernels run faster on
+# the GPU (dh [16384, 28672] without recorded row maxima: 1.27-1.32 ms per expert against 1.46-1.48 grouped)
+GROUPED_FP8_CAST_MAX_ELEMENTS = 1 << 25
+# the same bound for the stacked weights (equal segments): the fc2 weights [8, 4096, 14336] cast as fast grouped
+# (1.31-1.35 ms against 1.30-1.67 per expert, two machines) in 3 launches instead of 24; the fc1 weights
+# [8, 28672, 4096] faster per expert (2.18 ms against 2.47-2.56 grouped)
+GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS = 1 << 26
 
 
 def _float8_key(spec):
@@ -168,8 +170,9 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     each expert's scale from its slot, its amax recorded there after: ``grouped_float8_cast``), bit for bit what
     each expert's quantizer makes of its rows; None where the per-expert casts run instead.
 
-    Taken for tensors of up to ``GROUPED_FP8_CAST_MAX_ELEMENTS`` elements per expert (larger ones run faster
-    per expert), and for current scaling of a ``source`` of any size whose row maxima a kernel recorded
+    Taken for tensors of up to ``GROUPED_FP8_CAST_MAX_ELEMENTS`` elements per expert (the weights:
+    ``GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS``; larger ones run faster per expert), and for current scaling of a
+    ``source`` of any size whose row maxima a kernel recorded
     (``mxtrain.modules.amax_hints``: the grouped cast then reads those instead of the tensor, where the
     per-expert casts would each read their rows once more), where every expert's token count is a multiple of 16
     (tokens padded per expert, as FP8 MoE training pads them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts
@@ -204,8 +207,9 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
         return None
     p0 = parts[0]
     maxima = None if (delayed or source is None) else row_maxima(source)
-    if (p0.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-            or (maxima is None and sum(splits) * p0.shape[-1] > GROUPED_FP8_CAST_MAX_ELEMENTS * len(splits))):
+    limit = GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS if rank_invariant else GROUPED_FP8_CAST_MAX_ELEMENTS
+    large = sum(splits) * p0.shape[-1] > limit * len(splits)
+    if p0.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (large and maxima is None):
         return None
     slots = [quantizer_of(e).role(uses[0]).slot for e in range(len(splits))]
     scale = _delayed_scales(splits, slots, spec.state, spec.fmt, p0.device) if delayed else None
@@ -214,7 +218,9 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     x = stacked()  # (weights that do not share one buffer are concatenated here: only once the path is taken)
     if x.stride(1) != 1:
         return None
-    if maxima is not None and x is not source:
+    if maxima is not None and x is not source:  # the records are the source's, not of this tensor
+        if large:  # without them a large tensor casts faster per expert
+            return None
         maxima = None
     call = GroupedFloat8CastCall(x, None if uniform else _offsets(list(itertools.accumulate(splits)), x.device),
                                  splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",
@@ -328,8 +334,8 @@ _ENDS_KEPT = 16
 def _offsets(ends: list[int], device: torch.device) -> torch.Tensor:
     """The grouped GEMM's (and grouped cast's) int32 group ends on ``device``; on CUDA copied from pinned
     memory without blocking (a pageable copy would wait for every kernel queued before it: the host then
-    stops feeding the GPU), and the last few kept for calls with the same ends on the same stream (read only,
-    never written: a copy made on another stream is not reused before that stream's copy is known done)."""
+    stops feeding the GPU), and the last few kept for later calls with the same ends on the same stream (read
+    only, never written; a call on another stream makes its own copy, ordered on that stream)."""
     if device.type != "cuda":
         return torch.tensor(ends, dtype=torch.int32).to(device)
     keep = not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()

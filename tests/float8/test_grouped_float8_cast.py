@@ -204,3 +204,25 @@ def test_recorded_row_maxima_are_trusted_and_checked():
         _run(x, ends=_ends(splits), row_amax=torch.zeros(48, 2, dtype=torch.float64, device=DEVICE))
     with pytest.raises(ValueError, match="row_amax serves current scaling"):
         _run(x, ends=_ends(splits), row_amax=doubled.to(DEVICE), scale=torch.ones(2, device=DEVICE))
+
+
+@pytest.mark.parametrize("layout", ["expert", "stacked"])
+def test_experts_hands_out_what_expert_does(layout):
+    """``experts(splits, axes)``: every expert's planes at once, equal to ``expert()`` one by one (None for an expert
+    without rows), for both columnwise layouts."""
+    splits = [16, 0, 48, 32]
+    x = _source(sum(splits), 40, torch.bfloat16, seed=14)
+    q = _run(x, fmt="fp8_e4m3", ends=_ends(splits), columnwise=True, col_layout=layout, segment_multiple=16)
+    got = q.experts(splits, (1, 0))
+    start = 0
+    for e, n in enumerate(splits):
+        if n == 0:
+            assert got[e] is None
+            continue
+        for a in (1, 0):
+            one, want = got[e][a], q.expert(e, start, n, (a,))
+            assert [p.axis for p in one.planes] == [a] and one.shape == want.shape == (n, 40)
+            assert torch.equal(_codes(one.plane(a).data), _codes(want.plane(a).data))
+            assert torch.equal(_bits(one.scale_inv), _bits(want.scale_inv))
+            assert torch.equal(_bits(one.amax), _bits(want.amax))
+        start += n

@@ -108,7 +108,8 @@ def _needs_interpreter():
 def test_grouped_linear_casts_take_recorded_maxima_with_the_same_bits(monkeypatch, mx_config):
     """fc2's input (forward) and fc1's output gradient (backward) carry recorded maxima: their grouped casts take
     them (no amax pass over the tensor), and every output and gradient equals the run without records bit for bit;
-    tensors over GROUPED_FP8_CAST_MAX_ELEMENTS per expert are cast grouped too where maxima are recorded."""
+    tensors over GROUPED_FP8_CAST_MAX_ELEMENTS per expert are cast grouped too where maxima are recorded, and per
+    expert where none are."""
     _needs_interpreter()
     mx_config(backend="triton")
     splits = [16, 0, 32]
@@ -123,6 +124,7 @@ def test_grouped_linear_casts_take_recorded_maxima_with_the_same_bits(monkeypatc
                      ((48, 16), False), ((48, 48), True)]
     calls.clear()
     monkeypatch.setattr(gl_module, "GROUPED_FP8_CAST_MAX_ELEMENTS", 1)  # every tensor "large": per expert
+    monkeypatch.setattr(gl_module, "GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS", 1)
     got = _run(fc1, fc2, splits, scale=1.0)
     assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
     assert calls == [((48, 48), True), ((48, 48), True)]  # only the tensors with recorded maxima: grouped
@@ -148,10 +150,27 @@ def test_recorded_maxima_are_what_the_casts_scale_by(monkeypatch, mx_config):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_ragged_counts_keep_their_per_expert_casts_with_records(monkeypatch):
-    """Counts that are not multiples of 16 cast the tokens per expert (amax passes of their own), records or not."""
+def test_ragged_counts_keep_their_per_expert_casts_with_records(monkeypatch, mx_config):
+    """Counts that are not multiples of 16 cast the tokens per expert (amax passes of their own), records or not:
+    records three times too large change nothing, and only the weights are cast grouped."""
+    _needs_interpreter()
+    mx_config(backend="triton")
     fc1, fc2 = _experts()
     splits = [5, 0, 11]
     want = _run(fc1, fc2, splits, scale=None)
+    calls = _casts(monkeypatch)
     got = _run(fc1, fc2, splits, scale=3.0)  # records ignored: the same bits
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
+    assert calls == [((3 * 48, 32), False), ((3 * 16, 48), False)]  # the two weights
+
+
+def test_inference_tensors_get_no_records():
+    """Inference tensors have no version counter: nothing is recorded for them (no error), and a lookup finds
+    nothing; mxtrain.gated_activation runs under inference mode."""
+    with torch.inference_mode():
+        t = torch.randn(4, 6)
+        record_row_maxima(t, _maxima(t))
+        assert row_maxima(t) is None
+        y = mxtrain.gated_activation(torch.randn(4, 6), "swiglu")
+    assert y.shape == (4, 3)

@@ -296,13 +296,15 @@ def test_float8_current_ragged_counts_cast_per_expert(monkeypatch):
 
 
 def test_float8_current_large_tensors_cast_per_expert(monkeypatch, mx_config):
-    """Tensors of more than GROUPED_FP8_CAST_MAX_ELEMENTS per expert are cast per expert (faster there on an
+    """Tensors of more than GROUPED_FP8_CAST_MAX_ELEMENTS (the weights: GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS) per
+    expert are cast per expert (faster there on an
     H100), the smaller ones grouped; results bit for bit the loop's either way."""
     import os
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the grouped FP8 cast runs on Triton: the CPU needs TRITON_INTERPRET=1 (CUDA: tests/gpu)")
     mx_config(backend="triton")
-    monkeypatch.setattr(gl_module, "GROUPED_FP8_CAST_MAX_ELEMENTS", 48 * 64 - 1)  # below a weight's 48 x 64
+    monkeypatch.setattr(gl_module, "GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS", 48 * 64 - 1)  # below a weight's 48 x 64
+    monkeypatch.setattr(gl_module, "GROUPED_FP8_CAST_MAX_ELEMENTS", 1024)  # x's and dy's 1024 per expert
     calls = _grouped_fp8_casts(monkeypatch)
     splits = [16, 0, 32]
     grouped, linears = _pair(3, 64, 48, False, torch.bfloat16)
