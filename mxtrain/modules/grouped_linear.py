@@ -172,11 +172,11 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
 
     Taken for tensors of up to ``GROUPED_FP8_CAST_MAX_ELEMENTS`` elements per expert (the weights:
     ``GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS``; larger ones run faster per expert), and for current scaling of a
-    ``source`` of any size whose row maxima a kernel recorded
-    (``mxtrain.modules.amax_hints``: the grouped cast then reads those instead of the tensor, where the
-    per-expert casts would each read their rows once more), where every expert's token count is a multiple of 16
-    (tokens padded per expert, as FP8 MoE training pads them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts
-    the kernel's transposed writes ran 4x slower than with aligned ones on an H100, slower than the per-expert
+    ``source`` of any size whose row maxima a kernel recorded (``mxtrain.modules.amax_hints``: the grouped cast
+    then reads those instead of the tensor, where the per-expert casts would each read their rows once more),
+    where every expert's token count is a multiple of 16 (tokens padded per expert, as FP8 MoE training pads
+    them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts the
+    kernel's transposed writes ran 4x slower than with aligned ones on an H100, slower than the per-expert
     casts. Not taken for block scales, for DelayedScaling slots without a history yet (their first scale comes from
     their own rows), for tensors that are not ``rank_invariant`` (the tokens) under an amax reduction group (each
     rank's counts would choose its collectives: one all-reduce of all experts' amaxes on one rank could meet
