@@ -346,12 +346,17 @@ def _fp8_cached(group, key, fsdp_param):
     return mine
 
 
-def _mx_layout_key(recipe, param_dtype, world: int, device) -> tuple:
+def _layout_key(row_spec, col_spec, param_dtype, world: int, values: bool) -> tuple:
     """What fixes where a traced MX weight's two planes lie in its gathered buffer (``_GatheredState._place``): the
     two weight roles' specs, the param dtype, the world size and whether the planes arrive as values. A forward
     gather sends one plane only into a layout made under the same key (the same on every rank)."""
-    return ((recipe.role(FPROP[0]), FPROP[1]), (recipe.role(DGRAD[0]), DGRAD[1]), param_dtype, world,
-            _gather_values(device, param_dtype))
+    return (row_spec, 1), (col_spec, 0), param_dtype, world, values
+
+
+def _mx_layout_key(recipe, param_dtype, world: int, device) -> tuple:
+    """:func:`_layout_key` of the layout a gather under ``recipe`` makes."""
+    return _layout_key(recipe.role(FPROP[0]), recipe.role(DGRAD[0]), param_dtype, world,
+                       _gather_values(device, param_dtype))
 
 
 class _SentShard:
@@ -464,9 +469,11 @@ class MXAllGatherWeight(torch.Tensor):
         # not a forward recomputed inside backward, whose group is not gathered again before its backward)
         again = (phase == TrainingState.FORWARD and group._reshard_after_forward
                  and torch._C._current_graph_task_id() == -1)  # (-1: no backward running on this thread)
-        if (info.traced and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
-                and not (again and not fp8_recipe and recipe is not None and info.mx_layout == _mx_layout_key(
-                    recipe, param_dtype, world, self.device))):
+        # MX, traced: a forward gather that FSDP follows with a backward gather, into a layout of both planes made
+        # under this recipe
+        one_plane = (again and not fp8_recipe and recipe is not None
+                     and info.mx_layout == _mx_layout_key(recipe, param_dtype, world, self.device))
+        if info.traced and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD) and not one_plane:
             # a traced weight's gathered planes all exist in every gather (FP8: the same codes serve both). MX: the
             # backward's gather sends both (a recompute inside the compiled backward may read the rowwise one);
             # a forward gather followed by that one sends the rowwise plane only, into the place a gather of both
@@ -933,7 +940,7 @@ class _GatheredState:
             specs = {p["axis"]: p["spec"] for p in meta["planes"]}
             self.layout = _PlaneLayout(
                 places={k[0]: (k, off, p["spec"]) for k, off, p in zip(keys, offsets, meta["planes"])}, bytes=total,
-                key=((specs[1], 1), (specs[0], 0), meta["dtype"], meta["world"], values))
+                key=_layout_key(specs[1], specs[0], meta["dtype"], meta["world"], values))
         self.pending = frozenset()
         return arena, offsets
 

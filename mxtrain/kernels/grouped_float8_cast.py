@@ -192,16 +192,20 @@ class GroupedFloat8Tensor:
         """Expert ``e``'s rows ``[start, start + n)`` (host ints) as a Float8Tensor with the planes of ``axes``
         (1: rowwise, 0: columnwise, as ``quantize_float8``'s ``axes``): views of this cast's buffers (a copy
         of the columns of a ``"stacked"`` columnwise plane)."""
+        planes = tuple(self._plane(a, start, n, self.scale_inv[e]) for a in axes)
+        return Float8Tensor(planes, self.fmt, (n, self.shape[1]), self.dtype, self.amax[e])
+
+    def _plane(self, axis: int, start: int, n: int, scale_inv, piece=None) -> Float8Plane:
+        """The plane of ``axis`` of rows ``[start, start + n)``; ``piece``: those rows' part of the plane's buffer
+        where the caller already cut it (None: cut here)."""
         K = self.shape[1]
-        planes = []
-        for a in axes:
-            if a % 2 == 1:
-                planes.append(Float8Plane(self.row[start:start + n], self.scale_inv[e], 1))
-            elif self.col_layout == "expert":
-                planes.append(Float8Plane(self.col[K * start:K * (start + n)].view(K, n), self.scale_inv[e], 0))
-            else:  # a copy: the per-expert GEMM reads [K, n] row-major
-                planes.append(Float8Plane(self.col[:, start:start + n].contiguous(), self.scale_inv[e], 0))
-        return Float8Tensor(tuple(planes), self.fmt, (n, K), self.dtype, self.amax[e])
+        if axis % 2 == 1:
+            return Float8Plane(self.row[start:start + n] if piece is None else piece, scale_inv, 1)
+        if self.col_layout == "expert":
+            piece = self.col[K * start:K * (start + n)] if piece is None else piece
+            return Float8Plane(piece.view(K, n), scale_inv, 0)
+        # a copy: the per-expert GEMM reads [K, n] row-major
+        return Float8Plane(self.col[:, start:start + n].contiguous(), scale_inv, 0)
 
     def experts(self, splits: list[int], axes=(1,)) -> list[dict | None]:
         """Every expert's :meth:`expert` at once, for segments of ``splits`` rows (host ints) in order: for each
@@ -209,10 +213,8 @@ class GroupedFloat8Tensor:
         rows. (One ``split`` / ``unbind`` per buffer instead of E slicings of each: a MoE step makes 80 of these.)"""
         K = self.shape[1]
         sinv, amax = self.scale_inv.unbind(0), self.amax.unbind(0)
-        rows = self.row.split(splits) if 1 in axes else None
-        cols = None
-        if 0 in axes and self.col_layout == "expert":
-            cols = self.col.split([K * n for n in splits])
+        pieces = {1: self.row.split(splits) if 1 in axes else None,
+                  0: self.col.split([K * n for n in splits]) if 0 in axes and self.col_layout == "expert" else None}
         out, start = [], 0
         for e, n in enumerate(splits):
             if n == 0:
@@ -220,12 +222,8 @@ class GroupedFloat8Tensor:
                 continue
             ops = {}
             for a in axes:
-                if a % 2 == 1:
-                    plane = Float8Plane(rows[e], sinv[e], 1)
-                elif cols is not None:
-                    plane = Float8Plane(cols[e].view(K, n), sinv[e], 0)
-                else:  # a copy: the per-expert GEMM reads [K, n] row-major
-                    plane = Float8Plane(self.col[:, start:start + n].contiguous(), sinv[e], 0)
+                cut = pieces[a % 2]
+                plane = self._plane(a, start, n, sinv[e], None if cut is None else cut[e])
                 ops[a] = Float8Tensor((plane,), self.fmt, (n, K), self.dtype, amax[e])
             out.append(ops)
             start += n

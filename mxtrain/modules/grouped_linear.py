@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import warnings
 
 import torch
@@ -226,8 +227,7 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
                                  splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",
                                  scale, bool(spec.power_of_2_scales), float(spec.amax_epsilon),
                                  None if delayed else spec.amax_reduction_group,
-                                 segment_multiple=next(m for m in (64, 32, 16) if all(n % m == 0 for n in splits)),
-                                 row_amax=maxima)
+                                 segment_multiple=math.gcd(*splits), row_amax=maxima)
     try:
         if registry.select("grouped_float8_cast", call, x.device).backend != "triton":
             return None
