@@ -329,6 +329,17 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
     finally:
         if gather is not None:
             gather.close()
+    if side in getattr(args, "host_profile", "").split(","):  # every rank runs the steps (collectives), rank 0 profiles
+        from hostprof import host_profile
+
+        if rank == 0:
+            print(host_profile(run, 3, f"{side} rank 0 of {world}" if args.fsdp else side, sync=sync,
+                               out_dir=getattr(args, "host_profile_out", None)), flush=True)
+        else:  # the same collectives (host_profile synchronises before and after)
+            sync()
+            for _ in range(3):
+                run()
+            sync()
     loss = loss.detach().float()
     if args.fsdp:  # the mean over ranks of the last step's loss
         dist.all_reduce(loss)
@@ -429,6 +440,10 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", default=None, metavar="SIDES", help="profile these eager sides instead of timing")
     p.add_argument("--json", default=None, help="also write every figure to this JSON file")
+    p.add_argument("--host-profile", default="", metavar="SIDES",
+                   help="after timing these sides, cProfile 3 steps of each on rank 0 (hostprof.py) and print where "
+                        "the host's issue time goes")
+    p.add_argument("--host-profile-out", default=None, metavar="DIR", help="also keep the .prof files here")
     p.add_argument("--data", choices=("random", "austen"), default="random",
                    help="random tokens (4 batches repeated), or the Austen corpus as byte tokens, a new batch "
                         "every step: its losses compare how the sides train")

@@ -216,6 +216,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--profile", action="store_true", help="print each mode's top CUDA kernels of one step")
     p.add_argument("--gpu-time", action="store_true",
                    help="also time each step with its kernels queued behind a GPU spin (the GPU's time alone; CUDA)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="cProfile 5 steps of each mode (hostprof.py): where the host's issue time goes")
     p.add_argument("--top", type=int, default=12, help="kernels listed per mode with --profile")
     p.add_argument("--act", choices=sorted(ACTS), default="fused",
                    help="the SwiGLU of every mode: mxtrain.gated_activation (fused) or F.silu(gate) * up (torch)")
@@ -285,6 +287,11 @@ def main(argv=None) -> list[dict]:
         if args.profile:
             for label, step in zip(ok, steps):
                 profile_step(label, step, device.type == "cuda", args.top)
+        if args.host_profile:
+            from hostprof import host_profile
+
+            for label, step in zip(ok, steps):
+                print(host_profile(step, 5, label, sync=torch.cuda.synchronize if device.type == "cuda" else None))
         for case in cases[1 if baseline is not None else 0:]:
             case[1].zero_grad(set_to_none=True)
         del cases, steps
