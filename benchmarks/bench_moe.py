@@ -218,6 +218,7 @@ def main(argv=None) -> list[dict]:
                    help="also time each step with its kernels queued behind a GPU spin (the GPU's time alone; CUDA)")
     p.add_argument("--host-profile", action="store_true",
                    help="cProfile 5 steps of each mode (hostprof.py): where the host's issue time goes")
+    p.add_argument("--host-profile-out", default=None, metavar="DIR", help="also keep the .prof files here")
     p.add_argument("--top", type=int, default=12, help="kernels listed per mode with --profile")
     p.add_argument("--act", choices=sorted(ACTS), default="fused",
                    help="the SwiGLU of every mode: mxtrain.gated_activation (fused) or F.silu(gate) * up (torch)")
@@ -291,7 +292,8 @@ def main(argv=None) -> list[dict]:
             from hostprof import host_profile
 
             for label, step in zip(ok, steps):
-                print(host_profile(step, 5, label, sync=torch.cuda.synchronize if device.type == "cuda" else None))
+                print(host_profile(step, 5, label, sync=torch.cuda.synchronize if device.type == "cuda" else None,
+                                   out_dir=args.host_profile_out))
         for case in cases[1 if baseline is not None else 0:]:
             case[1].zero_grad(set_to_none=True)
         del cases, steps

@@ -28,6 +28,7 @@ output (no concatenation).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import warnings
@@ -68,12 +69,22 @@ def _row_unit(spec, axis: int) -> int | None:
     return 1 if axis != 0 else (spec.block_size or None)
 
 
+class _Pending:
+    """An expert's cast not made yet: made when its operands are first asked for (``_Operands.expert``)."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make):
+        self.make = make
+
+
 class _Operands:
     """The operands of every expert for a list of (spec, axis) uses.
 
     ``full[u]``: use ``u``'s operand of the whole stacked (for padded uses: padded) tensor, and
     ``ends[u]`` the experts' end rows in it (for a grouped GEMM); None when cast per expert.
-    ``expert(e)``: expert ``e``'s own operands, as its quantizer would make them of its rows.
+    ``expert(e)``: expert ``e``'s own operands, as its quantizer would make them of its rows (a deferred
+    per-expert cast, ``grouped_operands(defer=True)``, is made then, once).
     """
 
     def __init__(self, per_expert=None, full=None, starts=None, ends=None, splits=None):
@@ -81,13 +92,16 @@ class _Operands:
 
     def expert(self, e: int) -> list:
         if self.per_expert is not None:
-            return self.per_expert[e]
+            got = self.per_expert[e]
+            if type(got) is _Pending:
+                got = self.per_expert[e] = got.make()
+            return got
         return [_rows(op, self.starts[u][e], self.splits[e]) for u, op in enumerate(self.full)]
 
 
 def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool,
-                     at_once: bool = False, rank_invariant: bool = False, source: torch.Tensor | None = None
-                     ) -> _Operands:
+                     at_once: bool = False, rank_invariant: bool = False, source: torch.Tensor | None = None,
+                     defer: bool = False) -> _Operands:
     """Cast the experts' row blocks of a stacked 2-D tensor for their rowwise / columnwise uses.
 
     ``stacked()`` returns the tensor with every expert's rows in order (``splits`` rows each),
@@ -100,6 +114,11 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
     whose counts are each rank's own): only such a tensor may choose its casts' collectives by its splits.
     ``source``: the stacked tensor itself where the caller holds it (the tokens): the row maxima recorded with
     it (``mxtrain.modules.amax_hints``) serve its per-tensor FP8 casts' amaxes.
+    ``defer``: where each expert is cast alone, cast it when its operands are first asked for (the forward's
+    GEMM loop then alternates cast and GEMM: the GPU multiplies expert ``e`` while the host issues the cast of
+    ``e + 1``, instead of waiting for every cast's issue first); only where the casts have no effect beyond
+    their result (no amax all-reduce, no DelayedScaling record), so that an expert never asked for (no tokens)
+    changes nothing by going uncast.
     """
     def cast(e, t):
         q = quantizer_of(e)
@@ -118,8 +137,11 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
         # casts all-reduce their amax, it joins those collectives (another rank may have tokens for it: unmatched
         # collectives would pair wrongly or hang)
         per_expert = []
+        defer = defer and not _reduces_amax(uses) and not _records_amax(uses)
         for e, (p, n) in enumerate(zip(parts, splits)):
-            if n:
+            if n and defer:
+                per_expert.append(_Pending(functools.partial(cast, e, p)))
+            elif n:
                 per_expert.append(cast(e, p))
             else:
                 if not hasattr(p, "mx_gathered_plane") and _reduces_amax(uses):
@@ -136,16 +158,12 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
     return _Operands(full=full, starts=[starts] * len(uses), ends=[ends] * len(uses), splits=splits)
 
 
-# Per-tensor FP8 (current, delayed): token tensors of at most this many elements per expert (on average) are cast
-# for all experts in one grouped cast; larger ones per expert. Measured on an H100 at the Mixtral-8x7B shape
-# (bench_moe): below it the per-expert launches are host-bound (x [16384, 4096]: 0.26 ms grouped against 1.78 ms
-# per expert; the SwiGLU output [16384, 14336]: 0.76 against 1.07), above it the per-expert kernels run faster on
-# the GPU (dh [16384, 28672] without recorded row maxima: 1.27-1.32 ms per expert against 1.46-1.48 grouped)
-GROUPED_FP8_CAST_MAX_ELEMENTS = 1 << 25
-# the same bound for the stacked weights (equal segments): the fc2 weights [8, 4096, 14336] cast as fast grouped
-# (1.31-1.35 ms against 1.30-1.67 per expert, two machines) in 3 launches instead of 24; the fc1 weights
-# [8, 28672, 4096] faster per expert (2.18 ms against 2.47-2.56 grouped)
-GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS = 1 << 26
+# Per-tensor FP8 (current, delayed): every tensor whose experts' token counts are multiples of 16 is cast for all
+# experts in one grouped cast, whatever its size. Measured on an H100 at the Mixtral-8x7B shape (bench_grouped_cast,
+# per expert against grouped, ms): x [16544, 4096] 1.29 / 0.31, the SwiGLU output [16544, 14336] 1.29 / 0.69, its
+# gradient [16544, 28672] without recorded maxima 1.29 / 1.28, the stacked weights [8, 28672, 4096] 2.18 / 2.16 and
+# [8, 4096, 14336] 1.57 / 1.16; the layer's step (bench_moe, aligned, Float8CurrentScaling) 19.9-20.0 ms against
+# 21.1-21.7 with the larger tensors cast per expert (the forward's host issue 11 against 14-15 ms).
 
 
 def _float8_key(spec):
@@ -171,11 +189,9 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     each expert's scale from its slot, its amax recorded there after: ``grouped_float8_cast``), bit for bit what
     each expert's quantizer makes of its rows; None where the per-expert casts run instead.
 
-    Taken for tensors of up to ``GROUPED_FP8_CAST_MAX_ELEMENTS`` elements per expert (the weights:
-    ``GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS``; larger ones run faster per expert), and for current scaling of a
-    ``source`` of any size whose row maxima a kernel recorded (``mxtrain.modules.amax_hints``: the grouped cast
-    then reads those instead of the tensor, where the per-expert casts would each read their rows once more),
-    where every expert's token count is a multiple of 16 (tokens padded per expert, as FP8 MoE training pads
+    Taken for tensors of any size (current scaling of a ``source`` whose row maxima a kernel recorded,
+    ``mxtrain.modules.amax_hints``, reads those instead of the tensor for its amaxes), where every expert's token
+    count is a multiple of 16 (tokens padded per expert, as FP8 MoE training pads
     them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts the
     kernel's transposed writes ran 4x slower than with aligned ones on an H100, slower than the per-expert
     casts. Not taken for block scales, for DelayedScaling slots without a history yet (their first scale comes from
@@ -208,9 +224,7 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
         return None
     p0 = parts[0]
     maxima = None if (delayed or source is None) else row_maxima(source)
-    limit = GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS if rank_invariant else GROUPED_FP8_CAST_MAX_ELEMENTS
-    large = sum(splits) * p0.shape[-1] > limit * len(splits)
-    if p0.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (large and maxima is None):
+    if p0.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     slots = [quantizer_of(e).role(uses[0]).slot for e in range(len(splits))]
     scale = _delayed_scales(splits, slots, spec.state, spec.fmt, p0.device) if delayed else None
@@ -220,8 +234,6 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     if x.stride(1) != 1:
         return None
     if maxima is not None and x is not source:  # the records are the source's, not of this tensor
-        if large:  # without them a large tensor casts faster per expert
-            return None
         maxima = None
     call = GroupedFloat8CastCall(x, None if uniform else _offsets(list(itertools.accumulate(splits)), x.device),
                                  splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",
@@ -260,6 +272,12 @@ def _reduces_amax(uses) -> bool:
         if spec.scaling == "delayed" and spec.state is not None and spec.state.amax_reduction_group is not None:
             return True
     return False
+
+
+def _records_amax(uses) -> bool:
+    """Whether the casts of ``uses`` record their amaxes (DelayedScaling's histories)."""
+    return any(isinstance(spec, Float8RoleSpec) and spec.fmt is not None and spec.scaling == "delayed"
+               for spec, _ in uses)
 
 
 def _rows(op, start: int, n: int):
@@ -383,10 +401,11 @@ class _GroupedLinearFn(torch.autograd.Function):
         needs_dgrad = ctx.needs_input_grad[0]
         q0 = quantizers[0]
         n_out = weights[0].shape[0]
-        # the weights first: their casts are the larger (the GPU starts on them while the host issues the rest)
+        # the weights first: their casts are the larger (the GPU starts on them while the host issues the rest);
+        # those cast per expert are deferred to the GEMM loop (cast e, GEMM e, cast e + 1, ...)
         keep_dgrad = needs_dgrad and q0.weight.keeps_dgrad_plane()  # FP8: the dgrad plane from forward's cast
         w_ops = grouped_operands(lambda: _stack_rows(list(weights)), weights, [n_out] * num_gemms,
-                                 lambda e: quantizers[e].weight, True, keep_dgrad, rank_invariant=True)
+                                 lambda e: quantizers[e].weight, True, keep_dgrad, rank_invariant=True, defer=True)
         x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: quantizers[e].input, True,
                                  needs_wgrad, source=x)
         y = None
@@ -451,7 +470,9 @@ def _pair(ops: list) -> tuple:
 def _first(ops: _Operands, use: int):
     """The first expert's operand for ``use`` (every expert's is of the same kind), None if there is no such
     use (or no expert has tokens)."""
-    got = next((g for g in map(ops.expert, range(len(ops.splits))) if g is not None), [])
+    made = [] if ops.per_expert is None else [g for g in ops.per_expert if g is not None and type(g) is not _Pending]
+    # (an expert's deferred cast is made here only when none was made yet)
+    got = made[0] if made else next((g for g in map(ops.expert, range(len(ops.splits))) if g is not None), [])
     return got[use] if use < len(got) else None
 
 

@@ -107,9 +107,7 @@ def _needs_interpreter():
 
 def test_grouped_linear_casts_take_recorded_maxima_with_the_same_bits(monkeypatch, mx_config):
     """fc2's input (forward) and fc1's output gradient (backward) carry recorded maxima: their grouped casts take
-    them (no amax pass over the tensor), and every output and gradient equals the run without records bit for bit;
-    tensors over GROUPED_FP8_CAST_MAX_ELEMENTS per expert are cast grouped too where maxima are recorded, and per
-    expert where none are."""
+    them (no amax pass over the tensor), and every output and gradient equals the run without records bit for bit."""
     _needs_interpreter()
     mx_config(backend="triton")
     splits = [16, 0, 32]
@@ -122,12 +120,6 @@ def test_grouped_linear_casts_take_recorded_maxima_with_the_same_bits(monkeypatc
     # fc1: weights, x; fc2: weights, its input (recorded); backward: fc2's dy, then fc1's dy (recorded)
     assert calls == [((3 * 48, 32), False), ((48, 32), False), ((3 * 16, 48), False), ((48, 48), True),
                      ((48, 16), False), ((48, 48), True)]
-    calls.clear()
-    monkeypatch.setattr(gl_module, "GROUPED_FP8_CAST_MAX_ELEMENTS", 1)  # every tensor "large": per expert
-    monkeypatch.setattr(gl_module, "GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS", 1)
-    got = _run(fc1, fc2, splits, scale=1.0)
-    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[2], want[2]))
-    assert calls == [((48, 48), True), ((48, 48), True)]  # only the tensors with recorded maxima: grouped
 
 
 def test_recorded_maxima_are_what_the_casts_scale_by(monkeypatch, mx_config):

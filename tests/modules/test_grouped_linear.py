@@ -295,25 +295,6 @@ def test_float8_current_ragged_counts_cast_per_expert(monkeypatch):
     assert [c[0] for c in calls] in ([], [(3 * 48, 64)])  # [] where the grouped cast has no Triton kernel here
 
 
-def test_float8_current_large_tensors_cast_per_expert(monkeypatch, mx_config):
-    """Tensors of more than GROUPED_FP8_CAST_MAX_ELEMENTS (the weights: GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS) per
-    expert are cast per expert (faster there on an
-    H100), the smaller ones grouped; results bit for bit the loop's either way."""
-    import os
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the grouped FP8 cast runs on Triton: the CPU needs TRITON_INTERPRET=1 (CUDA: tests/gpu)")
-    mx_config(backend="triton")
-    monkeypatch.setattr(gl_module, "GROUPED_FP8_WEIGHT_CAST_MAX_ELEMENTS", 48 * 64 - 1)  # below a weight's 48 x 64
-    monkeypatch.setattr(gl_module, "GROUPED_FP8_CAST_MAX_ELEMENTS", 1024)  # x's and dy's 1024 per expert
-    calls = _grouped_fp8_casts(monkeypatch)
-    splits = [16, 0, 32]
-    grouped, linears = _pair(3, 64, 48, False, torch.bfloat16)
-    (y1, dx1), (y2, dx2) = _step(grouped, linears, mxtrain.Float8CurrentScaling(), splits, torch.bfloat16, seed=6)
-    assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
-    _assert_same_grads(grouped, linears)
-    assert [c[0] for c in calls] == [(48, 64), (48, 48)]  # x and dy; not the weights
-
-
 def test_delayed_scaling_counts_of_16_cast_grouped_after_the_first_step(monkeypatch, mx_config):
     """DelayedScaling, counts multiples of 16: the first step's casts take each expert's scale from its rows
     (per expert); later steps cast each tensor in one grouped call with the experts' slot scales and record their
@@ -343,3 +324,42 @@ def test_delayed_scaling_counts_of_16_cast_grouped_after_the_first_step(monkeypa
                 i, j = state.slots[f"expert{e}.{tensor}"], lin.recipe_state.slots[tensor]
                 assert torch.equal(state.amax_history[:, i], lin.recipe_state.amax_history[:, j]), (e, tensor)
                 assert torch.equal(state.scale[i], lin.recipe_state.scale[j]), (e, tensor)
+
+
+@pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed", "fp8_block"])
+def test_weights_cast_per_expert_alternate_with_the_gemms(monkeypatch, recipe):
+    """Weights cast per expert (the grouped FP8 cast turned off; block scales never cast grouped): under recipes whose casts only
+    make their result, each expert's weight is cast just before its GEMM (cast, GEMM, cast, GEMM: the GPU
+    multiplies one expert while the host issues the next cast) and an expert without tokens is not cast at all;
+    DelayedScaling records every cast's amax, so its weights are all cast first, as before. Bit for bit the
+    loop of Linears either way."""
+    events = []
+    real_quantize, real_forward = Quantizer.quantize, gl_module.mx_linear_forward
+
+    def quantize(self, t, *a, **kw):
+        events.append(("cast", tuple(t.shape)))
+        return real_quantize(self, t, *a, **kw)
+
+    def forward(x, w, *a, **kw):
+        events.append(("gemm", tuple(kw["out"].shape)))
+        return real_forward(x, w, *a, **kw)
+
+    monkeypatch.setattr(Quantizer, "quantize", quantize)
+    monkeypatch.setattr(gl_module, "mx_linear_forward", forward)
+    monkeypatch.setattr(gl_module, "_grouped_float8", lambda *a, **kw: None)  # per-expert casts wherever this runs
+    splits = [5, 0, 7]  # ragged: the tokens cast per expert too (block scaling: 128-row blocks cross the experts)
+    grouped, linears = _pair(3, 64, 48, False, torch.bfloat16)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(sum(splits), 64, generator=g).to(torch.bfloat16)
+    with mxtrain.mx_autocast(recipe=RECIPES[recipe]()):
+        grouped(x.clone().requires_grad_(), splits)
+    forward_events = events[:]
+    w, x5, x7 = ("cast", (48, 64)), ("cast", (5, 64)), ("cast", (7, 64))
+    if recipe == "fp8_delayed":
+        assert forward_events == [w, w, w, x5, x7, ("gemm", (5, 48)), ("gemm", (7, 48))]
+    else:
+        assert forward_events == [x5, x7, w, ("gemm", (5, 48)), w, ("gemm", (7, 48))]
+    grouped, linears = _pair(3, 64, 48, False, torch.bfloat16)  # (DelayedScaling: fresh histories on both sides)
+    (y1, dx1), (y2, dx2) = _step(grouped, linears, RECIPES[recipe](), splits, torch.bfloat16, seed=4)
+    assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
+    _assert_same_grads(grouped, linears)
