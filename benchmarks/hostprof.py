@@ -4,7 +4,9 @@ Used by ``bench_e2e.py --host-profile`` and ``bench_moe.py --host-profile``. The
 synchronisation before and after (so the profile is the host's issue, not a wait for the GPU, as long as the GPU
 keeps up); cProfile's own overhead inflates every figure (roughly 2x on calls of a few microseconds), so read the
 ranking, not the absolute times. ``--host-profile-out DIR`` also keeps each profile as a ``.prof`` file
-(``python -m pstats`` or snakeviz read it).
+(``python -m pstats`` or snakeviz read it). On Python 3.12, whose cProfile rides ``sys.monitoring``, the profile
+also holds the autograd engine's device thread (where a CUDA backward's Python runs); on 3.11 that thread's work
+appears as the one ``run_backward`` call that waits for it.
 """
 
 from __future__ import annotations
