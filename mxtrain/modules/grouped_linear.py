@@ -179,6 +179,8 @@ def _delayed_scales(splits: list[int], slots: list[str], state, fmt: str, device
     per-expert casts make it)."""
     if state is None or any(n and state.fresh(slot) for slot, n in zip(slots, splits)):
         return None
+    if hasattr(state, "scales_for"):  # the state itself (not a frozen view of it): every scale in one copy
+        return state.scales_for(slots, fmt, device)
     return torch.stack([state.scale_for(slot, fmt, device).reshape(()) for slot in slots])
 
 
@@ -247,12 +249,17 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
         return None
     q8 = registry.run("grouped_float8_cast", call, x.device)
     per_expert = []
+    if delayed:  # as each expert's cast records the amax of its rows (experts without tokens record nothing)
+        if all(splits) and hasattr(spec.state, "record_many"):
+            spec.state.record_many(slots, q8.amax)
+        else:
+            for e, n in enumerate(splits):
+                if n:
+                    spec.state.record(slots[e], q8.amax[e])
     for e, got in enumerate(q8.experts(splits, tuple(uses))):
         if got is None:  # no tokens: nothing cast, nothing recorded (an amax all-reduce was one for all experts)
             per_expert.append(None)
             continue
-        if delayed:  # as each expert's cast records the amax of its rows
-            spec.state.record(slots[e], got[uses[0]].amax)
         ops = [parts[e] if rowwise else None, parts[e] if columnwise else None]  # high-precision uses: the rows
         for a in uses:
             ops[1 - a] = got[a]

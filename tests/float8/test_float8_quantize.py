@@ -254,3 +254,40 @@ def test_state_dict_round_trip_and_resize():
     assert state.amax_history[:, 0].tolist() == [5.0, 4.0]
     with pytest.raises(ValueError, match="not a DelayedScaling state"):
         state.load_state_dict({"kind": "other"})
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "contiguous", "uneven"])
+def test_record_many_and_scales_for_equal_one_slot_at_a_time(layout):
+    """A MoE layer's experts record their amaxes and read their scales in a few strided ops
+    (``record_many`` / ``scales_for``): over several steps (records before and after updates, a second record in one
+    step, NaN and Inf, gradient slots) histories, scales and pending amaxes equal those of one ``record`` /
+    ``scale_for`` per slot; slots not evenly spaced take the per-slot path with the same result."""
+    recipe = DelayedScaling(amax_history_len=3)
+    names = {"interleaved": [f"expert{e}.{t}" for e in range(4) for t in ("input", "weight", "grad_output")],
+             "contiguous": [f"expert{e}.input" for e in range(4)] + [f"expert{e}.grad_output" for e in range(4)],
+             "uneven": ["expert0.input", "x", "expert1.input", "expert2.input", "y", "z", "expert3.input"]}[layout]
+    groups = [[n for n in names if n.startswith("expert") and n.endswith(t)] for t in ("input", "grad_output")]
+    groups = [g for g in groups if g]
+    one, many = DelayedScalingState(3), DelayedScalingState(3)
+    for st in (one, many):
+        st.ensure_slots([(n, "fp8_e5m2" if n.endswith("grad_output") else "fp8_e4m3") for n in names])
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        for rep in range(2 if step == 1 else 1):  # step 1 records twice before its update (the max is kept)
+            for slots in groups:
+                amax = torch.rand(len(slots), generator=g) * 10 ** step
+                if step == 2:
+                    amax[0], amax[-1] = float("nan"), float("inf")
+                fmt = "fp8_e5m2" if slots[0].endswith("grad_output") else "fp8_e4m3"
+                want = torch.stack([one.scale_for(s, fmt, torch.device("cpu")) for s in slots])
+                assert torch.equal(many.scales_for(slots, fmt, torch.device("cpu")), want)
+                for s, a in zip(slots, amax):
+                    one.record(s, a)
+                many.record_many(slots, amax.clone())
+        assert torch.allclose(one.pending_amax, many.pending_amax, rtol=0, atol=0, equal_nan=True)
+        assert one.recorded == many.recorded
+        one.update(recipe)
+        many.update(recipe)
+        for name in ("amax_history", "scale"):
+            assert torch.allclose(getattr(one, name), getattr(many, name), rtol=0, atol=0, equal_nan=True), name
+        assert one.eager_updates == many.eager_updates and one.unseasoned() == many.unseasoned()
