@@ -4,7 +4,7 @@ For each tensor of a Mixtral-8x7B expert layer (top-2 of 8192 tokens, counts pad
 the SwiGLU output ``a``, its gradient ``dh``; the stacked weights ``w1``, ``w2``), the median time of
 ``quantize_float8`` of every expert's rows (both planes; amax pass included) against one
 ``grouped_cast_float8`` call (``segment_multiple`` = the alignment), CUDA events around each, the two run in
-turn. What GroupedLinear's ``GROUPED_FP8_CAST_MAX_ELEMENTS`` rests on.
+turn. Why GroupedLinear casts every such tensor grouped, whatever its size.
 
     python benchmarks/bench_grouped_cast.py                    # one GPU
     python benchmarks/bench_grouped_cast.py --small --device cpu   # smoke test (TRITON_INTERPRET=1)

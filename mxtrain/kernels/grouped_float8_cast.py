@@ -136,7 +136,8 @@ def _grouped_cast_kernel(x_ptr, ends_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr,
     and count are then scalars known to be multiples of 16, so the transposed rows are stored 16 bytes at a time
     (with per-row counts the compiler stores them byte by byte: 4x slower on an H100). The tile's expert comes
     from its row by scalar arithmetic where the segments are uniform; where they end at ``ends``, from a reduction
-    over the ends. SMALL (``T * K < 2**31``): the transposed offsets inside an expert in 32 bits (64-bit ones made
+    over the ends. SMALL (``(T + BM) * (K + BN) < 2**31``, masked lanes included): the transposed offsets inside an
+    expert in 32 bits (64-bit ones made
     the pass 20% slower on an H100 with ``ends``, [8 x 28672, 4096] bf16 both planes)."""
     pid_m, pid_n, rm, rn, mask, v = _load_tile(x_ptr, T, K, stride_xm, X_BF16, BM, BN)
     if SEG16:
@@ -385,7 +386,7 @@ def _triton_grouped_cast(call: GroupedFloat8CastCall) -> GroupedFloat8Tensor:
                                FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(call.amax_epsilon),
                                POW2=call.power_of_2_scales, MODE=mode, ROW=row is not None, COL=col is not None,
                                COL_STACKED=call.col_layout == "stacked", GPU=not interpret_mode(),
-                               SINV_STRIDE=_SINV_STRIDE, SEG16=seg16, SMALL=T * K < 2 ** 31, BM=BM, BN=BN,
+                               SINV_STRIDE=_SINV_STRIDE, SEG16=seg16, SMALL=(T + BM) * (K + BN) < 2 ** 31, BM=BM, BN=BN,
                                num_warps=warps, **common)
     if mode == 0:
         amax = part.amax(0)

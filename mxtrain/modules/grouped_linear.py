@@ -11,7 +11,7 @@ the result: always the rowwise planes (blocks along K or N) of the input, the gr
 stacked weights; the columnwise planes (blocks along tokens) when every expert's token count is a
 multiple of the block (32 for MXFP8: pad each expert's tokens to it where the tokens are permuted, as
 Megatron-LM's ``moe_router_padding_for_fp8`` and torchao's MoE token alignment do). Per-tensor FP8
-scaling (current, delayed: one scale per expert tensor) casts a tensor of moderate size for all experts in
+scaling (current, delayed: one scale per expert tensor) casts a tensor of any size for all experts in
 one grouped cast (each expert's segment with its own scale) where every count is a multiple of 16 (see
 :func:`_grouped_float8`). Other counts, and DelayedScaling's first step, cast each expert alone, all its
 uses from one read, exactly as a loop of ``mxtrain.Linear`` does: padding a copy of the stacked tensor
@@ -137,7 +137,7 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
         # casts all-reduce their amax, it joins those collectives (another rank may have tokens for it: unmatched
         # collectives would pair wrongly or hang)
         per_expert = []
-        defer = defer and not _reduces_amax(uses) and not _records_amax(uses)
+        defer = defer and not _reduces_amax(uses) and not _cast_has_effects(uses)  # casts that make only their result
         for e, (p, n) in enumerate(zip(parts, splits)):
             if n and defer:
                 per_expert.append(_Pending(functools.partial(cast, e, p)))
@@ -281,9 +281,13 @@ def _reduces_amax(uses) -> bool:
     return False
 
 
-def _records_amax(uses) -> bool:
-    """Whether the casts of ``uses`` record their amaxes (DelayedScaling's histories)."""
-    return any(isinstance(spec, Float8RoleSpec) and spec.fmt is not None and spec.scaling == "delayed"
+def _cast_has_effects(uses) -> bool:
+    """Whether the casts of ``uses`` do more than make their result: record their amaxes (DelayedScaling) or draw
+    random numbers (stochastic rounding: the order of the draws, and whether an expert without tokens draws, must
+    not follow the routing)."""
+    return any(spec is not None and spec.fmt is not None
+               and ((isinstance(spec, Float8RoleSpec) and spec.scaling == "delayed")
+                    or getattr(spec, "rounding", None) == "stochastic")
                for spec, _ in uses)
 
 

@@ -226,3 +226,21 @@ def test_experts_hands_out_what_expert_does(layout):
             assert torch.equal(_bits(one.scale_inv), _bits(want.scale_inv))
             assert torch.equal(_bits(one.amax), _bits(want.amax))
         start += n
+
+
+@pytest.mark.parametrize("rows,experts", [(16, 3), (32, 2), (64, 3), (96, 1), (128, 2)])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_uniform_segments_of_16_multiples_every_tile(rows, experts, delayed):
+    """Stacked weights whose rows per expert are multiples of 16 (the 16-, 32- and 64-row tiles, each in one expert,
+    the expert taken from the tile's row): bit for bit the reference, both planes and the stacked column layout,
+    K not a multiple of the tile width."""
+    K = 72
+    w = _source(experts * rows, K, torch.bfloat16, seed=rows).view(experts, rows, K)
+    scale = torch.tensor([4.0, 0.25, 1.0])[:experts] if delayed else None
+    q = _run(w, fmt="fp8_e4m3", columnwise=True, scale=None if scale is None else scale.to(DEVICE),
+             segment_multiple=rows)
+    _check_against_reference(w.view(-1, K), [rows] * experts, q, "fp8_e4m3", (1, 0), scale=scale, what="uniform")
+    stacked = _run(w, fmt="fp8_e4m3", columnwise=True, col_layout="stacked", segment_multiple=rows,
+                   scale=None if scale is None else scale.to(DEVICE))
+    assert torch.equal(stacked.col.view(torch.uint8).cpu(),
+                       q.row.view(torch.uint8).cpu().t())  # the [K, T] transpose of the rowwise codes

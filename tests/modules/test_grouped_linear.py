@@ -328,10 +328,10 @@ def test_delayed_scaling_counts_of_16_cast_grouped_after_the_first_step(monkeypa
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "fp8_delayed", "fp8_block"])
 def test_weights_cast_per_expert_alternate_with_the_gemms(monkeypatch, recipe):
-    """Weights cast per expert (the grouped FP8 cast turned off; block scales never cast grouped): under recipes whose casts only
-    make their result, each expert's weight is cast just before its GEMM (cast, GEMM, cast, GEMM: the GPU
-    multiplies one expert while the host issues the next cast) and an expert without tokens is not cast at all;
-    DelayedScaling records every cast's amax, so its weights are all cast first, as before. Bit for bit the
+    """Weights cast per expert (the grouped FP8 cast turned off; 48-row weights under 128 x 128 blocks): under
+    recipes whose casts only make their result, each expert's weight is cast just before its GEMM (cast, GEMM,
+    cast, GEMM: the GPU multiplies one expert while the host issues the next cast) and an expert without tokens
+    is not cast at all; DelayedScaling records every cast's amax, so its weights are all cast first. Bit for bit the
     loop of Linears either way."""
     events = []
     real_quantize, real_forward = Quantizer.quantize, gl_module.mx_linear_forward
@@ -363,3 +363,13 @@ def test_weights_cast_per_expert_alternate_with_the_gemms(monkeypatch, recipe):
     (y1, dx1), (y2, dx2) = _step(grouped, linears, RECIPES[recipe](), splits, torch.bfloat16, seed=4)
     assert torch.equal(y1, y2) and torch.equal(dx1, dx2)
     _assert_same_grads(grouped, linears)
+
+
+def test_casts_with_effects_are_not_deferred():
+    """Only casts that make nothing but their result are deferred: not DelayedScaling's (they record amaxes), not
+    stochastically rounded ones (the order of their random draws must not follow the routing)."""
+    mxfp4 = mxtrain.MXFP4Recipe()  # gradients rounded stochastically by default
+    assert gl_module._cast_has_effects([(mxfp4.role("dgrad_grad_output"), 1)])
+    assert not gl_module._cast_has_effects([(mxfp4.role("fprop_weight"), 1), (None, 0)])
+    assert gl_module._cast_has_effects([(mxtrain.DelayedScaling().role("fprop_weight"), 1)])
+    assert not gl_module._cast_has_effects([(mxtrain.Float8CurrentScaling().role("fprop_weight"), 1)])
