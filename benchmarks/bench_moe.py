@@ -289,6 +289,10 @@ def main(argv=None) -> list[dict]:
             for label, step in zip(ok, steps):
                 profile_step(label, step, device.type == "cuda", args.top)
         if args.host_profile:
+            import pathlib
+            import sys
+
+            sys.path.insert(0, str(pathlib.Path(__file__).parent))  # hostprof.py beside this file
             from hostprof import host_profile
 
             for label, step in zip(ok, steps):

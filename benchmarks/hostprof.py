@@ -23,12 +23,9 @@ def _name(func: tuple) -> str:
     if path == "~":  # a builtin: "<method 'x' of 'y' objects>" or "<built-in method torch.foo>"
         return re.sub(r"^<(?:built-in method|method) ", "", name).rstrip(">")
     parts = path.replace("\\", "/").split("/")
-    for anchor in ("mxtrain", "torch", "triton", "torchao", "transformers"):
-        if anchor in parts:
-            parts = parts[len(parts) - parts[::-1].index(anchor) - 1:]
-            break
-    else:
-        parts = parts[-2:]
+    # from the last package folder named in the path (site-packages/triton, not /opt/torch/.venv above it)
+    at = [i for i, part in enumerate(parts) if part in ("mxtrain", "torch", "triton", "torchao", "transformers")]
+    parts = parts[at[-1]:] if at else parts[-2:]
     return f"{'/'.join(parts)}:{line}({name})"
 
 

@@ -88,3 +88,15 @@ def test_grouped_cast_benchmark_runs_small(capsys):
     assert all(r["per_expert_ms"] > 0 and r["grouped_ms"] > 0 for r in rows)
     with pytest.raises(SystemExit):
         module.main(["--small", "--device", "cpu", "--align", "8"])
+
+
+def test_host_profile_prints_each_mode(capsys, tmp_path):
+    bench = _load()
+    bench.main(["--small", "--device", "cpu", "--recipes", "fp8_current", "--no-loop", "--host-profile",
+                "--host-profile-out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "## host profile: GroupedLinear fp8_current (5 steps under cProfile)" in out
+    assert "ms/step own" in out and "ms/step inclusive" in out and "grouped_linear.py" in out
+    kept = {p.name for p in tmp_path.iterdir()}  # (and bf16_grouped_mm.prof where torch has grouped_mm)
+    assert {"GroupedLinear_bf16.prof", "GroupedLinear_fp8_current.prof",
+            "GroupedLinear_fp8_current_aligned32.prof"} <= kept

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 def test_fsdp_sides_train_and_quantized_gathers_send_less(tmp_path, torchrun2):
     out = tmp_path / "r.json"
+    prof = tmp_path / "prof"
     proc = torchrun2(BENCH, *TINY, "--sides", "hf,mx:none,mx:mxfp8,mx:fp8_current,mx:fp8_current+bf16ag",
-                     "--json", out, timeout=300)
+                     "--json", out, "--host-profile", "mx:fp8_current", "--host-profile-out", prof, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     data = json.loads(out.read_text())
     assert data["world"] == 2
@@ -40,6 +41,9 @@ def test_fsdp_sides_train_and_quantized_gathers_send_less(tmp_path, torchrun2):
     # the same model and data: the mxtrain model without a recipe trains as Hugging Face's does
     assert res["mx:none"]["loss"] == pytest.approx(res["hf"]["loss"], rel=1e-3)
     assert "vs hf" in proc.stdout and "AG MiB" in proc.stdout
+    # --host-profile: rank 0 profiles 3 more steps of the side while rank 1 runs them (the same collectives)
+    assert "## host profile: mx:fp8_current rank 0 of 2 (3 steps under cProfile)" in proc.stdout
+    assert [p.name for p in prof.iterdir()] == ["mx_fp8_current_rank_0_of_2.prof"]
 
 
 def test_graph_side_is_refused_with_fsdp(torchrun2):
