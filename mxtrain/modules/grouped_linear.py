@@ -43,7 +43,7 @@ from mxtrain.kernels import registry
 from mxtrain.kernels.calls import GroupedFloat8CastCall
 from mxtrain.kernels.dispatch import dequantize
 from mxtrain.modules._common import (_WEIGHT_CASTS, apply_module_fn, check_input, check_mx_operands,
-                                     release_mx_operands)
+                                     empty_batch_backward, empty_batch_forward, release_mx_operands)
 from mxtrain.modules._recipe_state import RecipeStateMixin
 from mxtrain.modules.amax_hints import row_maxima
 from mxtrain.modules.linear import _functional_quantizers, init_linear_, mx_linear_backward, mx_linear_forward
@@ -408,9 +408,14 @@ class _GroupedLinearFn(torch.autograd.Function):
     def forward(ctx, x, splits, quantizers, num_gemms, *params):
         # quantizers: each expert's GemmQuantizers (one recipe: expert 0's specs stand for all of them)
         weights, biases = params[:num_gemms], (params[num_gemms:] or (None,) * num_gemms)
+        q0 = quantizers[0]
+        if x.shape[0] == 0 and not _reduces_amax([(q.row_spec, 1) for q in (q0.input, q0.weight, q0.grad_output)]):
+            # no token for any expert (an expert-parallel rank that got none): the empty result and zero weight
+            # gradients, nothing cast, as mxtrain.Linear gives them. (Casts that all-reduce their amax still run:
+            # the other ranks' casts wait for this rank's)
+            return empty_batch_forward(ctx, (x, None, None, None, *params), x.new_empty(0, weights[0].shape[0]))
         needs_wgrad = any(ctx.needs_input_grad[4:4 + num_gemms])
         needs_dgrad = ctx.needs_input_grad[0]
-        q0 = quantizers[0]
         n_out = weights[0].shape[0]
         # the weights first: their casts are the larger (the GPU starts on them while the host issues the rest);
         # those cast per expert are deferred to the GEMM loop (cast e, GEMM e, cast e + 1, ...)
@@ -450,6 +455,8 @@ class _GroupedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if (grads := empty_batch_backward(ctx)) is not None:
+            return grads
         check_mx_operands(ctx, "GroupedLinear")
         x_hp, *weights = ctx.saved_tensors
         num_gemms, splits, quantizers = len(weights), ctx.splits, ctx.quantizers

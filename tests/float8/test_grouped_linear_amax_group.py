@@ -96,3 +96,16 @@ def test_counts_of_16_on_one_rank_ragged_on_the_other(tmp_path, monkeypatch, rec
     assert all(torch.equal(a[1], b[1]) for a, b in zip(r0["calls"], r1["calls"]))
     for r in (r0, r1):
         assert all(torch.isfinite(w).all() for w in r["wgrad"])
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_a_rank_without_any_token_joins_the_collectives(tmp_path, recipe_name):
+    """An expert-parallel rank that received no token at all still makes the amax all-reduces the other rank makes
+    (an empty batch skips its casts only where no cast all-reduces), and its weight gradients are zeros."""
+    splits = {0: [0, 0, 0], 1: [3, 6, 2]}
+    mp.spawn(_worker, args=(2, _free_port(), recipe_name, str(tmp_path), splits), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert [a[0].shape for a in r0["calls"]] == [b[0].shape for b in r1["calls"]] and r0["calls"]
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(r0["calls"], r1["calls"]))
+    assert all(torch.isfinite(w).all() for r in (r0, r1) for w in r["wgrad"])
+    assert all(not w.any() for w in r0["wgrad"])

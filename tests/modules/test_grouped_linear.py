@@ -373,3 +373,25 @@ def test_casts_with_effects_are_not_deferred():
     assert not gl_module._cast_has_effects([(mxfp4.role("fprop_weight"), 1), (None, 0)])
     assert gl_module._cast_has_effects([(mxtrain.DelayedScaling().role("fprop_weight"), 1)])
     assert not gl_module._cast_has_effects([(mxtrain.Float8CurrentScaling().role("fprop_weight"), 1)])
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("bias", [True, False])
+def test_no_token_for_any_expert(monkeypatch, recipe, bias):
+    """A batch with no token at all (an expert-parallel rank that received none): the empty output, an empty input
+    gradient and zero weight (and bias) gradients in the parameters' dtypes, nothing cast (as mxtrain.Linear does with
+    zero tokens; MX and block recipes raised on reshaping the empty casts), under the module and the functional form."""
+    casts = []
+    real = Quantizer.quantize
+    monkeypatch.setattr(Quantizer, "quantize", lambda self, t, *a, **kw: casts.append(t.shape) or real(self, t, *a, **kw))
+    grouped, linears = _pair(3, 64, 48, bias, torch.bfloat16)
+    x = torch.randn(0, 64, dtype=torch.bfloat16, requires_grad=True)
+    with mxtrain.mx_autocast(recipe=RECIPES[recipe]()):
+        y = grouped(x, [0, 0, 0])
+        y2 = gl_module.mx_grouped_linear(x, [0, 0, 0], grouped.weights, grouped.biases)
+    assert y.shape == y2.shape == (0, 48) and y.dtype == torch.bfloat16
+    (y.sum() + y2.sum()).backward()
+    assert x.grad.shape == (0, 64)
+    for p in grouped.parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype and not p.grad.any()
+    assert casts == []
