@@ -137,8 +137,8 @@ def _grouped_cast_kernel(x_ptr, ends_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr,
     (with per-row counts the compiler stores them byte by byte: 4x slower on an H100). The tile's expert comes
     from its row by scalar arithmetic where the segments are uniform; where they end at ``ends``, from a reduction
     over the ends. SMALL (``(T + BM) * (K + BN) < 2**31``, masked lanes included): the transposed offsets inside an
-    expert in 32 bits (64-bit ones made
-    the pass 20% slower on an H100 with ``ends``, [8 x 28672, 4096] bf16 both planes)."""
+    expert in 32 bits (64-bit ones made the pass 20% slower on an H100 with ``ends``, [8 x 28672, 4096] bf16 both
+    planes)."""
     pid_m, pid_n, rm, rn, mask, v = _load_tile(x_ptr, T, K, stride_xm, X_BF16, BM, BN)
     if SEG16:
         if UNIFORM:  # scalars the compiler sees through (the reduction's made the pass 20% slower on an H100)

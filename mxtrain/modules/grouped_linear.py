@@ -100,8 +100,7 @@ class _Operands:
 
 
 def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool,
-                     at_once: bool = False, rank_invariant: bool = False, source: torch.Tensor | None = None,
-                     defer: bool = False) -> _Operands:
+                     at_once: bool = False, rank_invariant: bool = False, defer: bool = False) -> _Operands:
     """Cast the experts' row blocks of a stacked 2-D tensor for their rowwise / columnwise uses.
 
     ``stacked()`` returns the tensor with every expert's rows in order (``splits`` rows each),
@@ -112,19 +111,19 @@ def grouped_operands(stacked, parts, splits: list[int], quantizer_of, rowwise: b
     (a zero-padded copy would cost more passes over the tensor than the per-expert casts; see module doc).
     ``rank_invariant``: the tensor's shape and splits are the same on every rank (the weights; not the tokens,
     whose counts are each rank's own): only such a tensor may choose its casts' collectives by its splits.
-    ``source``: the stacked tensor itself where the caller holds it (the tokens): the row maxima recorded with
-    it (``mxtrain.modules.amax_hints``) serve its per-tensor FP8 casts' amaxes.
+    Row maxima recorded with the tensor ``stacked()`` returns (``mxtrain.modules.amax_hints``: the tokens a
+    kernel wrote) serve its per-tensor FP8 casts' amaxes.
     ``defer``: where each expert is cast alone, cast it when its operands are first asked for (the forward's
     GEMM loop then alternates cast and GEMM: the GPU multiplies expert ``e`` while the host issues the cast of
     ``e + 1``, instead of waiting for every cast's issue first); only where the casts have no effect beyond
-    their result (no amax all-reduce, no DelayedScaling record), so that an expert never asked for (no tokens)
+    their result (no amax all-reduce, no DelayedScaling record, no random draws), so that an expert never asked for (no tokens)
     changes nothing by going uncast.
     """
     def cast(e, t):
         q = quantizer_of(e)
         return [t, t] if q is None else list(q.quantize(t, rowwise, columnwise, at_once))
 
-    grouped = _grouped_float8(stacked, parts, splits, quantizer_of, rowwise, columnwise, rank_invariant, source)
+    grouped = _grouped_float8(stacked, parts, splits, quantizer_of, rowwise, columnwise, rank_invariant)
     if grouped is not None:
         return grouped
     q0 = quantizer_of(0)
@@ -185,13 +184,13 @@ def _delayed_scales(splits: list[int], slots: list[str], state, fmt: str, device
 
 
 def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bool, columnwise: bool,
-                    rank_invariant: bool, source: torch.Tensor | None = None):
+                    rank_invariant: bool):
     """Per-tensor FP8 scaling: every expert's operands from one grouped cast (current scaling: an amax pass and one
     cast launch over all experts, each expert's segment with its own scale; DelayedScaling: one cast launch with
     each expert's scale from its slot, its amax recorded there after: ``grouped_float8_cast``), bit for bit what
     each expert's quantizer makes of its rows; None where the per-expert casts run instead.
 
-    Taken for tensors of any size (current scaling of a ``source`` whose row maxima a kernel recorded,
+    Taken for tensors of any size (current scaling of a tensor whose row maxima a kernel recorded,
     ``mxtrain.modules.amax_hints``, reads those instead of the tensor for its amaxes), where every expert's token
     count is a multiple of 16 (tokens padded per expert, as FP8 MoE training pads
     them for the FP8 GEMMs' alignment: Megatron-LM's ``moe_router_padding_for_fp8``): with ragged counts the
@@ -225,7 +224,6 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     if any(hasattr(p, "mx_gathered_plane") for p in parts) or (_WEIGHT_CASTS.depth and isinstance(parts[0], nn.Parameter)):
         return None
     p0 = parts[0]
-    maxima = None if (delayed or source is None) else row_maxima(source)
     if p0.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
     slots = [quantizer_of(e).role(uses[0]).slot for e in range(len(splits))]
@@ -235,8 +233,7 @@ def _grouped_float8(stacked, parts, splits: list[int], quantizer_of, rowwise: bo
     x = stacked()  # (weights that do not share one buffer are concatenated here: only once the path is taken)
     if x.stride(1) != 1:
         return None
-    if maxima is not None and x is not source:  # the records are the source's, not of this tensor
-        maxima = None
+    maxima = None if delayed else row_maxima(x)  # (a stacked copy or view of the weights has none)
     call = GroupedFloat8CastCall(x, None if uniform else _offsets(list(itertools.accumulate(splits)), x.device),
                                  splits[0] if uniform else None, len(splits), spec.fmt, 1 in uses, 0 in uses, "expert",
                                  scale, bool(spec.power_of_2_scales), float(spec.amax_epsilon),
@@ -423,7 +420,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         w_ops = grouped_operands(lambda: _stack_rows(list(weights)), weights, [n_out] * num_gemms,
                                  lambda e: quantizers[e].weight, True, keep_dgrad, rank_invariant=True, defer=True)
         x_ops = grouped_operands(lambda: x, x.split(splits), splits, lambda e: quantizers[e].input, True,
-                                 needs_wgrad, source=x)
+                                 needs_wgrad)
         y = None
         specs = [q0.input.row_spec, q0.weight.row_spec]  # fprop_input, fprop_weight
         if x_ops.full is not None and w_ops.full is not None and _grouped_gemm_ok(x, specs, (x.shape[1], n_out)):
@@ -467,7 +464,7 @@ class _GroupedLinearFn(torch.autograd.Function):
             lambda: x_hp, x_hp.split(splits), splits, lambda e: None, True, True)
         dy = dy.contiguous()
         dy_ops = grouped_operands(lambda: dy, dy.split(splits), splits, lambda e: quantizers[e].grad_output,
-                                  need_dx, any(need_w), at_once=True, source=dy)
+                                  need_dx, any(need_w), at_once=True)
         w_cols = ctx.w_ops
         if need_dx and _first(w_cols, 1) is None:  # MX: the dgrad plane is cast in backward, used at once
             # (on CUDA the cast writes its bf16 values, as it does for mxtrain.Linear's weight parameter)
