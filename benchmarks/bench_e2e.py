@@ -329,13 +329,16 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
     finally:
         if gather is not None:
             gather.close()
-    if side in getattr(args, "host_profile", "").split(","):  # every rank runs the steps (collectives), rank 0 profiles
-        from hostprof import host_profile
+    for flag, tool in (("host_profile", "host_profile"), ("host_trace", "host_trace")):
+        if side not in getattr(args, flag, "").split(","):
+            continue
+        # every rank runs the steps (collectives), rank 0 profiles
+        import hostprof
 
         if rank == 0:
-            print(host_profile(run, 3, f"{side} rank 0 of {world}" if args.fsdp else side, sync=sync,
-                               out_dir=getattr(args, "host_profile_out", None)), flush=True)
-        else:  # the same collectives (host_profile synchronises before and after)
+            print(getattr(hostprof, tool)(run, 3, f"{side} rank 0 of {world}" if args.fsdp else side, sync=sync,
+                                          out_dir=getattr(args, flag + "_out", None)), flush=True)
+        else:  # the same collectives (the profilers synchronise before and after)
             sync()
             for _ in range(3):
                 run()
@@ -444,6 +447,11 @@ def main():
                    help="after timing these sides, cProfile 3 steps of each on rank 0 (hostprof.py) and print where "
                         "the host's issue time goes")
     p.add_argument("--host-profile-out", default=None, metavar="DIR", help="also keep the .prof files here")
+    p.add_argument("--host-trace", default="", metavar="SIDES",
+                   help="after timing these sides, torch.profiler over 3 steps of each on rank 0 (hostprof.py): the "
+                        "host's time a step by region (FSDP2's annotations, compiled graphs, optimizer, backward "
+                        "nodes), with kernel launches; lighter than --host-profile's cProfile")
+    p.add_argument("--host-trace-out", default=None, metavar="DIR", help="also keep the chrome traces here")
     p.add_argument("--data", choices=("random", "austen"), default="random",
                    help="random tokens (4 batches repeated), or the Austen corpus as byte tokens, a new batch "
                         "every step: its losses compare how the sides train")

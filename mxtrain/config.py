@@ -115,6 +115,9 @@ class Settings:
     carry_values: bool = True  # MXTRAIN_CARRY_VALUES=0: no bf16 dequantized planes carried to GEMMs (CUDA)
     grouped_mm: str = "auto"  # MXTRAIN_GROUPED_MM: auto (CUDA only) | 1 (always) | 0 (never) torch grouped GEMM
     gather_values: bool | str = "auto"  # MXTRAIN_GATHER_VALUES: 0 | 1 | auto, FSDP gathers dequantize to bf16
+    # MXTRAIN_FSDP_BATCHED_CASTS: auto (CUDA) | 1 (any device) | 0 (never): the FP8 all-gathers' per-tensor
+    # current-scaled casts of every weight in one compiled call a step, not one cast per weight and gather
+    fsdp_batched_casts: str = "auto"
     compat_reference: bool = False  # MXTRAIN_COMPAT_REFERENCE=1: compat.mx runs the reference quantizer
     # data and tests
     data_dir: str | None = None  # MXTRAIN_DATA_DIR: root of installed data (None: ~/.cache/mxtrain)
@@ -147,6 +150,7 @@ def from_environ(env: Mapping[str, str] | None = None) -> Settings:
         carry_values=_flag(env, "MXTRAIN_CARRY_VALUES", True),
         grouped_mm=env.get("MXTRAIN_GROUPED_MM", "auto"),
         gather_values=_gather_values(env),
+        fsdp_batched_casts=_choice(env, "MXTRAIN_FSDP_BATCHED_CASTS", "auto", ("auto", "0", "1")),
         compat_reference=_flag(env, "MXTRAIN_COMPAT_REFERENCE", False),
         data_dir=_path(env, "MXTRAIN_DATA_DIR"),
         fashion_mnist_dir=_path(env, "MXTRAIN_FASHION_MNIST_DIR"),

@@ -110,6 +110,7 @@ class _Stats:
     planes: dict = field(default_factory=dict)  # "rowwise"/"columnwise"/"both"/"high_precision" -> count
     resent: int = 0  # gathers that sent what the weight's forward gather sent (no cast: see _SentShard)
     transposes: int = 0  # FP8 dgrad planes made by transposing gathered codes
+    batched: int = 0  # FP8 gathers that sent codes made by the step's batched cast (_batched_casts)
 
 
 _STATS = _Stats()
@@ -225,6 +226,58 @@ def _triton_float8_casts_for(device: torch.device, dtype: torch.dtype, backend: 
     except (ImportError, RuntimeError):
         return None
     return tensor_cast_float8, block_cast_float8
+
+
+def _batched_casts(device: torch.device) -> bool:
+    """Whether the FP8 gathers' per-tensor, current-scaled amaxes and casts run batched: every FP8-gathered
+    weight of the step at once, in two compiled calls (``_shard_amaxes``, ``_shard_codes``), at the step's first
+    FP8 gather. MXTRAIN_FSDP_BATCHED_CASTS: ``auto`` on CUDA (a cast per weight and gather cost the host about
+    0.2 ms there, more than the GPU took), ``1`` anywhere, ``0`` never. Never while dynamo traces the hooks (a
+    compiled FSDP2 step traces them itself)."""
+    mode = config.current().fsdp_batched_casts
+    if mode == "0" or torch.compiler.is_compiling():
+        return False
+    return mode == "1" or device.type == "cuda"
+
+
+def _shard_amaxes(shards: list) -> torch.Tensor:
+    """fp32 ``[len(shards)]``: each shard's max |x| (NaN kept)."""
+    return torch.stack([x.abs().amax() for x in shards]).float()
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)`` for the cast that follows: fp32 ``x`` rounded to bf16 by integer arithmetic on its bits
+    (round to nearest even, NaN kept), which a compiled graph keeps; inductor computes bf16 in fp32 and dropped
+    ``x.to(bf16).float()``'s rounding on the GPU even with ``emulate_precision_casts``. Any other pair: ``to``."""
+    if x.dtype != torch.float32 or dtype != torch.bfloat16:
+        return x.to(dtype)
+    nan = x.isnan()
+    bits = torch.where(nan, 0.0, x).view(torch.int32)  # no NaN: the sum below stays inside int32
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    return torch.where(nan, x, bits.view(torch.float32))
+
+
+def _shard_codes(shards: list, scale: torch.Tensor, param_dtype: torch.dtype, fmt: str) -> list:
+    """Each shard rounded to ``param_dtype``, then cast to FP8 at its scale (``scale[i]``): ``cast_to_fp8``'s
+    bits, as the per-weight cast makes them (a NaN code's sign aside, as GPU arithmetic leaves it)."""
+    return [cast_to_fp8(_rounded(x, param_dtype), scale[i], fmt) for i, x in enumerate(shards)]
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` under ``torch.compile`` (static shapes, one graph): one call launches every shard's kernels from
+    inductor's wrapper, with no Python per shard. A model's weights make one set of shapes, compiled once."""
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def _take_codes(group, fsdp_param, data: torch.Tensor):
+    """The FP8 codes the step's batched cast made for ``fsdp_param`` from ``data`` as it is now, once (the
+    gather that sends them keeps them as long as it needs); None where there are none."""
+    made = getattr(group, "_mxtrain_fp8_codes", None)
+    entry = made.pop(fsdp_param, None) if made else None
+    if entry is None or entry[1] is not data or data._version != entry[2]:
+        return None
+    return entry[0]
 
 
 # --------------------------------------------------------------------------- the sharded master weight
@@ -678,7 +731,16 @@ class MXAllGatherWeight(torch.Tensor):
         rank, world = pg.rank(), pg.size()
         weights = [self if fp is fsdp_param else fp._sharded_local_tensor for fp in members]
         sizes = [tuple(fp._orig_size) for fp in members]
-        if spec.block is None:
+        datas = [w._data for w in weights]
+        # per-tensor current scaling of non-empty 2-D shards: every member's amax, then its codes, in one compiled
+        # call each (the gathers then send the codes made here)
+        batched = (spec.block is None and spec.scaling != "delayed" and _batched_casts(self.device)
+                   and all(d.dim() == 2 and d.numel() and d.is_contiguous() and d.device == self.device
+                           for d in datas))
+        if batched:
+            shapes = None
+            flat = _compiled(_shard_amaxes)(datas)
+        elif spec.block is None:
             shapes = None
             lo, hi = zip(*(w._local_amax(None, size, rank, world, None) for w, size in zip(weights, sizes)))
             # max(|min|, |max|) of each weight: its max |x| (+0 for zeros), NaN kept
@@ -698,11 +760,12 @@ class MXAllGatherWeight(torch.Tensor):
         _STATS.amax_reductions += 1
         _STATS.amax_bytes += flat.numel() * flat.element_size()
         scale = scale_inv = None
-        if spec.block is not None or (spec.scaling != "delayed"
-                                      and _triton_float8_casts(self.device, param_dtype) is None):
+        if batched or spec.block is not None or (spec.scaling != "delayed"
+                                                 and _triton_float8_casts(self.device, param_dtype) is None):
             scale = compute_scale(flat, FP8_MAX[spec.fmt], power_of_2=spec.power_of_2_scales,
                                   epsilon=spec.amax_epsilon)
             scale_inv = torch.reciprocal(scale)
+        codes = _compiled(_shard_codes)(datas, scale, param_dtype, spec.fmt) if batched else None
         if shapes is None:  # one 0-d view per weight
             if scale_inv is not None:  # each on a 16-byte boundary: cuBLASLt reads a GEMM's scale there only
                 spaced = scale_inv.new_zeros((scale_inv.numel(), 4))
@@ -719,6 +782,9 @@ class MXAllGatherWeight(torch.Tensor):
         start = 0
         for g, ms in zip(groups, per_group):
             g._mxtrain_fp8_amax = (key, seen[start:start + len(ms)], results[start:start + len(ms)])
+            # each member's codes until its gather takes them (stale ones, of a weight written since, are not)
+            g._mxtrain_fp8_codes = (None if codes is None else
+                                    {fp: (c, d, d._version) for fp, c, d in zip(ms, codes[start:], datas[start:])})
             start += len(ms)
         return results[[fp is fsdp_param for fp in members].index(True)]
 
@@ -756,11 +822,20 @@ class MXAllGatherWeight(torch.Tensor):
         key = ("fp8", fmt, spec.block, spec.scaling, spec.power_of_2_scales, spec.amax_epsilon, param_dtype, world,
                tuple(orig_size))
         refs = (scales, scale)
+        made = None if spec.block is not None or spec.scaling == "delayed" else _take_codes(group, fsdp_param,
+                                                                                          self._data)
         if sent is not None and sent.holds(self._data, key, refs):
             buf, scale_inv, amax = sent.codes, sent.scale_inv, sent.amax
             _STATS.resent += 1
         else:
-            buf, scale_inv, amax = self._fp8_codes(spec, pg, orig_size, rows, param_dtype, amax, scale, scale_inv)
+            if made is not None:  # the step's batched cast made them (_fp8_scales)
+                buf = made.view(torch.uint8)
+                if buf.shape[0] != rows:  # uneven sharding: FSDP wants every rank's input padded to the same rows
+                    buf = torch.cat([buf, buf.new_zeros((rows - buf.shape[0], k))])
+                _STATS.batched += 1
+            else:
+                buf, scale_inv, amax = self._fp8_codes(spec, pg, orig_size, rows, param_dtype, amax, scale,
+                                                       scale_inv)
             if keep:
                 self._mx_sent = _SentShard(self._data, key, refs, buf, scale_inv, amax)
         axes = {axis for _, axis in uses}

@@ -556,6 +556,28 @@ def scenario_fp8(rank, world, device, out):
     return res
 
 
+def scenario_fp8_batched(rank, world, device):
+    """Float8CurrentScaling's all-gathers with the step's casts batched (run with MXTRAIN_FSDP_BATCHED_CASTS=1, the
+    CUDA default, on any device): the planes, bytes, reuse after an edit, recompute and training of the per-weight
+    casts' cases, plus how many gathers sent batched codes."""
+    from mxtrain import config
+
+    assert config.current().fsdp_batched_casts == "1", "run this scenario with MXTRAIN_FSDP_BATCHED_CASTS=1"
+    recipe, ref = fp8_recipe_pairs()["current"]
+    res = {"planes": {}, "parity": {}}
+    res["planes"]["current"] = check_fp8_planes(rank, world, device, recipe, None)
+    res["planes"]["current_bf16_params"] = check_fp8_planes(rank, world, device, recipe, torch.bfloat16)
+    res["bytes"] = count_all_gather_bytes(rank, world, device, recipe, True, torch.bfloat16)
+    res["edit"] = fp8_edit_between_passes(rank, world, device, recipe)
+    res["edit"]["batched"] = mxdist.all_gather_stats()["batched"]
+    res["units_in_checkpoint"] = fp8_units_inside_a_checkpoint(rank, world, device, recipe)
+    kw = dict(ref_recipe=ref, b=8, sum_grads=True, vs_plain=True)
+    res["parity"][""] = parity(rank, world, device, recipe, steps=3, **kw)
+    res["parity"]["_mixed"] = parity(rank, world, device, recipe, steps=2, mixed=True, fp8_shapes=True, **kw)
+    res["parity"]["_act_ckpt"] = parity(rank, world, device, recipe, steps=3, ac=True, **kw)
+    return res
+
+
 def mp_bf16_run(rank, world, device, recipe):
     """bf16 params (MixedPrecisionPolicy) with MX all-gathers: trains, and matches the one-process model
     whose weights are cast to bf16 for compute within bf16-rounding noise."""
@@ -717,6 +739,8 @@ def main():
             res = scenario_core(rank, world, device, out)
         elif scenario == "fp8":
             res = scenario_fp8(rank, world, device, out)
+        elif scenario == "fp8_batched":
+            res = scenario_fp8_batched(rank, world, device)
         elif scenario == "compile":
             from compile_worker import scenario_compile
 

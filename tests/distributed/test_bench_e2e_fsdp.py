@@ -23,7 +23,8 @@ def test_fsdp_sides_train_and_quantized_gathers_send_less(tmp_path, torchrun2):
     out = tmp_path / "r.json"
     prof = tmp_path / "prof"
     proc = torchrun2(BENCH, *TINY, "--sides", "hf,mx:none,mx:mxfp8,mx:fp8_current,mx:fp8_current+bf16ag",
-                     "--json", out, "--host-profile", "mx:fp8_current", "--host-profile-out", prof, timeout=300)
+                     "--json", out, "--host-profile", "mx:fp8_current", "--host-profile-out", prof,
+                     "--host-trace", "hf", "--host-trace-out", prof, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     data = json.loads(out.read_text())
     assert data["world"] == 2
@@ -43,7 +44,10 @@ def test_fsdp_sides_train_and_quantized_gathers_send_less(tmp_path, torchrun2):
     assert "vs hf" in proc.stdout and "AG MiB" in proc.stdout
     # --host-profile: rank 0 profiles 3 more steps of the side while rank 1 runs them (the same collectives)
     assert "## host profile: mx:fp8_current rank 0 of 2 (3 steps under cProfile)" in proc.stdout
-    assert [p.name for p in prof.iterdir()] == ["mx_fp8_current_rank_0_of_2.prof"]
+    # --host-trace: the same under torch.profiler, host time by region (FSDP2's annotations among them)
+    assert "## hf rank 0 of 2 (3 steps under torch.profiler)" in proc.stdout
+    assert "FSDP::all_gather" in proc.stdout and "by kind: " in proc.stdout
+    assert sorted(p.name for p in prof.iterdir()) == ["hf_rank_0_of_2.json.gz", "mx_fp8_current_rank_0_of_2.prof"]
 
 
 def test_graph_side_is_refused_with_fsdp(torchrun2):

@@ -128,3 +128,46 @@ def test_fp8_dcp_resume_bit_identical(fp8, recipe):
     assert r["recipe_states"] == (14 if recipe == "delayed" else 0)
     assert r["step"] == 3 and r["extra_losses"] == r["first"]
     assert r["first"] + r["resumed"] == r["full"]
+
+
+# ---------------------------------------------------------------------------- batched casts (the CUDA default)
+
+@pytest.fixture(scope="module")
+def fp8_batched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fp8_batched")
+    torchrun("fp8_batched", out, timeout=600, MXTRAIN_FSDP_BATCHED_CASTS="1")
+    return json.loads((out / "fp8_batched.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["current", "current_bf16_params"])
+def test_batched_casts_planes_bit_identical_to_one_process(fp8_batched, case):
+    r = fp8_batched["planes"][case]
+    assert r["checked"] == 32 and r["bad"] == [] and r["misses"] == {}
+
+
+def test_batched_casts_send_the_codes_and_count(fp8_batched):
+    s = fp8_batched["bytes"]["stats"]
+    assert fp8_batched["bytes"]["bytes_per_element"] == pytest.approx(1.0)
+    assert s["fp8_gathers"] == 6 and s["amax_reductions"] == 1
+    # the 3 forward gathers send the batched codes (the backward gathers: what the forward's sent, or cast anew)
+    assert s["batched"] == 3
+
+
+def test_batched_casts_weight_edited_after_forward(fp8_batched):
+    r = fp8_batched["edit"]
+    assert r["edited_plane_matches"] and r["scale_changed"]
+    assert r["after_forward"] == 1 and r["amax_reductions"] == 2 and r["resent"] == 1
+    # the forward's 3, then the edit's new batch: the edited weight's and the first Linear's backward gathers
+    assert r["batched"] == 5
+
+
+def test_batched_casts_units_inside_a_checkpoint(fp8_batched):
+    r = fp8_batched["units_in_checkpoint"]
+    assert r["dist"] == r["plain"] and r["kept_after_step"] == []
+
+
+@pytest.mark.parametrize("variant", ["", "_mixed", "_act_ckpt"])
+def test_batched_casts_training_matches(fp8_batched, variant):
+    r = fp8_batched["parity"][variant]
+    assert r["dist"] == r["plain"]  # what a high-precision all-gather's modules cast, bit for bit
+    assert r["rel"] <= max(PARITY_RTOL, 5e-5) and r["misses"] == {}

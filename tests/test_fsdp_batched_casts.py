@@ -1,0 +1,76 @@
+"""The FP8 all-gathers' batched casts (``mxtrain.distributed.fsdp._shard_amaxes`` / ``_shard_codes`` under
+``torch.compile``): the bits of the per-weight casts, for shards with NaN, Inf, zeros and tiny values, and the
+switch that turns them on. Their use inside FSDP2 is tested under torchrun (tests/distributed/test_fsdp_fp8.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxtrain.distributed import fsdp
+from mxtrain.quantization.float8 import FP8_MAX, compute_scale, quantize_float8
+
+from float8.test_float8_kernels_interpret import same_tensor
+
+
+def _shards():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(48, 64, generator=g) * 0.02
+    b = torch.randn(16, 40, generator=g) * 300.0  # saturates after the bf16 rounding at some elements
+    b[0, :4] = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0])
+    c = torch.zeros(8, 32)  # amax 0: scale 1
+    d = torch.randn(8, 32, generator=g) * 1e-30  # its NaN makes the amax +Inf: scale 1, every code 0 or NaN
+    d[3, 3] = float("nan")
+    return [a, b, c, d]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+def test_compiled_batched_casts_are_the_per_weight_casts_bits(fmt, param_dtype, device):
+    shards = [x.to(device) for x in _shards()]
+    amax = fsdp._compiled(fsdp._shard_amaxes)(shards)
+    eager = fsdp._shard_amaxes(shards)
+    assert torch.equal(amax.isnan(), eager.isnan()) and torch.equal(amax.nan_to_num(), eager.nan_to_num())
+    assert amax[3].isnan() and amax[1] == float("inf") and amax[2] == 0
+    # as _fp8_scales goes on: a NaN makes the amax +Inf, the amax of the weight in the param dtype
+    amax = torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf")).to(param_dtype).float()
+    scale = compute_scale(amax, FP8_MAX[fmt])
+    codes = fsdp._compiled(fsdp._shard_codes)(shards, scale, param_dtype, fmt)
+    for x, a, q in zip(shards, amax, codes):
+        # the reference quantizer of the weight in the param dtype, at the all-reduced amax's scale
+        ref = quantize_float8(x.to(param_dtype), fmt, scale=compute_scale(a, FP8_MAX[fmt]), axes=1)
+        same_tensor(q, ref.plane(1).data, f"{fmt} {param_dtype} shard {tuple(x.shape)}")  # any NaN code is NaN
+
+
+@pytest.mark.parametrize("mode, device, on", [("auto", "cpu", False), ("auto", "cuda", True), ("1", "cpu", True),
+                                              ("0", "cuda", False)])
+def test_batched_casts_switch(mx_config, mode, device, on):
+    mx_config(fsdp_batched_casts=mode)
+    assert fsdp._batched_casts(torch.device(device)) is on
+
+
+def test_batched_casts_switch_refuses_other_values():
+    from mxtrain import config
+
+    with pytest.raises(ValueError, match="MXTRAIN_FSDP_BATCHED_CASTS='yes' is not allowed; allowed: auto, 0, 1"):
+        config.from_environ({"MXTRAIN_FSDP_BATCHED_CASTS": "yes"})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rounded_to_bf16_is_torch_rounding_on_every_bit_pattern_class(device):
+    """``_rounded`` (integer round-to-nearest-even, kept by inductor) equals ``x.to(bf16).float()`` eager and
+    compiled: random bit patterns (every exponent, subnormals, NaN payloads of both signs), the largest finite
+    values (which round to Inf), signed zeros and infinities."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 18,), generator=g, dtype=torch.int64).to(torch.int32)
+    edge = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 3.4028235e38, -3.4028235e38, 1e-45, -1e-45,
+                         float("nan"), 1.0 + 2**-8, 1.0 + 3 * 2**-8])
+    x = torch.cat([bits.view(torch.float32), edge]).to(device)
+    want = x.to(torch.bfloat16).float()
+    for got in (fsdp._rounded(x, torch.bfloat16), torch.compile(fsdp._rounded)(x, torch.bfloat16)):
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        assert bool(same.all()), x[~same][:8]

@@ -1,0 +1,47 @@
+"""benchmarks/hostprof.py's torch.profiler summary: host time per region from a chrome trace, on a made-up trace
+whose answer is known, and on a real profile of a few CPU ops."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+import hostprof  # noqa: E402
+
+
+def _ev(name, ts, dur, tid=1, cat="cpu_op"):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0, "cat": cat}
+
+
+def test_own_time_goes_to_the_innermost_region():
+    ms = 1000  # trace times are microseconds
+    events = [
+        _ev("FSDP::all_gather (layers.0)", 0, 100 * ms, cat="user_annotation"),  # own 100 - 30 - 20 = 50
+        _ev("aten::empty", 10 * ms, 30 * ms),  # FSDP::all_gather's
+        _ev("Torch-Compiled Region: 2/0", 50 * ms, 20 * ms),
+        _ev("cuLaunchKernelEx", 55 * ms, 5 * ms, cat="cuda_driver"),  # a launch of the compiled region
+        _ev("FSDP::all_gather (layers.1)", 200 * ms, 40 * ms, cat="user_annotation"),  # summed with layers.0
+        _ev("autograd::engine::evaluate_function: MmBackward0", 300 * ms, 60 * ms, tid=2),
+        _ev("aten::mm", 310 * ms, 10 * ms, tid=2),  # inside the backward node: its region
+        _ev("cudaDeviceSynchronize", 400 * ms, 8 * ms, cat="cuda_runtime"),  # outside every region
+        _ev("void gemm_kernel", 0, 1000 * ms, tid=7, cat="kernel"),  # GPU time, not host
+    ]
+    out = hostprof.summarize_trace(events, steps=2, rows=10)
+    rows = {m[3]: (float(m[1]), float(m[2])) for m in
+            (re.match(r"^\s*([\d.]+)\s+([\d.]+)\s+(.*)$", line) for line in out.splitlines()[2:]) if m
+            for m in [(None, *m.groups())]}
+    assert rows == {"FSDP::all_gather": (60.0, 0.0), "backward node: MmBackward0": (30.0, 0.0),
+                    "compiled: Torch-Compiled Region": (10.0, 0.5), "outside: cudaDeviceSynchronize": (4.0, 0.0)}
+    assert "GPU 500.0 ms in 0 kernels a step" in out.splitlines()[0]  # one kernel in 2 steps
+    assert out.splitlines()[-1] == "by kind: FSDP 60.0 ms, backward node 30.0 ms, compiled 10.0 ms, outside 4.0 ms"
+
+
+def test_host_trace_of_real_ops():
+    x = torch.randn(64, 64)
+    out = hostprof.host_trace(lambda: (x @ x).sum(), 2, "matmul")
+    assert out.startswith("## matmul (2 steps under torch.profiler)")
+    assert "outside: aten::matmul" in out or "outside: aten::mm" in out
