@@ -32,6 +32,8 @@ in float8 (``enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_sc
 optimizer step, torchao's best FSDP2 configuration); ``ao-rowwise`` in bf16 (torchao has no rowwise all-gather);
 ``mx:<recipe>`` quantized by ``mxtrain.distributed.enable_quantized_all_gather`` (MX bytes or FP8 codes), or in
 bf16 with ``+bf16ag``. ``+compile`` compiles each decoder layer (as torchtitan does); ``+graph`` is refused.
+``+unbatched``: Float8CurrentScaling's FP8 gathers cast each weight in its own gather, not all at the step's first
+(``MXTRAIN_FSDP_BATCHED_CASTS=0``; the batched casts are the CUDA default).
 Tokens/s count every rank's tokens; the table adds each side's all-gather bytes and kernel time per step.
 
 ``--data austen`` trains on the Jane Austen corpus as byte tokens, a new batch every step (random tokens repeat 4
@@ -97,10 +99,12 @@ def hf_config(name: str, layers: int | None):
 def parse_side(side: str) -> tuple[str, str | None, frozenset]:
     """``side`` -> (kind, recipe spec, modes): kind in hf / ao / mx, modes a subset of {compile, graph}."""
     base, *modes = side.split("+")
-    bad = set(modes) - {"compile", "graph", "bf16ag", "unfused", "torchloss"}
+    bad = set(modes) - {"compile", "graph", "bf16ag", "unfused", "torchloss", "unbatched"}
     if bad or len(set(modes)) != len(modes):
-        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph, unfused, torchloss or bf16ag, "
-                         f"got {modes}")
+        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph, unfused, torchloss, bf16ag or "
+                         f"unbatched, got {modes}")
+    if "unbatched" in modes and not base.startswith("mx:"):
+        raise ValueError(f"side {side!r}: +unbatched applies to mx:<recipe> sides (under --fsdp) only")
     if "torchloss" in modes and not base.startswith("mx:"):
         raise ValueError(f"side {side!r}: +torchloss applies to mx:<recipe> sides (the others compute it so)")
     if "unfused" in modes and not (base.startswith("mx:") and "compile" in modes):
@@ -507,8 +511,12 @@ def main():
     for r in range(args.rounds):
         order = sides if r % 2 == 0 else sides[::-1]
         for side in order:
+            # +unbatched: the FP8 gathers cast each weight in its own gather (MXTRAIN_FSDP_BATCHED_CASTS=0)
+            batching = (mx_config.override(fsdp_batched_casts="0") if "unbatched" in parse_side(side)[2]
+                        else contextlib.nullcontext())
             try:
-                res = run_side(side, cfg, batch, seq, args, device)
+                with batching:
+                    res = run_side(side, cfg, batch, seq, args, device)
             except Exception as e:  # one side failing must not lose the others' figures
                 res = {"side": side, "error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(f"rank {rank} round {r}: {side} failed: {res['error']}", flush=True)

@@ -25,3 +25,10 @@ def test_torchloss_mode_is_for_mx_sides():
     for side in ("hf+torchloss", "ao-tensorwise+torchloss"):
         with pytest.raises(ValueError, match=r"\+torchloss applies to mx:<recipe> sides"):
             bench_e2e.parse_side(side)
+
+
+def test_unbatched_mode_is_for_mx_sides():
+    assert bench_e2e.parse_side("mx:fp8_current+compile+unbatched")[2] == {"compile", "unbatched"}
+    for side in ("hf+unbatched", "ao-tensorwise+unbatched"):
+        with pytest.raises(ValueError, match=r"\+unbatched applies to mx:<recipe> sides"):
+            bench_e2e.parse_side(side)

@@ -78,8 +78,7 @@ def _internal_graphs() -> int:
 
     from mxtrain.distributed import fsdp
 
-    return sum(len(_debug_get_cache_entry_list(f.__code__))
-               for f in (fsdp._shard_amaxes, fsdp._shard_codes, fsdp._transpose_all))
+    return sum(len(_debug_get_cache_entry_list(f.__code__)) for f in (fsdp._shard_amaxes, fsdp._shard_codes))
 
 
 def scenario_compile(rank: int, device) -> dict:
@@ -109,7 +108,7 @@ def scenario_compile(rank: int, device) -> dict:
 
         def after_step():
             # the blocks' graphs: dynamo's count less those of mxtrain's own compiled helpers (the FP8 gathers'
-            # batched casts and transposes, on CUDA by default), counted apart
+            # batched amaxes and casts, on CUDA by default), counted apart
             internal.append(_internal_graphs())
             steps.append((sum(counters["graph_break"].values()),
                           counters["stats"]["unique_graphs"] - (internal[-1] - internal[-2]),

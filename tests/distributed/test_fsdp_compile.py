@@ -47,8 +47,8 @@ def test_blocks_compiled_before_fully_shard_trace_whole(compiled, recipe, config
     # once made dynamo guard on it, and every decoder layer of a model recompiled, past dynamo's limit); later
     # steps' gathers (into the same buffers) recompile nothing
     assert r["graphs"] == [3, 0, 0]
-    # mxtrain's own compiled helpers (the FP8 gathers' batched casts and transposes, on CUDA) count apart; the
-    # last step compiles none either
+    # mxtrain's own compiled helpers (the FP8 gathers' batched amaxes and casts, on CUDA) count apart; the last
+    # step compiles none either
     assert r["internal_graphs"][2] == 0
 
 

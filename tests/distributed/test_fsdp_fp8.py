@@ -151,16 +151,6 @@ def test_batched_casts_send_the_codes_and_count(fp8_batched):
     assert s["fp8_gathers"] == 6 and s["amax_reductions"] == 1
     # the 3 forward gathers send the batched codes (the backward gathers: what the forward's sent, or cast anew)
     assert s["batched"] == 3
-    # each Linear is an FSDP group of its own: each backward gather's one dgrad plane is transposed in its fill
-    assert s["transposes"] == 3 and s["batched_transposes"] == 0
-
-
-def test_batched_transposes_cover_every_weight_of_a_group(fp8_batched):
-    # check_fp8_planes' 2 blocks hold 8 FP8 weights a group, 2 steps: each weight's backward gather transposes its
-    # codes (32); the first step's fills make the dgrad arenas one at a time, the second step's backward gathers
-    # transpose each group's 8 in one call
-    s = fp8_batched["planes"]["current"]["stats"]
-    assert s["transposes"] == 32 and s["batched_transposes"] == 16
 
 
 def test_batched_casts_weight_edited_after_forward(fp8_batched):
@@ -183,9 +173,9 @@ def test_batched_casts_training_matches(fp8_batched, variant):
     assert r["rel"] <= max(PARITY_RTOL, 5e-5) and r["misses"] == {}
 
 
-def test_batched_casts_and_transposes_under_compiled_blocks(fp8_batched):
+def test_batched_casts_under_compiled_blocks(fp8_batched):
     r = fp8_batched["compiled"]
     assert r["differ"] == []  # the gradients of eager blocks, bit for bit
-    assert r["batched"] > 0 and r["batched_transposes"] > 0
-    # mxtrain's compiled helpers (amaxes, casts, transposes) compile in the first steps, then nothing
-    assert r["internal_graphs"][-1] == r["internal_graphs"][-2] > 0
+    assert r["batched"] == 3 * 5  # 3 steps, each forward gathering 5 GEMM weights (LayerNormMLP 2, 3 Linears 1)
+    # mxtrain's compiled helpers (amaxes, casts) compile in the first step, then nothing
+    assert r["internal_graphs"][0] == r["internal_graphs"][-1] > 0
