@@ -74,3 +74,29 @@ def test_rounded_to_bf16_is_torch_rounding_on_every_bit_pattern_class(device):
     for got in (fsdp._rounded(x, torch.bfloat16), torch.compile(fsdp._rounded)(x, torch.bfloat16)):
         same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
         assert bool(same.all()), x[~same][:8]
+
+
+def test_batched_call_falls_back_to_eager_with_one_warning(monkeypatch):
+    """A compiler failure (here: every compiled function raises) does not stop training: a warning, once, then
+    the same values eagerly."""
+    monkeypatch.setattr(fsdp, "_BATCH_FAILED", [])
+
+    def broken(fn):
+        def call(*args):
+            raise RuntimeError("inductor: no C++ compiler found\ndetails")
+        return call
+
+    monkeypatch.setattr(fsdp, "_compiled", broken)
+    shards = _shards()
+    with pytest.warns(RuntimeWarning, match=r"batched casts could not be compiled \(RuntimeError: inductor: no C\+\+ "
+                                            r"compiler found\); they run eagerly"):
+        amax = fsdp._batched_call(fsdp._shard_amaxes, shards)
+    assert torch.equal(amax.nan_to_num(), fsdp._shard_amaxes(shards).nan_to_num())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning
+        scale = torch.ones(len(shards))
+        codes = fsdp._batched_call(fsdp._shard_codes, shards, scale, torch.bfloat16, "fp8_e4m3")
+    for q, want in zip(codes, fsdp._shard_codes(shards, scale, torch.bfloat16, "fp8_e4m3")):
+        same_tensor(q, want, "eager fallback")

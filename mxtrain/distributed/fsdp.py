@@ -270,6 +270,24 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
+_BATCH_FAILED: list = []  # the first error of a batched call in this process (then every call runs eagerly)
+
+
+def _batched_call(fn, *args):
+    """``fn(*args)`` compiled (``_compiled``); if compiling or running the compiled call raises (no compiler for
+    inductor's CPU code, an inductor error), a warning says so once and ``fn`` runs eagerly, now and from then on:
+    the same values, a launch per op. Each rank decides alone, and the collectives do not depend on it."""
+    if not _BATCH_FAILED:
+        try:
+            return _compiled(fn)(*args)
+        except Exception as e:  # noqa: BLE001 (any failure of the compiler stack; eager computes the same)
+            _BATCH_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            warnings.warn(f"mxtrain FP8 all-gather: the batched casts could not be compiled ({_BATCH_FAILED[0]}); "
+                          "they run eagerly from now on (MXTRAIN_FSDP_BATCHED_CASTS=0 casts each weight in its "
+                          "own gather instead)", RuntimeWarning, stacklevel=2)
+    return fn(*args)
+
+
 def _take_codes(group, fsdp_param, data: torch.Tensor):
     """The FP8 codes the step's batched cast made for ``fsdp_param`` from ``data`` as it is now, once (the
     gather that sends them keeps them as long as it needs); None where there are none."""
@@ -739,7 +757,7 @@ class MXAllGatherWeight(torch.Tensor):
                            for d in datas))
         if batched:
             shapes = None
-            flat = _compiled(_shard_amaxes)(datas)
+            flat = _batched_call(_shard_amaxes, datas)
         elif spec.block is None:
             shapes = None
             lo, hi = zip(*(w._local_amax(None, size, rank, world, None) for w, size in zip(weights, sizes)))
@@ -765,7 +783,7 @@ class MXAllGatherWeight(torch.Tensor):
             scale = compute_scale(flat, FP8_MAX[spec.fmt], power_of_2=spec.power_of_2_scales,
                                   epsilon=spec.amax_epsilon)
             scale_inv = torch.reciprocal(scale)
-        codes = _compiled(_shard_codes)(datas, scale, param_dtype, spec.fmt) if batched else None
+        codes = _batched_call(_shard_codes, datas, scale, param_dtype, spec.fmt) if batched else None
         if shapes is None:  # one 0-d view per weight
             if scale_inv is not None:  # each on a 16-byte boundary: cuBLASLt reads a GEMM's scale there only
                 spaced = scale_inv.new_zeros((scale_inv.numel(), 4))
