@@ -100,3 +100,17 @@ def test_batched_call_falls_back_to_eager_with_one_warning(monkeypatch):
         codes = fsdp._batched_call(fsdp._shard_codes, shards, scale, torch.bfloat16, "fp8_e4m3")
     for q, want in zip(codes, fsdp._shard_codes(shards, scale, torch.bfloat16, "fp8_e4m3")):
         same_tensor(q, want, "eager fallback")
+
+
+def test_batchable_shards(mx_config):
+    mx_config(fsdp_batched_casts="1")
+    cpu, fp32, bf16 = torch.device("cpu"), torch.float32, torch.bfloat16
+    w = torch.zeros(4, 8)
+    assert fsdp._batchable([w, w.bfloat16()[:2]], bf16, cpu)  # fp32 rounded to bf16; bf16 as it is
+    assert fsdp._batchable([w], fp32, cpu)
+    assert not fsdp._batchable([w], torch.float16, cpu)  # a rounding inductor may drop: cast per weight
+    assert not fsdp._batchable([w, w[:0]], fp32, cpu)  # an empty shard
+    assert not fsdp._batchable([w.t()], fp32, cpu)  # not contiguous
+    assert not fsdp._batchable([w.reshape(-1)], fp32, cpu)  # not 2-D
+    mx_config(fsdp_batched_casts="0")
+    assert not fsdp._batchable([w], fp32, cpu)

@@ -240,6 +240,16 @@ def _batched_casts(device: torch.device) -> bool:
     return mode == "1" or device.type == "cuda"
 
 
+def _batchable(shards: list, param_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``_shard_amaxes`` / ``_shard_codes`` serve these shards: batching on for ``device``, every shard a
+    non-empty, contiguous 2-D tensor there, already in ``param_dtype`` or fp32 to be rounded to bf16 (the one
+    rounding ``_rounded`` makes exactly under compile; others, fp16 params, cast per weight)."""
+    return _batched_casts(device) and all(
+        d.dim() == 2 and d.numel() and d.is_contiguous() and d.device == device
+        and (d.dtype == param_dtype or (d.dtype == torch.float32 and param_dtype == torch.bfloat16))
+        for d in shards)
+
+
 def _shard_amaxes(shards: list) -> torch.Tensor:
     """fp32 ``[len(shards)]``: each shard's max |x| (NaN kept)."""
     return torch.stack([x.abs().amax() for x in shards]).float()
@@ -752,9 +762,7 @@ class MXAllGatherWeight(torch.Tensor):
         datas = [w._data for w in weights]
         # per-tensor current scaling of non-empty 2-D shards: every member's amax, then its codes, in one compiled
         # call each (the gathers then send the codes made here)
-        batched = (spec.block is None and spec.scaling != "delayed" and _batched_casts(self.device)
-                   and all(d.dim() == 2 and d.numel() and d.is_contiguous() and d.device == self.device
-                           for d in datas))
+        batched = spec.block is None and spec.scaling != "delayed" and _batchable(datas, param_dtype, self.device)
         if batched:
             shapes = None
             flat = _batched_call(_shard_amaxes, datas)
