@@ -32,18 +32,22 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
 def test_compiled_batched_casts_are_the_per_weight_casts_bits(fmt, param_dtype, device):
     shards = [x.to(device) for x in _shards()]
-    amax = fsdp._compiled(fsdp._shard_amaxes)(shards)
+    amax = fsdp._batched_call(fsdp._shard_amaxes, shards)
     eager = fsdp._shard_amaxes(shards)
     assert torch.equal(amax.isnan(), eager.isnan()) and torch.equal(amax.nan_to_num(), eager.nan_to_num())
     assert amax[3].isnan() and amax[1] == float("inf") and amax[2] == 0
     # as _fp8_scales goes on: a NaN makes the amax +Inf, the amax of the weight in the param dtype
     amax = torch.nan_to_num(amax, nan=float("inf"), posinf=float("inf")).to(param_dtype).float()
     scale = compute_scale(amax, FP8_MAX[fmt])
-    codes = fsdp._compiled(fsdp._shard_codes)(shards, scale, param_dtype, fmt)
+    codes = fsdp._batched_call(fsdp._shard_codes, shards, scale, param_dtype, fmt)
+    kernels = fsdp._triton_float8_casts(torch.device(device), param_dtype) if device == "cuda" else None
     for x, a, q in zip(shards, amax, codes):
         # the reference quantizer of the weight in the param dtype, at the all-reduced amax's scale
         ref = quantize_float8(x.to(param_dtype), fmt, scale=compute_scale(a, FP8_MAX[fmt]), axes=1)
         same_tensor(q, ref.plane(1).data, f"{fmt} {param_dtype} shard {tuple(x.shape)}")  # any NaN code is NaN
+        if kernels is not None:  # and what the per-weight gather sends on CUDA: the Triton cast given the amax
+            per_weight = kernels[0](x.to(param_dtype).contiguous(), fmt, amax=a)[0]
+            same_tensor(q, per_weight.planes[0].data, f"{fmt} {param_dtype} shard {tuple(x.shape)}, Triton")
 
 
 @pytest.mark.parametrize("mode, device, on", [("auto", "cpu", False), ("auto", "cuda", True), ("1", "cpu", True),
@@ -76,12 +80,12 @@ def test_rounded_to_bf16_is_torch_rounding_on_every_bit_pattern_class(device):
         assert bool(same.all()), x[~same][:8]
 
 
-def test_batched_call_falls_back_to_eager_with_one_warning(monkeypatch):
-    """A compiler failure (here: every compiled function raises) does not stop training: a warning, once, then
-    the same values eagerly."""
+def test_a_batch_that_fails_to_compile_sends_the_gathers_to_their_own_casts(monkeypatch):
+    """A compiler failure (here: every compiled function raises) does not stop training: a warning, once, and
+    every batched call from then on returns None (the gathers cast per weight: the same bits)."""
     monkeypatch.setattr(fsdp, "_BATCH_FAILED", [])
 
-    def broken(fn):
+    def broken(fn, signature):
         def call(*args):
             raise RuntimeError("inductor: no C++ compiler found\ndetails")
         return call
@@ -89,17 +93,40 @@ def test_batched_call_falls_back_to_eager_with_one_warning(monkeypatch):
     monkeypatch.setattr(fsdp, "_compiled", broken)
     shards = _shards()
     with pytest.warns(RuntimeWarning, match=r"batched casts could not be compiled \(RuntimeError: inductor: no C\+\+ "
-                                            r"compiler found\); they run eagerly"):
-        amax = fsdp._batched_call(fsdp._shard_amaxes, shards)
-    assert torch.equal(amax.nan_to_num(), fsdp._shard_amaxes(shards).nan_to_num())
+                                            r"compiler found\); each weight is cast in its own gather"):
+        assert fsdp._batched_call(fsdp._shard_amaxes, shards) is None
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
-        scale = torch.ones(len(shards))
-        codes = fsdp._batched_call(fsdp._shard_codes, shards, scale, torch.bfloat16, "fp8_e4m3")
-    for q, want in zip(codes, fsdp._shard_codes(shards, scale, torch.bfloat16, "fp8_e4m3")):
-        same_tensor(q, want, "eager fallback")
+        assert fsdp._batched_call(fsdp._shard_codes, shards, torch.ones(4), torch.bfloat16, "fp8_e4m3") is None
+
+
+def test_out_of_memory_in_a_batch_raises(monkeypatch):
+    monkeypatch.setattr(fsdp, "_BATCH_FAILED", [])
+
+    def oom(fn, signature):
+        def call(*args):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return call
+
+    monkeypatch.setattr(fsdp, "_compiled", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        fsdp._batched_call(fsdp._shard_amaxes, _shards())
+    assert fsdp._BATCH_FAILED == []  # not taken for a compiler failure
+
+
+def test_each_signature_compiles_its_own_copy_past_dynamos_limit():
+    """Ten shapes of shard lists: each signature compiles a copy of the function (its own dynamo cache), so
+    none reaches dynamo's limit of 8 graphs a function (a fullgraph compile past it raises)."""
+    before = len(fsdp._COMPILED_COPIES)
+    for n in range(1, 11):
+        shards = [torch.full((n, 4), float(n))]
+        assert fsdp._batched_call(fsdp._shard_amaxes, shards).tolist() == [float(n)]
+    assert fsdp._BATCH_FAILED == []
+    assert len(fsdp._COMPILED_COPIES) - before == 10
+    assert fsdp._batched_call(fsdp._shard_amaxes, [torch.full((3, 4), 3.0)]).tolist() == [3.0]  # compiled already
+    assert len(fsdp._COMPILED_COPIES) - before == 10
 
 
 def test_batchable_shards(mx_config):

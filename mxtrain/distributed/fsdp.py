@@ -54,6 +54,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -273,39 +274,69 @@ def _shard_codes(shards: list, scale: torch.Tensor, param_dtype: torch.dtype, fm
     return [cast_to_fp8(_rounded(x, param_dtype), scale[i], fmt) for i, x in enumerate(shards)]
 
 
+_COMPILED_COPIES: list = []  # the function copies compiled so far, one a signature (tests count their graphs)
+
+
 @functools.cache
-def _compiled(fn):
-    """``fn`` under ``torch.compile`` (static shapes, one graph): one call launches every shard's kernels from
-    inductor's wrapper, with no Python per shard. A model's weights make one set of shapes, compiled once."""
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+def _compiled(fn, signature: tuple):
+    """``fn`` under ``torch.compile`` (static shapes, one graph) for one ``signature`` of its arguments: one call
+    launches every shard's kernels from inductor's wrapper, with no Python per shard. Each signature compiles a
+    copy of ``fn`` (its own code object: dynamo's cache and its limit of 8 graphs belong to the copy), so one
+    process batching for several models, formats or member orders compiles each once and never reaches the
+    limit (past it, a fullgraph compile raises)."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    _COMPILED_COPIES.append(copy)
+    return torch.compile(copy, dynamic=False, fullgraph=True)
 
 
-_BATCH_FAILED: list = []  # the first error of a batched call in this process (then every call runs eagerly)
+def _signature(args: tuple) -> tuple:
+    """What a compiled batch is specialised on: each tensor's shape, dtype and device (lists of tensors
+    included), the other arguments as they are, and the grad mode."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return (tuple(a.shape), a.dtype, a.device)
+        if isinstance(a, (list, tuple)):
+            return tuple(one(t) for t in a)
+        return a
+    return (*(one(a) for a in args), torch.is_grad_enabled())
+
+
+_BATCH_FAILED: list = []  # the first error of a batched call in this process (then the casts go per weight)
 
 
 def _batched_call(fn, *args):
-    """``fn(*args)`` compiled (``_compiled``); if compiling or running the compiled call raises (no compiler for
-    inductor's CPU code, an inductor error), a warning says so once and ``fn`` runs eagerly, now and from then on:
-    the same values, a launch per op. Each rank decides alone, and the collectives do not depend on it."""
-    if not _BATCH_FAILED:
-        try:
-            return _compiled(fn)(*args)
-        except Exception as e:  # noqa: BLE001 (any failure of the compiler stack; eager computes the same)
-            _BATCH_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
-            warnings.warn(f"mxtrain FP8 all-gather: the batched casts could not be compiled ({_BATCH_FAILED[0]}); "
-                          "they run eagerly from now on (MXTRAIN_FSDP_BATCHED_CASTS=0 casts each weight in its "
-                          "own gather instead)", RuntimeWarning, stacklevel=2)
-    return fn(*args)
+    """``fn(*args)`` compiled (``_compiled``), or None where batching failed: if compiling or running the
+    compiled call raises (no compiler for inductor's CPU code, an inductor error), a warning says so once and
+    every later batch returns None too, so the gathers cast per weight (the same bits). Each rank decides alone,
+    and the collectives do not depend on it. Running out of memory raises as any cast would."""
+    if _BATCH_FAILED:
+        return None
+    try:
+        return _compiled(fn, _signature(args))(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 (any failure of the compiler stack; the per-weight casts remain)
+        _BATCH_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        warnings.warn(f"mxtrain FP8 all-gather: the batched casts could not be compiled ({_BATCH_FAILED[0]}); "
+                      "each weight is cast in its own gather from now on (MXTRAIN_FSDP_BATCHED_CASTS=0 does so "
+                      "from the start)", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def _take_codes(group, fsdp_param, data: torch.Tensor):
     """The FP8 codes the step's batched cast made for ``fsdp_param`` from ``data`` as it is now, once (the
-    gather that sends them keeps them as long as it needs); None where there are none."""
+    gather that sends them keeps them as long as it needs); None where there are none. The batch ran on the
+    stream of the step's first gather (FSDP2's copy-in stream; the current one for a user's ``unshard()``):
+    the codes are marked as used on this gather's stream, so the allocator does not hand their memory out
+    before this gather's copy-in has read them."""
     made = getattr(group, "_mxtrain_fp8_codes", None)
     entry = made.pop(fsdp_param, None) if made else None
     if entry is None or entry[1] is not data or data._version != entry[2]:
         return None
-    return entry[0]
+    codes = entry[0]
+    if codes.is_cuda:
+        codes.record_stream(torch.cuda.current_stream(codes.device))
+    return codes
 
 
 # --------------------------------------------------------------------------- the sharded master weight
@@ -763,9 +794,10 @@ class MXAllGatherWeight(torch.Tensor):
         # per-tensor current scaling of non-empty 2-D shards: every member's amax, then its codes, in one compiled
         # call each (the gathers then send the codes made here)
         batched = spec.block is None and spec.scaling != "delayed" and _batchable(datas, param_dtype, self.device)
+        flat = _batched_call(_shard_amaxes, datas) if batched else None
+        batched = flat is not None  # (None: the batch failed to compile; the per-weight path, the same values)
         if batched:
             shapes = None
-            flat = _batched_call(_shard_amaxes, datas)
         elif spec.block is None:
             shapes = None
             lo, hi = zip(*(w._local_amax(None, size, rank, world, None) for w, size in zip(weights, sizes)))

@@ -78,7 +78,7 @@ def _internal_graphs() -> int:
 
     from mxtrain.distributed import fsdp
 
-    return sum(len(_debug_get_cache_entry_list(f.__code__)) for f in (fsdp._shard_amaxes, fsdp._shard_codes))
+    return sum(len(_debug_get_cache_entry_list(f.__code__)) for f in fsdp._COMPILED_COPIES)
 
 
 def scenario_compile(rank: int, device) -> dict:

@@ -445,11 +445,13 @@ def check_fp8_planes(rank, world, device, recipe, mp, reshard_after_forward=True
     model = shard(build(1, device, mixed=True, fp8_shapes=True), world, reshard_after_forward=reshard_after_forward,
                   mp=mp, recipe=recipe)
     rec = PlaneRecorder()
+    mxdist.reset_all_gather_stats()
     try:
         batches = global_batches(steps, 1, world, device, seed=5)
         train_steps(model, torch.optim.SGD(model.parameters(), lr=0.0), batches, recipe, rank, world, True)
     finally:
         rec.close()
+    stats = mxdist.all_gather_stats()
     fulls = {name: p.full_tensor() for name, p in mx_weights(model)}
     bad = []
     for key, (spec, q, data, scale_inv, now) in rec.planes.items():
@@ -464,7 +466,8 @@ def check_fp8_planes(rank, world, device, recipe, mp, reshard_after_forward=True
               and (ref.amax is None) == (q.amax is None) and (ref.amax is None or torch.equal(ref.amax, q.amax)))
         if not ok:
             bad.append(key)
-    return {"checked": len(rec.planes), "bad": bad, "hits": rec.hits, "misses": rec.misses}
+    return {"checked": len(rec.planes), "bad": bad, "hits": rec.hits, "misses": rec.misses,
+            "stats": stats}
 
 
 def fp8_other_model_on_one_rank(rank, world, device, recipe):
@@ -521,7 +524,7 @@ def fp8_units_inside_a_checkpoint(rank, world, device, recipe, steps=2):
     plain_model = sharded(False)
     plain = train_steps(plain_model, make_opt(plain_model), batches, recipe, rank, world, True, sum_grads=True)
     return {"dist": losses, "plain": plain, "kept_after_step": kept, "fp8_gathers": stats["fp8_gathers"],
-            "resent": stats["resent"]}
+            "resent": stats["resent"], "batched": stats["batched"]}
 
 
 def scenario_fp8(rank, world, device, out):

@@ -143,6 +143,7 @@ def fp8_batched(tmp_path_factory):
 def test_batched_casts_planes_bit_identical_to_one_process(fp8_batched, case):
     r = fp8_batched["planes"][case]
     assert r["checked"] == 32 and r["bad"] == [] and r["misses"] == {}
+    assert r["stats"]["batched"] == 2 * 16  # every forward gather of the 2 steps sent batched codes
 
 
 def test_batched_casts_send_the_codes_and_count(fp8_batched):
@@ -164,6 +165,7 @@ def test_batched_casts_weight_edited_after_forward(fp8_batched):
 def test_batched_casts_units_inside_a_checkpoint(fp8_batched):
     r = fp8_batched["units_in_checkpoint"]
     assert r["dist"] == r["plain"] and r["kept_after_step"] == []
+    assert r["batched"] > 0
 
 
 @pytest.mark.parametrize("variant", ["", "_mixed", "_act_ckpt"])
