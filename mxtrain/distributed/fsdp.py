@@ -323,6 +323,42 @@ def _batched_call(fn, *args):
         return None
 
 
+def _amax_key(spec, param_dtype: torch.dtype) -> tuple:
+    """What an FP8 amax all-reduce's results depend on besides the weights (``_fp8_scales``, ``_fp8_cached``)."""
+    return (spec.block, param_dtype, spec.fmt, spec.scaling, spec.power_of_2_scales, spec.amax_epsilon)
+
+
+def _rebatch_codes(group, pg, spec, param_dtype: torch.dtype, device: torch.device) -> None:
+    """A forward gather that finds no batched codes for its weight while the step's scales still hold (a later
+    micro-batch of gradient accumulation, an evaluation forward after training, a second forward): the codes of
+    every peer group's members whose scales still hold, at those scales, in one compiled call (no amax pass, no
+    all-reduce), as ``_fp8_scales`` makes them. Members whose weights changed are left to their own gathers.
+    Only where every peer group has sent its codes (a new forward); a group gathered twice in one forward (a
+    module called twice) casts its own members only, so the codes other groups have not sent yet stay."""
+    key = _amax_key(spec, param_dtype)
+    peers = _peer_groups(group, pg)
+    if any(getattr(g, "_mxtrain_fp8_codes", None) for g in peers):
+        peers = [group]
+    jobs = []  # (group, FSDPParam, data, scale)
+    for g in peers:
+        hit = getattr(g, "_mxtrain_fp8_amax", None)
+        if hit is None or hit[0] != key or any(fp._sharded_local_tensor is not w or w._data is not d
+                                               or d._version != v for fp, w, d, v in hit[1]):
+            continue
+        jobs.extend((g, fp, d, res[1]) for (fp, _, d, _), res in zip(hit[1], hit[2]))
+    datas = [d for _, _, d, _ in jobs]
+    if not jobs or any(sc is None for *_, sc in jobs) or not _batchable(datas, param_dtype, device):
+        return
+    codes = _batched_call(_shard_codes, datas, torch.stack([sc for *_, sc in jobs]), param_dtype, spec.fmt)
+    if codes is None:
+        return
+    made: dict = {}
+    for (g, fp, d, _), c in zip(jobs, codes):
+        made.setdefault(g, {})[fp] = (c, d, d._version)
+    for g, entries in made.items():
+        g._mxtrain_fp8_codes = entries
+
+
 def _take_codes(group, fsdp_param, data: torch.Tensor):
     """The FP8 codes the step's batched cast made for ``fsdp_param`` from ``data`` as it is now, once (the
     gather that sends them keeps them as long as it needs); None where there are none. The batch ran on the
@@ -625,7 +661,10 @@ class MXAllGatherWeight(torch.Tensor):
                 uses = None
 
         if fp8 is not None:
-            inputs, meta = self._fp8_input(fp8, fsdp_param, group, orig_size, world, param_dtype, sent, keep)
+            # a forward gather outside backward (not a recompute): where the step's batched codes are spent, it may
+            # batch anew (_rebatch_codes)
+            fresh = phase == TrainingState.FORWARD and torch._C._current_graph_task_id() == -1
+            inputs, meta = self._fp8_input(fp8, fsdp_param, group, orig_size, world, param_dtype, sent, keep, fresh)
         elif uses is None:
             inputs, meta = self._high_precision_input(orig_size, world, param_dtype)
         else:
@@ -773,7 +812,7 @@ class MXAllGatherWeight(torch.Tensor):
         them: delayed scaling (the module's scale) and per-tensor casts on the Triton backend (the kernel
         makes them from the amax). The amax is of the weight in ``param_dtype``: rounding is monotonic and
         symmetric, so it is the rounded amax of the master weight."""
-        key = (spec.block, param_dtype, spec.fmt, spec.scaling, spec.power_of_2_scales, spec.amax_epsilon)
+        key = _amax_key(spec, param_dtype)
         hit = _fp8_cached(group, key, fsdp_param)
         if hit is not None:
             return hit
@@ -861,7 +900,8 @@ class MXAllGatherWeight(torch.Tensor):
         self._info.delayed_cast = (*key, scale)
         return scale
 
-    def _fp8_input(self, uses, fsdp_param, group, orig_size, world, param_dtype, sent=None, keep=False):
+    def _fp8_input(self, uses, fsdp_param, group, orig_size, world, param_dtype, sent=None, keep=False,
+                   fresh=False):
         """This rank's rows as FP8 codes (uint8, padded to FSDP's shard rows); the scale(s) in the metadata.
 
         Every rank derives the same scales from the all-reduced amax (current, block) or from the
@@ -882,7 +922,12 @@ class MXAllGatherWeight(torch.Tensor):
         refs = (scales, scale)
         made = None if spec.block is not None or spec.scaling == "delayed" else _take_codes(group, fsdp_param,
                                                                                           self._data)
-        if sent is not None and sent.holds(self._data, key, refs):
+        resend = sent is not None and sent.holds(self._data, key, refs)
+        if (made is None and fresh and not resend and spec.block is None and spec.scaling != "delayed"
+                and _batched_casts(self.device)):
+            _rebatch_codes(group, pg, spec, param_dtype, self.device)
+            made = _take_codes(group, fsdp_param, self._data)
+        if resend:
             buf, scale_inv, amax = sent.codes, sent.scale_inv, sent.amax
             _STATS.resent += 1
         else:

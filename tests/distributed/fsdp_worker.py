@@ -559,6 +559,57 @@ def scenario_fp8(rank, world, device, out):
     return res
 
 
+def _three_linears(device, recipe, mx: bool):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(mxtrain.Linear(128, 128, bias=False) for _ in range(3))).to(device)
+    if mx:
+        mxdist.enable_mx_all_gather(model, recipe=recipe)
+    for m in model:
+        fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def fp8_micro_batches(rank, world, device, recipe):
+    """Two micro-batches accumulated without a gradient sync in between (weights resharded after each pass, as
+    FSDP2 does unless told otherwise), then one synced: every forward gather sends batched codes, one amax
+    all-reduce; the gradients equal those of high-precision gathers."""
+    xs = [torch.randn(32, 128, device=device, generator=torch.Generator(device).manual_seed(rank * 10 + i))
+          for i in range(2)]
+    out = {}
+    for mx in (True, False):
+        model = _three_linears(device, recipe, mx)
+        mxdist.reset_all_gather_stats()
+        for i, x in enumerate(xs):
+            model.set_requires_gradient_sync(i == len(xs) - 1)
+            with mxtrain.mx_autocast(recipe=recipe):
+                model(x).float().pow(2).mean().backward()
+        out[mx] = ([p.grad.full_tensor() for p in model.parameters()], mxdist.all_gather_stats())
+    (grads, s), (plain, _) = out[True], out[False]
+    return {"same": all(torch.equal(a, b) for a, b in zip(grads, plain)),
+            **{k: s[k] for k in ("fp8_gathers", "batched", "resent", "amax_reductions")}}
+
+
+def fp8_eval_forwards(rank, world, device, recipe):
+    """Two evaluation forwards (no_grad) of a sharded model of 3 mxtrain Linears: the second reuses the first's
+    scales (no amax all-reduce) and sends batched codes; both give the outputs of high-precision gathers."""
+    x = torch.randn(32, 128, device=device)
+    out = {}
+    for mx in (True, False):
+        model = _three_linears(device, recipe, mx)
+        mxdist.reset_all_gather_stats()
+        ys = []
+        with torch.no_grad(), mxtrain.mx_autocast(recipe=recipe):
+            for _ in range(2):
+                ys.append(model(x))
+        out["mx" if mx else "plain"] = (ys, mxdist.all_gather_stats())
+    (ys, s), (plain, _) = out["mx"], out["plain"]
+    return {"same": all(torch.equal(a, b) for a, b in zip(ys, plain)), "fp8_gathers": s["fp8_gathers"],
+            "batched": s["batched"], "amax_reductions": s["amax_reductions"]}
+
+
 def scenario_fp8_batched(rank, world, device):
     """Float8CurrentScaling's all-gathers with the step's casts batched (run with MXTRAIN_FSDP_BATCHED_CASTS=1, the
     CUDA default, on any device): the planes, bytes, reuse after an edit, recompute and training of the per-weight
@@ -578,6 +629,13 @@ def scenario_fp8_batched(rank, world, device):
     res["parity"][""] = parity(rank, world, device, recipe, steps=3, **kw)
     res["parity"]["_mixed"] = parity(rank, world, device, recipe, steps=2, mixed=True, fp8_shapes=True, **kw)
     res["parity"]["_act_ckpt"] = parity(rank, world, device, recipe, steps=3, ac=True, **kw)
+    res["parity"]["_grad_accum_no_sync"] = parity(rank, world, device, recipe, steps=2, micro=2, no_sync=True, **kw)
+    # gradient accumulation that reshards between micro-batches: the second micro-batch's forward gathers batch
+    # anew at the step's scales
+    res["grad_accum"] = fp8_micro_batches(rank, world, device, recipe)
+    # an evaluation forward after training (scales of the last step's weights: a new amax all-reduce, batched)
+    # and a second one without a step in between (the same scales: batched anew, no all-reduce)
+    res["eval"] = fp8_eval_forwards(rank, world, device, recipe)
     # compiled blocks (traced gathers: forward gathers lay out both planes, backward gathers resend the codes)
     from compile_worker import _internal_graphs, grads
 

@@ -168,7 +168,24 @@ def test_batched_casts_units_inside_a_checkpoint(fp8_batched):
     assert r["batched"] > 0
 
 
-@pytest.mark.parametrize("variant", ["", "_mixed", "_act_ckpt"])
+def test_batched_casts_serve_every_micro_batch(fp8_batched):
+    # 2 micro-batches x 3 Linears (each its own FSDP unit, resharded after each pass): every forward gather sends
+    # batched codes, the second micro-batch's made anew at the step's scales (one amax all-reduce, not two); the
+    # backward gathers resend the forward's
+    r = fp8_batched["grad_accum"]
+    assert r["same"]  # the gradients of FSDP2's own high-precision gathers, bit for bit
+    assert r["amax_reductions"] == 1 and r["fp8_gathers"] == 12 and r["batched"] == 6 and r["resent"] == 6
+
+
+def test_batched_casts_serve_evaluation_forwards(fp8_batched):
+    r = fp8_batched["eval"]
+    assert r["same"]  # the outputs of FSDP2's own high-precision gathers, bit for bit
+    # 2 forwards x 3 Linears, each gathered once a forward (resharded after it, as FSDP2 does under no_grad too);
+    # the second forward batches anew at the first's scales, without an all-reduce
+    assert r["fp8_gathers"] == 6 and r["batched"] == 6 and r["amax_reductions"] == 1
+
+
+@pytest.mark.parametrize("variant", ["", "_mixed", "_act_ckpt", "_grad_accum_no_sync"])
 def test_batched_casts_training_matches(fp8_batched, variant):
     r = fp8_batched["parity"][variant]
     assert r["dist"] == r["plain"]  # what a high-precision all-gather's modules cast, bit for bit
