@@ -333,15 +333,15 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
     finally:
         if gather is not None:
             gather.close()
-    for flag, tool in (("host_profile", "host_profile"), ("host_trace", "host_trace")):
-        if side not in getattr(args, flag, "").split(","):
+    for tool in ("host_profile", "host_trace"):
+        if side not in getattr(args, tool, "").split(","):
             continue
         # every rank runs the steps (collectives), rank 0 profiles
         import hostprof
 
         if rank == 0:
             print(getattr(hostprof, tool)(run, 3, f"{side} rank 0 of {world}" if args.fsdp else side, sync=sync,
-                                          out_dir=getattr(args, flag + "_out", None)), flush=True)
+                                          out_dir=getattr(args, tool + "_out", None)), flush=True)
         else:  # the same collectives (the profilers synchronise before and after)
             sync()
             for _ in range(3):

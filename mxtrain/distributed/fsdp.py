@@ -341,9 +341,8 @@ def _rebatch_codes(group, pg, spec, param_dtype: torch.dtype, device: torch.devi
         peers = [group]
     jobs = []  # (group, FSDPParam, data, scale)
     for g in peers:
-        hit = getattr(g, "_mxtrain_fp8_amax", None)
-        if hit is None or hit[0] != key or any(fp._sharded_local_tensor is not w or w._data is not d
-                                               or d._version != v for fp, w, d, v in hit[1]):
+        hit = _amax_hit(g, key)
+        if hit is None:
             continue
         jobs.extend((g, fp, d, res[1]) for (fp, _, d, _), res in zip(hit[1], hit[2]))
     datas = [d for _, _, d, _ in jobs]
@@ -482,16 +481,22 @@ def _fp8_cached(group, key, fsdp_param):
     edit of the whole parameter; an in-place op bumps the version even on an empty shard). Checking every
     member, not just the one gathered, keeps a group's weights on one decision. Writing to one rank's shard
     alone (outside the DTensor) breaks that, as it breaks FSDP training anyway."""
+    hit = _amax_hit(group, key)
+    if hit is None:
+        return None
+    return next((res for (fp, *_), res in zip(hit[1], hit[2]) if fp is fsdp_param), None)
+
+
+def _amax_hit(group, key):
+    """The group's last FP8 amax results, ``(key, seen, results)``, where they still hold for **every** member
+    (the same key, sharded tensor, data tensor and data version: see ``_fp8_cached``); else None."""
     hit = getattr(group, "_mxtrain_fp8_amax", None)
     if hit is None or hit[0] != key:
         return None
-    mine = None
-    for (fp, w, data, version), res in zip(hit[1], hit[2]):
+    for fp, w, data, version in hit[1]:
         if fp._sharded_local_tensor is not w or w._data is not data or data._version != version:
             return None
-        if fp is fsdp_param:
-            mine = res
-    return mine
+    return hit
 
 
 def _layout_key(row_spec, col_spec, param_dtype, world: int, values: bool) -> tuple:
@@ -920,11 +925,10 @@ class MXAllGatherWeight(torch.Tensor):
         key = ("fp8", fmt, spec.block, spec.scaling, spec.power_of_2_scales, spec.amax_epsilon, param_dtype, world,
                tuple(orig_size))
         refs = (scales, scale)
-        made = None if spec.block is not None or spec.scaling == "delayed" else _take_codes(group, fsdp_param,
-                                                                                          self._data)
+        current = spec.block is None and spec.scaling != "delayed"  # (per-tensor current scaling: batched casts)
+        made = _take_codes(group, fsdp_param, self._data) if current else None
         resend = sent is not None and sent.holds(self._data, key, refs)
-        if (made is None and fresh and not resend and spec.block is None and spec.scaling != "delayed"
-                and _batched_casts(self.device)):
+        if made is None and fresh and not resend and current and _batched_casts(self.device):
             _rebatch_codes(group, pg, spec, param_dtype, self.device)
             made = _take_codes(group, fsdp_param, self._data)
         if resend:
