@@ -33,7 +33,9 @@ optimizer step, torchao's best FSDP2 configuration); ``ao-rowwise`` in bf16 (tor
 ``mx:<recipe>`` quantized by ``mxtrain.distributed.enable_quantized_all_gather`` (MX bytes or FP8 codes), or in
 bf16 with ``+bf16ag``. ``+compile`` compiles each decoder layer (as torchtitan does); ``+graph`` is refused.
 ``+unbatched``: Float8CurrentScaling's FP8 gathers cast each weight in its own gather, not all at the step's first
-(``MXTRAIN_FSDP_BATCHED_CASTS=0``; the batched casts are the CUDA default).
+(``MXTRAIN_FSDP_BATCHED_CASTS=0``; the batched casts are the CUDA default). ``+keep`` (any side): the decoder
+layers keep their gathered weights from forward to backward (``reshard_after_forward=False``: one gather a layer a
+step, not two; the gathered weights of every layer held until its backward, FP8 / MX bytes for quantized gathers).
 Tokens/s count every rank's tokens; the table adds each side's all-gather bytes and kernel time per step.
 
 ``--data austen`` trains on the Jane Austen corpus as byte tokens, a new batch every step (random tokens repeat 4
@@ -99,10 +101,10 @@ def hf_config(name: str, layers: int | None):
 def parse_side(side: str) -> tuple[str, str | None, frozenset]:
     """``side`` -> (kind, recipe spec, modes): kind in hf / ao / mx, modes a subset of {compile, graph}."""
     base, *modes = side.split("+")
-    bad = set(modes) - {"compile", "graph", "bf16ag", "unfused", "torchloss", "unbatched"}
+    bad = set(modes) - {"compile", "graph", "bf16ag", "unfused", "torchloss", "unbatched", "keep"}
     if bad or len(set(modes)) != len(modes):
-        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph, unfused, torchloss, bf16ag or "
-                         f"unbatched, got {modes}")
+        raise ValueError(f"side {side!r}: modes after '+' must be compile, graph, unfused, torchloss, bf16ag, "
+                         f"unbatched or keep, got {modes}")
     if "unbatched" in modes and not base.startswith("mx:"):
         raise ValueError(f"side {side!r}: +unbatched applies to mx:<recipe> sides (under --fsdp) only")
     if "torchloss" in modes and not base.startswith("mx:"):
@@ -128,6 +130,8 @@ def build(side: str, cfg, device, seed: int):
     from transformers import LlamaForCausalLM
 
     kind, spec, modes = parse_side(side)
+    if "keep" in modes:
+        raise ValueError(f"side {side!r}: +keep (reshard_after_forward=False) applies under --fsdp only")
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
     if kind in ("hf", "ao"):
@@ -215,8 +219,8 @@ def build_fsdp(side: str, cfg, device, seed: int):
         for i, layer in enumerate(list(layers)):
             layers.register_module(str(i), torch.compile(layer))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in layers:
-        fully_shard(layer, mp_policy=mp)
+    for layer in layers:  # +keep: the layers keep their gathered weights for backward (no second gather)
+        fully_shard(layer, mp_policy=mp, reshard_after_forward="keep" not in modes)
     fully_shard(model, mp_policy=mp)
 
     def step(ids, targets):

@@ -4,6 +4,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -32,3 +33,11 @@ def test_unbatched_mode_is_for_mx_sides():
     for side in ("hf+unbatched", "ao-tensorwise+unbatched"):
         with pytest.raises(ValueError, match=r"\+unbatched applies to mx:<recipe> sides"):
             bench_e2e.parse_side(side)
+
+
+def test_keep_mode_parses_for_every_kind_and_is_refused_without_fsdp():
+    for side in ("hf+keep", "mx:fp8_current+compile+keep"):
+        assert "keep" in bench_e2e.parse_side(side)[2]
+    assert bench_e2e.parse_side("ao-tensorwise+keep")[2] == {"compile", "keep"}
+    with pytest.raises(ValueError, match=r"\+keep \(reshard_after_forward=False\) applies under --fsdp only"):
+        bench_e2e.build("hf+keep", None, torch.device("cpu"), 0)
