@@ -279,8 +279,14 @@ _COMPILED_COPIES: list = []  # the function copies compiled so far, one a signat
 
 # Inductor's combo kernels put independent kernels of one graph in one launch: a batch's per-shard amax
 # reductions and per-shard casts (about 200 kernels for a 1B Llama's 112 weights) in a few launches. Up to 32
-# shards a launch (inductor's default: 8).
+# shards a launch where inductor has that setting (its default: 8; torch 2.11 has no such setting).
 _COMBO_OPTIONS = {"combo_kernels": True, "combo_kernel_max_num_nodes": 32}
+
+
+def _combo_options() -> dict:
+    import torch._inductor.config as inductor_config
+
+    return {k: v for k, v in _COMBO_OPTIONS.items() if hasattr(inductor_config, k)}
 
 
 @functools.cache
@@ -292,7 +298,7 @@ def _compiled(fn, signature: tuple, combo: bool = False):
     compiles each once and never reaches the limit (past it, a fullgraph compile raises)."""
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     _COMPILED_COPIES.append(copy)
-    return torch.compile(copy, dynamic=False, fullgraph=True, options=dict(_COMBO_OPTIONS) if combo else None)
+    return torch.compile(copy, dynamic=False, fullgraph=True, options=_combo_options() if combo else None)
 
 
 def _signature(args: tuple) -> tuple:

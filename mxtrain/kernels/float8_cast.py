@@ -526,10 +526,6 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     x, g, xb, gb, src = _prologue("tensor_cast_float8", x, rowwise, columnwise, act, grad)
     gpu = src["GPU"]
     launch = wrap_triton if traced and gpu else _direct  # (interpreted kernels are never traced: launched as they are)
-    # An unused pointer argument: the tensor beside it, or, in a traced launch, a spare of its own (a graph copies a
-    # kernel's written argument that aliases another argument: one more launch a cast)
-    spare = (lambda like: torch.empty(1, dtype=like.dtype, device=like.device)) if launch is wrap_triton else \
-        (lambda like: like)
     M, N = x.shape
     dev = x.device
     f32 = {"dtype": torch.float32, "device": dev}
@@ -543,7 +539,7 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
         agrid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
         part = torch.empty(agrid[0] * agrid[1], **f32)
         out = torch.empty((M, N), dtype=x.dtype, device=dev) if pre else None  # the source, for the cast pass
-        launch(_tensor_amax_kernel)[agrid](xb, gb, part, spare(part) if out is None else _source_arg(out, gpu), M, N,
+        launch(_tensor_amax_kernel)[agrid](xb, gb, part, part if out is None else _source_arg(out, gpu), M, N,
                                            x.stride(0), g.stride(0), STORE=out is not None, BM=BM, BN=BN,
                                            num_warps=warps, **src)
         amax = all_reduce_amax(part.amax(), amax_reduction_group)
@@ -563,10 +559,9 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     col = torch.empty((N, M), dtype=dtype, device=dev) if columnwise else None
     scale_inv = torch.empty((), **f32)
     db = torch.empty((grid[0], N), **f32) if dbias else None
-    dummy = None if rowwise and columnwise else spare(row if row is not None else col)
+    dummy = row if row is not None else col
     launch(_tensor_cast_kernel)[grid](xb, gb, _plane_arg(row, dummy, gpu), _plane_arg(col, dummy, gpu), scale,
-                                      amax, scale_inv, db if dbias else spare(scale_inv), M, N, x.stride(0),
-                                      g.stride(0),
+                                      amax, scale_inv, db if dbias else scale_inv, M, N, x.stride(0), g.stride(0),
                                       FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
                                       POW2=bool(power_of_2_scales), MODE=mode, ROW=bool(rowwise),
                                       COL=bool(columnwise), DBIAS=bool(dbias), BM=BM, BN=BN, num_warps=warps, **src)
