@@ -52,8 +52,8 @@ def test_compiled_batched_casts_are_the_per_weight_casts_bits(fmt, param_dtype, 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_many_shards_batch_as_each_alone(device):
-    """Forty shards of mixed sizes (more than one combo kernel's worth on CUDA, some in one launch): each shard's
-    amax and codes are what the uncompiled functions give for it."""
+    """Forty shards of mixed sizes and scales, one with a NaN and one with an Inf: each shard's amax and codes in
+    the compiled batch are what the uncompiled functions give for it."""
     g = torch.Generator().manual_seed(5)
     shards = [(torch.randn(8 + 8 * (i % 5), 16 * (1 + i % 3), generator=g) * 10.0 ** (i % 7 - 3)).to(device)
               for i in range(40)]
@@ -103,9 +103,8 @@ def test_a_batch_that_fails_to_compile_sends_the_gathers_to_their_own_casts(monk
     """A compiler failure (here: every compiled function raises) does not stop training: a warning, once, and
     every batched call from then on returns None (the gathers cast per weight: the same bits)."""
     monkeypatch.setattr(fsdp, "_BATCH_FAILED", [])
-    monkeypatch.setattr(fsdp, "_COMBO_FAILED", ["combo kernels failed before"])
 
-    def broken(fn, signature, combo=False):
+    def broken(fn, signature):
         def call(*args):
             raise RuntimeError("inductor: no C++ compiler found\ndetails")
         return call
@@ -125,7 +124,7 @@ def test_a_batch_that_fails_to_compile_sends_the_gathers_to_their_own_casts(monk
 def test_out_of_memory_in_a_batch_raises(monkeypatch):
     monkeypatch.setattr(fsdp, "_BATCH_FAILED", [])
 
-    def oom(fn, signature, combo=False):
+    def oom(fn, signature):
         def call(*args):
             raise torch.OutOfMemoryError("CUDA out of memory")
         return call
@@ -134,36 +133,6 @@ def test_out_of_memory_in_a_batch_raises(monkeypatch):
     with pytest.raises(torch.OutOfMemoryError):
         fsdp._batched_call(fsdp._shard_amaxes, _shards())
     assert fsdp._BATCH_FAILED == []  # not taken for a compiler failure
-
-
-def test_a_batch_that_fails_in_combo_kernels_compiles_without_them(monkeypatch):
-    """Combo kernels (inductor's, experimental) that fail to compile or run: a warning, once, and every batch from
-    then on compiles without them (the same bits, one launch a shard); batching itself goes on."""
-    monkeypatch.setattr(fsdp, "_BATCH_FAILED", [])
-    monkeypatch.setattr(fsdp, "_COMBO_FAILED", [])
-    real, calls = fsdp._compiled, []
-
-    def no_combo(fn, signature, combo=False):
-        calls.append(combo)
-        if combo:
-            def call(*args):
-                raise AssertionError("combo kernel codegen\ndetails")
-            return call
-        return real(fn, signature)
-
-    monkeypatch.setattr(fsdp, "_compiled", no_combo)
-    shards = _shards()
-    want = torch.stack([s.abs().amax() for s in shards]).float()
-    with pytest.warns(RuntimeWarning, match=r"could not be compiled in combo kernels \(AssertionError: combo kernel "
-                                            r"codegen\); they compile without them"):
-        assert torch.allclose(fsdp._batched_call(fsdp._shard_amaxes, shards), want, rtol=0, atol=0, equal_nan=True)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no second warning, no second try of combo kernels
-        assert torch.allclose(fsdp._batched_call(fsdp._shard_amaxes, shards), want, rtol=0, atol=0, equal_nan=True)
-    assert calls == [True, False, False]
-    assert fsdp._BATCH_FAILED == []
 
 
 def test_each_signature_compiles_its_own_copy_past_dynamos_limit():

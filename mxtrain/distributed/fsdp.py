@@ -277,28 +277,16 @@ def _shard_codes(shards: list, scale: torch.Tensor, param_dtype: torch.dtype, fm
 _COMPILED_COPIES: list = []  # the function copies compiled so far, one a signature (tests count their graphs)
 
 
-# Inductor's combo kernels put independent kernels of one graph in one launch: a batch's per-shard amax
-# reductions and per-shard casts (about 200 kernels for a 1B Llama's 112 weights) in a few launches. Up to 32
-# shards a launch where inductor has that setting (its default: 8; torch 2.11 has no such setting).
-_COMBO_OPTIONS = {"combo_kernels": True, "combo_kernel_max_num_nodes": 32}
-
-
-def _combo_options() -> dict:
-    import torch._inductor.config as inductor_config
-
-    return {k: v for k, v in _COMBO_OPTIONS.items() if hasattr(inductor_config, k)}
-
-
 @functools.cache
-def _compiled(fn, signature: tuple, combo: bool = False):
+def _compiled(fn, signature: tuple):
     """``fn`` under ``torch.compile`` (static shapes, one graph) for one ``signature`` of its arguments: one call
-    launches every shard's kernels from inductor's wrapper, with no Python per shard; ``combo``: in combo kernels
-    (``_COMBO_OPTIONS``). Each signature compiles a copy of ``fn`` (its own code object: dynamo's cache and its
-    limit of 8 graphs belong to the copy), so one process batching for several models, formats or member orders
-    compiles each once and never reaches the limit (past it, a fullgraph compile raises)."""
+    launches every shard's kernels from inductor's wrapper, with no Python per shard. Each signature compiles a
+    copy of ``fn`` (its own code object: dynamo's cache and its limit of 8 graphs belong to the copy), so one
+    process batching for several models, formats or member orders compiles each once and never reaches the
+    limit (past it, a fullgraph compile raises)."""
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     _COMPILED_COPIES.append(copy)
-    return torch.compile(copy, dynamic=False, fullgraph=True, options=_combo_options() if combo else None)
+    return torch.compile(copy, dynamic=False, fullgraph=True)
 
 
 def _signature(args: tuple) -> tuple:
@@ -314,42 +302,25 @@ def _signature(args: tuple) -> tuple:
 
 
 _BATCH_FAILED: list = []  # the first error of a batched call in this process (then the casts go per weight)
-_COMBO_FAILED: list = []  # the first error of a batched call in combo kernels (then batches compile without them)
 
 
 def _batched_call(fn, *args):
-    """``fn(*args)`` compiled (``_compiled``) in combo kernels, or without them where those fail (a warning says so
-    once), or None where batching failed: if compiling or running the compiled call raises (no compiler for
-    inductor's CPU code, an inductor error), a warning says so once and every later batch returns None too, so
-    the gathers cast per weight (the same bits). Each rank decides alone, and the collectives do not depend on
-    it. Running out of memory raises as any cast would."""
+    """``fn(*args)`` compiled (``_compiled``), or None where batching failed: if compiling or running the
+    compiled call raises (no compiler for inductor's CPU code, an inductor error), a warning says so once and
+    every later batch returns None too, so the gathers cast per weight (the same bits). Each rank decides alone,
+    and the collectives do not depend on it. Running out of memory raises as any cast would."""
     if _BATCH_FAILED:
         return None
-    signature = _signature(args)
-    if not _COMBO_FAILED:
-        try:
-            return _compiled(fn, signature, combo=True)(*args)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 (combo kernels are inductor's experimental feature)
-            _COMBO_FAILED.append(_first_line(e))
-            warnings.warn(f"mxtrain FP8 all-gather: the batched casts could not be compiled in combo kernels "
-                          f"({_COMBO_FAILED[0]}); they compile without them from now on (one launch a shard)",
-                          RuntimeWarning, stacklevel=2)
     try:
-        return _compiled(fn, signature)(*args)
+        return _compiled(fn, _signature(args))(*args)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 (any failure of the compiler stack; the per-weight casts remain)
-        _BATCH_FAILED.append(_first_line(e))
+        _BATCH_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
         warnings.warn(f"mxtrain FP8 all-gather: the batched casts could not be compiled ({_BATCH_FAILED[0]}); "
                       "each weight is cast in its own gather from now on (MXTRAIN_FSDP_BATCHED_CASTS=0 does so "
                       "from the start)", RuntimeWarning, stacklevel=2)
         return None
-
-
-def _first_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def _amax_key(spec, param_dtype: torch.dtype) -> tuple:
