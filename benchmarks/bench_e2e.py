@@ -37,6 +37,7 @@ bf16 with ``+bf16ag``. ``+compile`` compiles each decoder layer (as torchtitan d
 layers keep their gathered weights from forward to backward (``reshard_after_forward=False``: one gather a layer a
 step, not two; the gathered weights of every layer held until its backward, FP8 / MX bytes for quantized gathers).
 Tokens/s count every rank's tokens; the table adds each side's all-gather bytes and kernel time per step.
+``--host-phases SIDES``: every rank's unprofiled host time a step by phase and in FSDP2's steps and mxtrain's all-gather hooks (``hostprof.host_phases``).
 
 ``--data austen`` trains on the Jane Austen corpus as byte tokens, a new batch every step (random tokens repeat 4
 batches, which every side memorises), so the sides' losses after N steps compare how they train. The GPU machine
@@ -351,6 +352,18 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
             for _ in range(3):
                 run()
             sync()
+    if side in getattr(args, "host_phases", "").split(","):
+        import hostprof
+
+        steps = 10
+        mine = hostprof.host_phases(run, steps, sync=sync)
+        ranks = [None] * world
+        if args.fsdp:
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        if rank == 0:
+            print(hostprof.phases_table(ranks, side, steps), flush=True)
     loss = loss.detach().float()
     if args.fsdp:  # the mean over ranks of the last step's loss
         dist.all_reduce(loss)
@@ -460,6 +473,9 @@ def main():
                         "host's time a step by region (FSDP2's annotations, compiled graphs, optimizer, backward "
                         "nodes), with kernel launches; lighter than --host-profile's cProfile")
     p.add_argument("--host-trace-out", default=None, metavar="DIR", help="also keep the chrome traces here")
+    p.add_argument("--host-phases", default="", metavar="SIDES",
+                   help="after timing these sides, 10 more steps without a profiler: every rank's host time a step in "
+                        "forward, backward and optimizer, and in FSDP2's steps and mxtrain's all-gather hooks")
     p.add_argument("--data", choices=("random", "austen"), default="random",
                    help="random tokens (4 batches repeated), or the Austen corpus as byte tokens, a new batch "
                         "every step: its losses compare how the sides train")
@@ -470,6 +486,12 @@ def main():
     for name in ("rounds", "steps", "warmup"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    for tool in ("host_profile", "host_trace", "host_phases"):
+        unknown = [s for s in getattr(args, tool).split(",") if s.strip() and s.strip() not in sides]
+        if unknown:
+            p.error(f"--{tool.replace('_', '-')} names sides that --sides does not run: {', '.join(unknown)} "
+                    f"(--sides: {', '.join(sides)})")
     if args.fsdp:
         if "RANK" not in os.environ:
             p.error("--fsdp runs under torchrun: torchrun --nproc_per_node=N benchmarks/bench_e2e.py --fsdp ...")
@@ -493,7 +515,6 @@ def main():
             parse_side(side)
             profile_side(side, cfg, batch, seq, args, device)
         return
-    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     for s in sides:
         if args.fsdp and "graph" in parse_side(s)[2]:
             p.error(f"side {s!r}: +graph is not supported with --fsdp")

@@ -172,3 +172,124 @@ def host_trace(step, steps: int, label: str, rows: int = 30, sync=None, out_dir:
             json.dump(trace, f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     return f"## {label} ({steps} steps under torch.profiler)\n" + summarize_trace(events, steps, rows)
+
+
+# --------------------------------------------------------------------------- unprofiled: host time by phase
+
+_INHERITED = object()  # a timed method the class inherits: removed from it again afterwards
+
+
+def _phase_targets() -> list:
+    """``(owner, attribute, label)`` of the callables ``host_phases`` times: mxtrain's FSDP2 hooks and FSDP2's own
+    steps (private names of torch's FSDP2: those a torch version lacks are left out)."""
+    targets = []
+    try:
+        from mxtrain.distributed import fsdp as mxf
+    except ImportError:
+        mxf = None
+    if mxf is not None:
+        targets += [(mxf.MXAllGatherWeight, "fsdp_pre_all_gather", "mxtrain pre-all-gather hooks"),
+                    (mxf.MXAllGatherWeight, "fsdp_post_all_gather", "mxtrain post-all-gather hooks"),
+                    (mxf, "_batched_call", "mxtrain batched FP8 casts"),
+                    (mxf, "transpose_bytes", "mxtrain dgrad transposes")]
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+    except ImportError:
+        pg = None
+    if pg is not None:
+        targets += [(pg, "foreach_all_gather", "FSDP2 all-gathers (with pre-gather hooks)"),
+                    (pg, "foreach_all_gather_copy_out", "FSDP2 copy-outs (with post-gather hooks)"),
+                    (pg, "foreach_reduce", "FSDP2 reduce-scatters")]
+        group = getattr(pg, "FSDPParamGroup", None)
+        for name in ("pre_forward", "post_forward", "pre_backward", "post_backward"):
+            targets.append((group, name, f"FSDP2 {name} (nests the above)"))
+    return [(o, n, label) for o, n, label in targets if o is not None and callable(getattr(o, n, None))]
+
+
+def host_phases(step, steps: int, sync=None) -> dict:
+    """``steps`` calls of ``step`` without a profiler, back to back (one synchronisation before and after): this
+    process's host milliseconds a step in the step's phases (the forward until ``Tensor.backward`` is called, the
+    backward, the rest: optimizer, zero_grad) and inside the callables of ``_phase_targets`` (nested ones
+    counted in each; a callable on the autograd engine's thread counts there too), plus ``"wall"``: the steps'
+    wall time. Timers cost about a microsecond a call: these are the host's figures as the benchmark runs them.
+    The wrappers are removed before it returns."""
+    import functools
+    import time
+
+    import torch
+
+    acc: dict = {}
+    calls: dict = {}
+    marks: dict = {}
+    undo = []
+
+    def timed(fn, label):
+        @functools.wraps(fn)  # (FSDP2 reads the hooks' signatures: inspect follows __wrapped__)
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[label] = acc.get(label, 0.0) + time.perf_counter() - t0
+                calls[label] = calls.get(label, 0) + 1
+        return call
+
+    backward = torch.Tensor.backward
+
+    def marked_backward(self, *args, **kwargs):
+        marks["b0"] = time.perf_counter()
+        try:
+            return backward(self, *args, **kwargs)
+        finally:
+            marks["b1"] = time.perf_counter()
+
+    phases = {"forward": 0.0, "backward": 0.0, "after backward": 0.0}
+    try:
+        for owner, name, label in _phase_targets():
+            fn = getattr(owner, name)
+            undo.append((owner, name, owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else fn))
+            setattr(owner, name, timed(fn, label))
+        torch.Tensor.backward = marked_backward
+        if sync is not None:
+            sync()
+        wall = time.perf_counter()
+        for _ in range(steps):
+            marks.clear()
+            t0 = time.perf_counter()
+            step()
+            t1 = time.perf_counter()
+            if "b0" in marks:
+                phases["forward"] += marks["b0"] - t0
+                phases["backward"] += marks["b1"] - marks["b0"]
+                phases["after backward"] += t1 - marks["b1"]
+            else:  # no Tensor.backward call (autograd.backward): the whole step as forward
+                phases["forward"] += t1 - t0
+        if sync is not None:
+            sync()
+        wall = time.perf_counter() - wall
+    finally:
+        torch.Tensor.backward = backward
+        for owner, name, original in reversed(undo):
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+    out = {k: 1e3 * v / steps for k, v in phases.items()}
+    out["wall"] = 1e3 * wall / steps
+    out.update({label: 1e3 * acc.get(label, 0.0) / steps for _, _, label in _phase_targets()})
+    out["calls"] = {label: calls.get(label, 0) / steps for label in acc}
+    return out
+
+
+def phases_table(per_rank: list, label: str, steps: int) -> str:
+    """The figures of ``host_phases`` from every rank, one column each (ms a step)."""
+    head = f"{'ms a step':>56}" + "".join(f"{'rank ' + str(r):>10}" for r in range(len(per_rank)))
+    lines = [f"## host phases: {label} ({steps} steps, no profiler, every rank)", head]
+    keys = [k for k in per_rank[0] if k != "calls"]
+    for k in keys:
+        if all(r.get(k, 0.0) == 0.0 for r in per_rank) and k not in ("forward", "backward", "after backward"):
+            continue  # a hook this side never calls (bf16 sides: no mxtrain hooks)
+        calls = per_rank[0]["calls"].get(k)
+        name = k if calls is None else f"{k} [{calls:.0f}/step]"
+        lines.append(f"{name:>56}" + "".join(f"{r.get(k, 0.0):10.1f}" for r in per_rank))
+    return "\n".join(lines)

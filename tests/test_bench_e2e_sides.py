@@ -41,3 +41,15 @@ def test_keep_mode_parses_for_every_kind_and_is_refused_without_fsdp():
     assert bench_e2e.parse_side("ao-tensorwise+keep")[2] == {"compile", "keep"}
     with pytest.raises(ValueError, match=r"\+keep \(reshard_after_forward=False\) applies under --fsdp only"):
         bench_e2e.build("hf+keep", None, torch.device("cpu"), 0)
+
+
+def test_profiled_sides_must_be_run(tmp_path):
+    """--host-profile / --host-trace / --host-phases naming a side --sides does not run: a clear error, not a
+    silently missing table."""
+    import subprocess
+
+    bench = pathlib.Path(bench_e2e.__file__)
+    proc = subprocess.run([sys.executable, str(bench), "--model", "tiny", "--sides", "hf", "--host-phases", "mx:none"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "--host-phases names sides that --sides does not run: mx:none (--sides: hf)" in proc.stderr

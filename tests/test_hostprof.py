@@ -6,7 +6,9 @@ from __future__ import annotations
 import pathlib
 import re
 import sys
+import time
 
+import pytest
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
@@ -45,3 +47,33 @@ def test_host_trace_of_real_ops():
     out = hostprof.host_trace(lambda: (x @ x).sum(), 2, "matmul")
     assert out.startswith("## matmul (2 steps under torch.profiler)")
     assert "outside: aten::matmul" in out or "outside: aten::mm" in out
+
+
+def test_host_phases_splits_the_step_and_puts_every_wrapper_back():
+    from mxtrain.distributed import fsdp as mxf
+
+    before = (torch.Tensor.backward, mxf.MXAllGatherWeight.__dict__["fsdp_pre_all_gather"], mxf._batched_call)
+    w = torch.ones(64, 64, requires_grad=True)
+
+    def step():
+        loss = (w @ w).sum()
+        time.sleep(0.002)  # a forward of at least 2 ms
+        loss.backward()
+        time.sleep(0.001)  # and 1 ms after it
+        w.grad = None
+
+    out = hostprof.host_phases(step, 5)
+    assert out["forward"] >= 2.0 and out["after backward"] >= 1.0 and out["backward"] > 0
+    assert out["wall"] >= out["forward"] + out["backward"] + out["after backward"] - 1e-6
+    assert out["mxtrain pre-all-gather hooks"] == 0.0 and out["calls"] == {}  # no FSDP here: no hook ran
+    assert (torch.Tensor.backward, mxf.MXAllGatherWeight.__dict__["fsdp_pre_all_gather"], mxf._batched_call) == before
+
+    def failing():
+        raise RuntimeError("step failed")
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        hostprof.host_phases(failing, 2)
+    assert (torch.Tensor.backward, mxf.MXAllGatherWeight.__dict__["fsdp_pre_all_gather"], mxf._batched_call) == before
+    table = hostprof.phases_table([out, out], "demo", 5)
+    assert table.splitlines()[0] == "## host phases: demo (5 steps, no profiler, every rank)"
+    assert "rank 1" in table and "mxtrain pre-all-gather hooks" not in table  # rows all zero are left out

@@ -4,6 +4,7 @@ every side trains, quantized all-gathers send fewer bytes than bf16 ones, and ba
 from __future__ import annotations
 
 import json
+import re
 import os
 import pathlib
 import subprocess
@@ -24,7 +25,7 @@ def test_fsdp_sides_train_and_quantized_gathers_send_less(tmp_path, torchrun2):
     prof = tmp_path / "prof"
     proc = torchrun2(BENCH, *TINY, "--sides", "hf,mx:none,mx:mxfp8,mx:fp8_current,mx:fp8_current+bf16ag",
                      "--json", out, "--host-profile", "mx:fp8_current", "--host-profile-out", prof,
-                     "--host-trace", "hf", "--host-trace-out", prof, timeout=300)
+                     "--host-trace", "hf", "--host-trace-out", prof, "--host-phases", "hf,mx:fp8_current", timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     data = json.loads(out.read_text())
     assert data["world"] == 2
@@ -48,6 +49,14 @@ def test_fsdp_sides_train_and_quantized_gathers_send_less(tmp_path, torchrun2):
     assert "## hf rank 0 of 2 (3 steps under torch.profiler)" in proc.stdout
     assert "FSDP::all_gather" in proc.stdout and "by kind: " in proc.stdout
     assert sorted(p.name for p in prof.iterdir()) == ["hf_rank_0_of_2.json.gz", "mx_fp8_current_rank_0_of_2.prof"]
+    # --host-phases: 10 unprofiled steps, every rank's host time by phase; mxtrain's hooks for the FP8 side only
+    out_fp8 = proc.stdout.split("## host phases: mx:fp8_current (10 steps, no profiler, every rank)")[1]
+    out_hf = proc.stdout.split("## host phases: hf (10 steps, no profiler, every rank)")[1].split("## ")[0]
+    for text in (out_fp8, out_hf):
+        assert "rank 0" in text and "rank 1" in text
+        for row in ("forward", "backward", "after backward", "wall", "FSDP2 all-gathers"):
+            assert re.search(rf"^\s*{re.escape(row)}\b.*?(\s+[0-9]+\.[0-9]){{2}}$", text, re.M), (row, text)
+    assert "mxtrain pre-all-gather hooks [" in out_fp8 and "mxtrain pre-all-gather hooks" not in out_hf
 
 
 def test_graph_side_is_refused_with_fsdp(torchrun2):
