@@ -37,7 +37,8 @@ bf16 with ``+bf16ag``. ``+compile`` compiles each decoder layer (as torchtitan d
 layers keep their gathered weights from forward to backward (``reshard_after_forward=False``: one gather a layer a
 step, not two; the gathered weights of every layer held until its backward, FP8 / MX bytes for quantized gathers).
 Tokens/s count every rank's tokens; the table adds each side's all-gather bytes and kernel time per step.
-``--host-phases SIDES``: every rank's unprofiled host time a step by phase and in FSDP2's steps and mxtrain's all-gather hooks (``hostprof.host_phases``).
+``--host-phases SIDES``: every rank's unprofiled host time a step by phase and in FSDP2's steps and mxtrain's
+all-gather hooks (``hostprof.host_phases``).
 
 ``--data austen`` trains on the Jane Austen corpus as byte tokens, a new batch every step (random tokens repeat 4
 batches, which every side memorises), so the sides' losses after N steps compare how they train. The GPU machine
