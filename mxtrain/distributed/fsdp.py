@@ -50,6 +50,7 @@ changes, e.g. MX in training then high precision in an evaluation outside
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -71,7 +72,7 @@ from mxtrain.autocast import get_recipe
 from mxtrain.formats import parse_format
 from mxtrain.kernels.cuda_cast import cast_planes_into
 from mxtrain.kernels.dispatch import quantize
-from mxtrain.kernels.transpose import transpose_bytes
+from mxtrain.kernels.transpose import transpose_bytes, transpose_bytes_many
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import (
     FP8_DTYPES, FP8_MAX, Float8Plane, Float8Tensor, all_reduce_amax, cast_to_fp8, compute_scale,
@@ -112,6 +113,7 @@ class _Stats:
     resent: int = 0  # gathers that sent what the weight's forward gather sent (no cast: see _SentShard)
     transposes: int = 0  # FP8 dgrad planes made by transposing gathered codes
     batched: int = 0  # FP8 gathers that sent codes made by the step's batched cast (_batched_casts)
+    batched_transposes: int = 0  # of transposes: those made in a group's one launch (_batch_transposes)
 
 
 _STATS = _Stats()
@@ -321,6 +323,77 @@ def _batched_call(fn, *args):
                       "each weight is cast in its own gather from now on (MXTRAIN_FSDP_BATCHED_CASTS=0 does so "
                       "from the start)", RuntimeWarning, stacklevel=2)
         return None
+
+
+_TRANSPOSES_FAILED: list = []  # the first error of a group's one-launch transposes (then each fill transposes)
+
+
+def _dgrad_job(buf: torch.Tensor, meta: dict, state) -> tuple | None:
+    """``(codes [N, K], dgrad arena [K, N])`` as bytes, where this FP8 gather's fill transposes (a dgrad plane that
+    is not left to a later gather, into an arena of the right size); else None."""
+    if meta.get("kind") != "fp8" or 0 not in meta["specs"] or meta.get("dgrad_later") or buf.dtype != torch.uint8:
+        return None
+    n, k = meta["shape"]
+    arena = state.inner[0] if state.inner else None
+    if arena is None or not n * k or arena.numel() != n * k or buf.numel() < n * k:
+        return None
+    return buf.view(-1, k)[:n], arena
+
+
+def _batch_transposes(weight, buf: torch.Tensor, meta: dict, state) -> None:
+    """At the first FP8 weight of an FSDP group to be filled after a gather, the dgrad planes of every weight of
+    the group that gather brought, in one launch for up to four (``transpose_bytes_many``): one weight at a time,
+    each transpose cost the host 27 us alone and about 80 us inside an FSDP2 step on an H100 host (a backward
+    all-gather of a Llama layer brings four). FSDP2 has copied every output of the group's all-gather out before
+    it fills the first; a later weight's arena is allocated here (FSDP2's allocation before its fill then finds it
+    allocated), and its fill finds ``state.transposed`` set to the metadata it is given, and skips its transpose.
+    Only where ``_batched_casts`` holds; one weight alone transposes in its fill. If the launch fails (a kernel
+    that does not build here), a warning says so once and every fill transposes its own from then on."""
+    if _TRANSPOSES_FAILED or not _batched_casts(buf.device):
+        return
+    mine = _dgrad_job(buf, meta, state)
+    if mine is None:
+        return
+    fsdp_param, group = _find_fsdp_param(weight)
+    jobs, marks = [mine], []
+    for fp in group.fsdp_params:
+        other = getattr(fp, "_unsharded_param", None)
+        extensions = getattr(fp, "_extensions_data", None)
+        m = getattr(extensions, "all_gather_metadata", None)
+        if (fp is fsdp_param or not isinstance(fp._sharded_local_tensor, MXAllGatherWeight)
+                or not isinstance(other, MXGatheredWeight) or not isinstance(m, dict)
+                or len(fp.all_gather_outputs) != 1 or other._state.transposed is m):
+            continue
+        job = _dgrad_job(fp.all_gather_outputs[0], m, other._state)
+        if job is not None:
+            jobs.append(job)
+            marks.append((other._state, m))
+    if not marks:
+        return  # this weight alone: its fill transposes
+    arenas = [arena for _, arena in jobs]
+    for arena in arenas[1:]:  # as FSDP2's alloc_storage before each fill
+        size = arena.numel() * arena.element_size()
+        if arena.untyped_storage().size() != size:
+            arena.untyped_storage().resize_(size)
+    try:
+        with contextlib.ExitStack() as stack:
+            for arena in arenas:  # the arenas a traced backward saved: written as a gather writes them (see fill)
+                stack.enter_context(torch.autograd._unsafe_preserve_version_counter(arena))
+            transpose_bytes_many([r for r, _ in jobs],
+                                 [a.view(torch.uint8).view(r.shape[1], r.shape[0]) for r, a in jobs])
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 (a kernel that fails to build or launch: each fill transposes its own)
+        _TRANSPOSES_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        warnings.warn(f"mxtrain FP8 all-gather: a group's dgrad planes could not be transposed in one launch "
+                      f"({_TRANSPOSES_FAILED[0]}); each weight's fill transposes its own from now on",
+                      RuntimeWarning, stacklevel=2)
+        return
+    state.transposed = meta
+    for st, m in marks:
+        st.transposed = m
+    _STATS.transposes += len(jobs)
+    _STATS.batched_transposes += len(jobs)
 
 
 def _amax_key(spec, param_dtype: torch.dtype) -> tuple:
@@ -1013,6 +1086,8 @@ class MXAllGatherWeight(torch.Tensor):
             if not isinstance(out, MXGatheredWeight):
                 raise RuntimeError(f"mxtrain MX all-gather: expected out to be an MXGatheredWeight, got {type(out)}")
             state = out._state
+            if metadata["kind"] == "fp8" and state.transposed is not metadata:
+                _batch_transposes(self, buf, metadata, state)
         state.fill(buf, metadata)
         if out is None:
             return result, state.inner
@@ -1054,6 +1129,7 @@ class _GatheredState:
     # gathered codes; MX has no such plane
     pending: frozenset = frozenset()
     layout: Any = None  # MX, traced: where both planes lie in inner[0] (_PlaneLayout), once a gather laid them out
+    transposed: Any = None  # the gather metadata whose dgrad plane the group's batched transposes wrote already
 
     def fill(self, buf: torch.Tensor, meta: dict) -> None:
         world, shape = meta["world"], meta["shape"]
@@ -1168,6 +1244,8 @@ class _GatheredState:
                 col = arena.view(fp8).view(k, n)
                 if meta.get("dgrad_later"):
                     self.pending = frozenset((0,))
+                elif self.transposed is meta:  # written by the group's batched transposes (_batch_transposes)
+                    self.transposed = None
                 else:
                     with torch.autograd._unsafe_preserve_version_counter(arena):  # as in fill
                         transpose_bytes(row, col)  # (torch's strided copy of bytes: a tenth of the bandwidth)

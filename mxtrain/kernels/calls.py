@@ -276,6 +276,20 @@ class TransposeCall:
         return _meta(self.src), _meta(self.out)
 
 
+class TransposeManyCall:
+    """``outs[i] = srcs[i].t()`` for several 2-D tensors of one-byte elements on one device
+    (:func:`mxtrain.kernels.transpose.transpose_bytes_many`'s arguments)."""
+
+    __slots__ = ("srcs", "outs")
+
+    def __init__(self, srcs, outs):
+        self.srcs, self.outs = tuple(srcs), tuple(outs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.srcs[0].device
+
+
 class GemmCall:
     """``A @ B.T (+ bias)`` of MX, FP8 or plain operands: :func:`mxtrain.kernels.dispatch.mx_gemm`'s arguments.
 

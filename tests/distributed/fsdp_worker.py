@@ -621,6 +621,27 @@ def scenario_fp8_batched(rank, world, device):
     res = {"planes": {}, "parity": {}}
     res["planes"]["current"] = check_fp8_planes(rank, world, device, recipe, None)
     res["planes"]["current_bf16_params"] = check_fp8_planes(rank, world, device, recipe, torch.bfloat16)
+    # a group's one-launch transposes that fail (a kernel that does not build): a warning, once, and every fill
+    # transposes its own dgrad plane, the same planes
+    import warnings
+
+    from mxtrain.distributed import fsdp as mxfsdp
+
+    def broken(srcs, outs, backend=None):
+        raise RuntimeError("triton: no such kernel here\ndetails")
+
+    saved = mxfsdp.transpose_bytes_many
+    mxfsdp.transpose_bytes_many = broken
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            res["planes"]["current_transposes_fail"] = check_fp8_planes(rank, world, device, recipe, None)
+    finally:
+        mxfsdp.transpose_bytes_many = saved
+        failed, mxfsdp._TRANSPOSES_FAILED[:] = list(mxfsdp._TRANSPOSES_FAILED), []
+    res["planes"]["current_transposes_fail"]["warned"] = [str(w.message) for w in seen
+                                                          if "could not be transposed in one launch" in str(w.message)]
+    res["planes"]["current_transposes_fail"]["failed"] = failed
     res["bytes"] = count_all_gather_bytes(rank, world, device, recipe, True, torch.bfloat16)
     res["edit"] = fp8_edit_between_passes(rank, world, device, recipe)
     res["edit"]["batched"] = mxdist.all_gather_stats()["batched"]
@@ -644,8 +665,10 @@ def scenario_fp8_batched(rank, world, device):
     steps = []
     mxdist.reset_all_gather_stats()
     compiled = grads(recipe, True, device, rank, True, steps=3, after_step=lambda: steps.append(_internal_graphs()))
+    stats = mxdist.all_gather_stats()
     res["compiled"] = {"differ": sorted(n for n, g in compiled.items() if not torch.equal(g, eager[n])),
-                       "internal_graphs": steps, "batched": mxdist.all_gather_stats()["batched"]}
+                       "internal_graphs": steps, "batched": stats["batched"], "transposes": stats["transposes"],
+                       "batched_transposes": stats["batched_transposes"]}
     return res
 
 

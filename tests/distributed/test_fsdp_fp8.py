@@ -152,6 +152,26 @@ def test_batched_casts_send_the_codes_and_count(fp8_batched):
     assert s["fp8_gathers"] == 6 and s["amax_reductions"] == 1
     # the 3 forward gathers send the batched codes (the backward gathers: what the forward's sent, or cast anew)
     assert s["batched"] == 3
+    # each Linear is an FSDP group of its own: each backward gather's one dgrad plane is transposed in its fill
+    assert s["transposes"] == 3 and s["batched_transposes"] == 0
+
+
+def test_batched_transposes_cover_every_weight_of_a_group(fp8_batched):
+    # check_fp8_planes' 2 blocks hold 8 FP8 weights a group, 2 steps: each weight's backward gather transposes its
+    # codes (32); the first step's fills make the dgrad arenas one at a time, the second step's backward gathers
+    # transpose each group's 8 in two launches (transpose_bytes_many: 4 a launch)
+    for case in ("current", "current_bf16_params"):
+        s = fp8_batched["planes"][case]["stats"]
+        assert s["transposes"] == 32 and s["batched_transposes"] == 16, (case, s)
+
+
+
+def test_batched_transposes_that_fail_leave_each_fill_its_own(fp8_batched):
+    r = fp8_batched["planes"]["current_transposes_fail"]
+    assert r["checked"] == 32 and r["bad"] == [] and r["misses"] == {}  # the same planes as casting in one process
+    assert r["stats"]["transposes"] == 32 and r["stats"]["batched_transposes"] == 0
+    assert len(r["warned"]) == 1 and "(RuntimeError: triton: no such kernel here)" in r["warned"][0]
+    assert r["failed"] == ["RuntimeError: triton: no such kernel here"]
 
 
 def test_batched_casts_weight_edited_after_forward(fp8_batched):
@@ -196,5 +216,8 @@ def test_batched_casts_under_compiled_blocks(fp8_batched):
     r = fp8_batched["compiled"]
     assert r["differ"] == []  # the gradients of eager blocks, bit for bit
     assert r["batched"] == 3 * 5  # 3 steps, each forward gathering 5 GEMM weights (LayerNormMLP 2, 3 Linears 1)
+    # the backward gathers transpose the dgrad planes into the arenas the traced forward gathers laid out (and the
+    # compiled forward saved): LayerNormMLP's two in one launch, every step
+    assert r["transposes"] == 3 * 5 and r["batched_transposes"] == 3 * 2
     # mxtrain's compiled helpers (amaxes, casts) compile in the first step, then nothing
     assert r["internal_graphs"][0] == r["internal_graphs"][-1] > 0
