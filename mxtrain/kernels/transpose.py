@@ -88,7 +88,16 @@ if HAVE_TRITON:
                 total += triton.cdiv(m, bm) * triton.cdiv(n, bn)
                 ends.append(total)
             _transpose_group_kernel[(total,)](*args, ends[0], ends[1], ends[2], BM=bm, BN=bn, num_warps=warps)
+        device = call.device
+        if device not in _VERIFIED and pairs:
+            # the first launch on a device checks its bytes against torch's transpose, once (a synchronisation):
+            # a grouped kernel that computes wrong here is never used again (the registry walks on to torch's copy)
+            if not all(torch.equal(out.view(torch.uint8), src.view(torch.uint8).t()) for src, out in pairs):
+                raise registry.KernelUnavailable("the grouped Triton transpose wrote wrong bytes on its first launch")
+            _VERIFIED.add(device)
         return call.outs
+
+    _VERIFIED: set = set()  # devices where a grouped launch was checked against torch's transpose
 
     def _triton_supports(call: TransposeCall) -> str | None:
         if not device_supported(call.src.device):

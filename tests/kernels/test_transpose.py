@@ -70,3 +70,24 @@ def test_transpose_bytes_many_errors():
         transpose_bytes_many([a, torch.zeros(4, 3)], [torch.empty(3, 4, dtype=torch.uint8)] * 2)
     with pytest.raises(ValueError, match=r"output 0 must be torch.uint8 of shape \(3, 4\)"):
         transpose_bytes_many([a], [torch.empty(4, 3, dtype=torch.uint8)])
+
+
+def test_a_grouped_kernel_that_writes_wrong_bytes_is_left_for_torchs_copy(monkeypatch):
+    """The grouped kernel's first launch on a device is checked against torch's transpose: one that writes wrong
+    bytes there is marked broken for the device and the call (and every later one) runs torch's copy."""
+    if not TRITON:
+        pytest.skip("needs Triton (CUDA or TRITON_INTERPRET=1)")
+    from mxtrain.kernels import transpose as tr
+
+    class Wrong:  # launches nothing: the outputs keep what they held
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(tr, "_transpose_group_kernel", Wrong())
+    monkeypatch.setattr(tr, "_VERIFIED", set())
+    monkeypatch.setattr(registry, "_BROKEN", {})
+    src = torch.arange(12, dtype=torch.uint8, device=DEVICE).view(3, 4)
+    out = torch.zeros(4, 3, dtype=torch.uint8, device=DEVICE)
+    transpose_bytes_many([src], [out], backend="triton")
+    assert torch.equal(out, src.t())
+    assert any("wrote wrong bytes" in why for why in registry.broken("transpose_bytes_many").values())
