@@ -191,7 +191,8 @@ def _phase_targets() -> list:
         targets += [(mxf.MXAllGatherWeight, "fsdp_pre_all_gather", "mxtrain pre-all-gather hooks"),
                     (mxf.MXAllGatherWeight, "fsdp_post_all_gather", "mxtrain post-all-gather hooks"),
                     (mxf, "_batched_call", "mxtrain batched FP8 casts"),
-                    (mxf, "transpose_bytes", "mxtrain dgrad transposes")]
+                    (mxf, "transpose_bytes", "mxtrain dgrad transposes"),
+                    (mxf, "transpose_bytes_many", "mxtrain dgrad transposes, a group a launch")]
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
     except ImportError:
