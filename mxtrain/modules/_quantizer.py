@@ -30,7 +30,7 @@ from mxtrain.kernels.dispatch import quantize, quantize_float8
 from mxtrain.modules._common import _WEIGHT_CASTS, _used_at_once
 from mxtrain.quantization import MXTensor
 from mxtrain.recipes.float8 import Float8RoleSpec
-from mxtrain.recipes.recipe import ROLE_NAMES
+from mxtrain.recipes.recipe import ROLE_NAMES, RoleSpec
 
 __all__ = ["TENSOR_ROLES", "Quantizer", "GemmQuantizers", "RecipeQuantizers", "make_quantizers", "delayed_slots"]
 
@@ -60,7 +60,8 @@ class Quantizer:
         self.row_quantized, self.col_quantized = row_spec.fmt is not None, col_spec.fmt is not None
         # ``same``: whether the two uses have one spec (make_quantizers compares the specs before binding a state)
         same = (row_spec is col_spec or row_spec == col_spec) if same is None else same
-        stochastic = "stochastic" in (getattr(row_spec, "rounding", None), getattr(col_spec, "rounding", None))
+        # (isinstance, not getattr with a default: a compiled block guards a missing attribute with a hasattr check)
+        stochastic = any(isinstance(s, RoleSpec) and s.rounding == "stochastic" for s in (row_spec, col_spec))
         delayed = self.float8 and "delayed" in (row_spec.scaling, col_spec.scaling)
         # a fused source cast serves both uses only where one spec does (MX)
         self.one_spec = same and self.row_quantized

@@ -188,10 +188,13 @@ class RecipeStateMixin:
     def recipe_state_gemms(self) -> tuple[str, ...]:
         """The names this module's GEMMs have in its recipe state ("" for a one-GEMM module, "fc1" / "fc2" for
         LayerNormMLP, "expert<i>" for GroupedLinear): their slots are made at the start of a forward."""
-        n = getattr(self, "num_gemms", None)
+        # read from the instance's dicts: a missing attribute is an nn.Module __getattr__ miss (an exception), which
+        # torch.compile guards with a hasattr check on every call of a compiled block
+        n = self.__dict__.get("num_gemms")
         if isinstance(n, int):
             return tuple(f"expert{e}" for e in range(n))
-        if hasattr(self, "fc1_weight") and hasattr(self, "fc2_weight"):
+        params = self.__dict__.get("_parameters", {})
+        if "fc1_weight" in params and "fc2_weight" in params:
             return ("fc1", "fc2")
         return ("",)
 
