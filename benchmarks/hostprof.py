@@ -244,9 +244,10 @@ def host_phases(step, steps: int, sync=None) -> dict:
         finally:
             marks["b1"] = time.perf_counter()
 
+    targets = _phase_targets()
     phases = {"forward": 0.0, "backward": 0.0, "after backward": 0.0}
     try:
-        for owner, name, label in _phase_targets():
+        for owner, name, label in targets:
             fn = getattr(owner, name)
             undo.append((owner, name, owner.__dict__.get(name, _INHERITED) if isinstance(owner, type) else fn))
             setattr(owner, name, timed(fn, label))
@@ -277,7 +278,7 @@ def host_phases(step, steps: int, sync=None) -> dict:
                 setattr(owner, name, original)
     out = {k: 1e3 * v / steps for k, v in phases.items()}
     out["wall"] = 1e3 * wall / steps
-    out.update({label: 1e3 * acc.get(label, 0.0) / steps for _, _, label in _phase_targets()})
+    out.update({label: 1e3 * acc.get(label, 0.0) / steps for _, _, label in targets})
     out["calls"] = {label: calls.get(label, 0) / steps for label in acc}
     return out
 

@@ -306,6 +306,11 @@ def _signature(args: tuple) -> tuple:
 _BATCH_FAILED: list = []  # the first error of a batched call in this process (then the casts go per weight)
 
 
+def _first_line(e: Exception) -> str:
+    """An error as a warning names it: its type and the first line of its message (200 characters at most)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 def _batched_call(fn, *args):
     """``fn(*args)`` compiled (``_compiled``), or None where batching failed: if compiling or running the
     compiled call raises (no compiler for inductor's CPU code, an inductor error), a warning says so once and
@@ -318,7 +323,7 @@ def _batched_call(fn, *args):
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 (any failure of the compiler stack; the per-weight casts remain)
-        _BATCH_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        _BATCH_FAILED.append(_first_line(e))
         warnings.warn(f"mxtrain FP8 all-gather: the batched casts could not be compiled ({_BATCH_FAILED[0]}); "
                       "each weight is cast in its own gather from now on (MXTRAIN_FSDP_BATCHED_CASTS=0 does so "
                       "from the start)", RuntimeWarning, stacklevel=2)
@@ -384,7 +389,7 @@ def _batch_transposes(weight, buf: torch.Tensor, meta: dict, state) -> None:
     except torch.OutOfMemoryError:
         raise
     except Exception as e:  # noqa: BLE001 (a kernel that fails to build or launch: each fill transposes its own)
-        _TRANSPOSES_FAILED.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        _TRANSPOSES_FAILED.append(_first_line(e))
         warnings.warn(f"mxtrain FP8 all-gather: a group's dgrad planes could not be transposed in one launch "
                       f"({_TRANSPOSES_FAILED[0]}); each weight's fill transposes its own from now on",
                       RuntimeWarning, stacklevel=2)

@@ -81,9 +81,9 @@ if HAVE_TRITON:
         for i in range(0, len(pairs), GROUP):
             group = pairs[i:i + GROUP]
             args, ends, total = [], [], 0
-            for src, out in group + [group[0]] * (GROUP - len(group)):  # a spare slot: group[0] again, no tiles
-                spare = len(ends) >= len(group)
-                m, n = (0, 0) if spare else src.shape
+            for j in range(GROUP):  # a spare slot: the group's first tensor again, with no tiles
+                src, out = group[j] if j < len(group) else group[0]
+                m, n = src.shape if j < len(group) else (0, 0)
                 args += [src.view(torch.uint8), out.view(torch.uint8), m, n, src.stride(0), out.stride(0)]
                 total += triton.cdiv(m, bm) * triton.cdiv(n, bn)
                 ends.append(total)
@@ -139,17 +139,24 @@ if HAVE_TRITON:
     registry.register("transpose_bytes_many", "triton", _triton_many, supports=_triton_many_supports)
 
 
+def _check_pair(op: str, src: torch.Tensor, src_name: str, out: torch.Tensor | None, out_name: str,
+                device: torch.device) -> None:
+    """A source of one-byte elements, 2-D; an output (where given) of its transposed shape and dtype on ``device``."""
+    if src.ndim != 2 or src.element_size() != 1:
+        raise ValueError(f"{op}: {src_name} must be a 2-D tensor of one-byte elements (FP8, uint8, int8), "
+                         f"got {src.dtype} of shape {tuple(src.shape)}")
+    if out is not None and (out.shape != (src.shape[1], src.shape[0]) or out.dtype != src.dtype
+                            or out.device != device):
+        raise ValueError(f"{op}: {out_name} must be {src.dtype} of shape {(src.shape[1], src.shape[0])} on "
+                         f"{device}, got {out.dtype} of shape {tuple(out.shape)} on {out.device}")
+
+
 def transpose_bytes(src: torch.Tensor, out: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """``src.t()`` as a contiguous tensor (written into ``out`` if given: ``[N, M]``, ``src``'s dtype and
     device, rows contiguous). ``src``: ``[M, N]``, a one-byte dtype (FP8 codes, uint8, int8), rows contiguous."""
-    if src.ndim != 2 or src.element_size() != 1:
-        raise ValueError(f"transpose_bytes: src must be a 2-D tensor of one-byte elements (FP8, uint8, int8), "
-                         f"got {src.dtype} of shape {tuple(src.shape)}")
+    _check_pair("transpose_bytes", src, "src", out, "out", src.device)
     if out is None:
         out = torch.empty((src.shape[1], src.shape[0]), dtype=src.dtype, device=src.device)
-    elif out.shape != (src.shape[1], src.shape[0]) or out.dtype != src.dtype or out.device != src.device:
-        raise ValueError(f"transpose_bytes: out must be {src.dtype} of shape {(src.shape[1], src.shape[0])} on "
-                         f"{src.device}, got {out.dtype} of shape {tuple(out.shape)} on {out.device}")
     return registry.run("transpose_bytes", TransposeCall(src, out), src.device, backend)
 
 
@@ -161,13 +168,7 @@ def transpose_bytes_many(srcs: list, outs: list, backend: str | None = None) -> 
     if len(srcs) != len(outs):
         raise ValueError(f"transpose_bytes_many: {len(srcs)} sources but {len(outs)} outputs")
     for i, (src, out) in enumerate(zip(srcs, outs)):
-        if src.ndim != 2 or src.element_size() != 1:
-            raise ValueError(f"transpose_bytes_many: source {i} must be a 2-D tensor of one-byte elements (FP8, "
-                             f"uint8, int8), got {src.dtype} of shape {tuple(src.shape)}")
-        if out.shape != (src.shape[1], src.shape[0]) or out.dtype != src.dtype or out.device != srcs[0].device:
-            raise ValueError(f"transpose_bytes_many: output {i} must be {src.dtype} of shape "
-                             f"{(src.shape[1], src.shape[0])} on {srcs[0].device}, got {out.dtype} of shape "
-                             f"{tuple(out.shape)} on {out.device}")
+        _check_pair("transpose_bytes_many", src, f"source {i}", out, f"output {i}", srcs[0].device)
         if src.device != srcs[0].device:
             raise ValueError(f"transpose_bytes_many: every tensor must be on one device, source {i} is on "
                              f"{src.device}, source 0 on {srcs[0].device}")
