@@ -525,6 +525,11 @@ def main():
             versions += f", {mod} {__import__(mod).__version__}"
         except ImportError:
             pass
+    if device.type == "cuda":  # (mxtrain.kernels.static_launch; MXTRAIN_STATIC_LAUNCH=0 turns it off)
+        import torch._inductor.config as inductor_config
+
+        static = getattr(inductor_config, "static_launch_user_defined_triton_kernels", None)
+        versions += f"; user Triton kernels launched {'statically' if static else 'by Triton'} under compile"
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     world = dist.get_world_size() if args.fsdp else 1
     setup = (f"FSDP2 over {world} x {name} ({'NCCL' if device.type == 'cuda' else 'gloo'}), fp32 master weights, "

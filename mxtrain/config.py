@@ -112,6 +112,9 @@ class Settings:
     # MXTRAIN_COMPILE_FUSED_SOURCES=0: under torch.compile the modules run the norm / activation op, then the
     # cast op (default: the fused casts, registered ops, stay in the graph: fullgraph, eager's bits)
     compile_fused_sources: bool = True
+    # MXTRAIN_STATIC_LAUNCH=0: leave how inductor launches mxtrain's traced Triton kernels to torch (default, on
+    # CUDA: its static launcher, with no Triton launcher in Python per launch; mxtrain.kernels.static_launch)
+    static_launch: bool = True
     carry_values: bool = True  # MXTRAIN_CARRY_VALUES=0: no bf16 dequantized planes carried to GEMMs (CUDA)
     grouped_mm: str = "auto"  # MXTRAIN_GROUPED_MM: auto (CUDA only) | 1 (always) | 0 (never) torch grouped GEMM
     gather_values: bool | str = "auto"  # MXTRAIN_GATHER_VALUES: 0 | 1 | auto, FSDP gathers dequantize to bf16
@@ -151,6 +154,7 @@ def from_environ(env: Mapping[str, str] | None = None) -> Settings:
         carry_values=_flag(env, "MXTRAIN_CARRY_VALUES", True),
         grouped_mm=env.get("MXTRAIN_GROUPED_MM", "auto"),
         gather_values=_gather_values(env),
+        static_launch=_flag(env, "MXTRAIN_STATIC_LAUNCH", True),
         fsdp_batched_casts=_choice(env, "MXTRAIN_FSDP_BATCHED_CASTS", "auto", ("auto", "0", "1")),
         compat_reference=_flag(env, "MXTRAIN_COMPAT_REFERENCE", False),
         data_dir=_path(env, "MXTRAIN_DATA_DIR"),

@@ -1,0 +1,71 @@
+"""mxtrain.kernels.static_launch: inductor launches mxtrain's traced Triton kernels statically (CPU: the switch
+and the variable the compile workers read; CUDA: a compiled cast with static launch made strict, the same bits)."""
+
+import pytest
+import torch
+
+from mxtrain.kernels import _STATIC_LAUNCH_ENV, static_launch
+
+inductor_config = pytest.importorskip("torch._inductor.config")
+needs_switch = pytest.mark.skipif(not hasattr(inductor_config, "static_launch_user_defined_triton_kernels"),
+                                  reason=f"torch {torch.__version__} has no static launch of user Triton kernels")
+
+
+@needs_switch
+def test_sets_the_switch_and_the_workers_variable(mx_config):
+    env = {"OTHER": "x"}
+    with inductor_config.patch(static_launch_user_defined_triton_kernels=False):
+        assert static_launch(env) == "on"
+        assert inductor_config.static_launch_user_defined_triton_kernels is True
+    assert env == {"OTHER": "x", _STATIC_LAUNCH_ENV: "1"}
+
+
+@needs_switch
+@pytest.mark.parametrize("value", ["0", "1"])
+def test_a_variable_the_user_set_is_left_alone(value):
+    env = {_STATIC_LAUNCH_ENV: value}
+    with inductor_config.patch(static_launch_user_defined_triton_kernels=False):
+        assert static_launch(env) == f"left as set ({_STATIC_LAUNCH_ENV}={value})"
+        assert inductor_config.static_launch_user_defined_triton_kernels is False
+    assert env == {_STATIC_LAUNCH_ENV: value}
+
+
+def test_off_by_the_mxtrain_switch(mx_config):
+    mx_config(static_launch=False)
+    env: dict = {}
+    with inductor_config.patch(static_launch_user_defined_triton_kernels=False):
+        assert static_launch(env) == "off (MXTRAIN_STATIC_LAUNCH=0)"
+        assert inductor_config.static_launch_user_defined_triton_kernels is False
+    assert env == {}
+
+
+def test_the_environment_switch_parses():
+    from mxtrain import config
+
+    assert config.from_environ({}).static_launch is True
+    assert config.from_environ({"MXTRAIN_STATIC_LAUNCH": "0"}).static_launch is False
+
+
+@needs_switch
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_cast_launches_statically_with_eager_bits():
+    """Static launch made strict (a kernel that would bypass it raises) and compiled in this process: the traced
+    per-tensor cast (amax and cast kernels, mxtrain's) compiles and gives eager's bytes and scale."""
+    from mxtrain.kernels.float8_cast import tensor_cast_float8
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16) * 3
+
+    def cast(t):
+        q, _ = tensor_cast_float8(t, rowwise=True, columnwise=True)
+        return q.planes[0].data, q.planes[1].data, q.scale_inv, q.amax
+
+    eager = cast(x)
+    torch._dynamo.reset()
+    strict = {name: True for name in ("strict_static_cuda_launcher",) if hasattr(inductor_config, name)}
+    with inductor_config.patch(static_launch_user_defined_triton_kernels=True, compile_threads=1, **strict):
+        compiled = torch.compile(cast, fullgraph=True)(x)
+    torch._dynamo.reset()
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
