@@ -137,33 +137,44 @@ def _tensor_amax_kernel(x_ptr, g_ptr, part_ptr, out_ptr, M, N, stride_xm, stride
                         PRE: tl.constexpr, ACT: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
                         OUT_KIND: tl.constexpr, GPU: tl.constexpr, STORE: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr):
-    """max |v| of one tile of the cast source (NaN counts as +Inf) into ``part[program]``; the
-    partial maxima are reduced after (one atomic max per tile on one address serializes).
-    STORE also writes the source ([M, N], contiguous, its dtype; bf16 as int16 bits): the cast
-    pass then reads it instead of computing the prologue a second time (erf / exp make these
-    passes compute-bound)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm, rn, mask, v = _program_source_tile(x_ptr, g_ptr, out_ptr, M, N, stride_xm, stride_gm, PRE, ACT, X_BF16,
-                                           G_BF16, OUT_KIND, GPU, STORE, BM, BN)
-    a = tl.where(v == v, tl.abs(v), float("inf"))
+    """max |v| of the cast source (NaN counts as +Inf) over the BM x BN tiles this program takes (every
+    ``num_programs``-th, row-major) into ``part[program]``: at most ``AMAX_PROGRAMS`` partial maxima, which the
+    cast kernel reduces as it loads them (one atomic max per tile on one address serializes; a reduction
+    between the passes is one more launch). STORE also writes the source ([M, N], contiguous, its dtype; bf16 as
+    int16 bits): the cast pass then reads it instead of computing the prologue a second time (erf / exp make
+    these passes compute-bound)."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    tiles = tl.cdiv(M, BM) * tiles_n
+    acc = tl.zeros([BM, BN], tl.float32)
+    for t in range(pid, tiles, tl.num_programs(0)):
+        rm = (t // tiles_n) * BM + tl.arange(0, BM)
+        rn = (t % tiles_n) * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        v = _source_tile(x_ptr, g_ptr, rm, rn, mask, stride_xm, stride_gm, PRE, ACT, X_BF16, G_BF16, OUT_KIND,
+                         GPU)
+        if STORE:
+            _store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], v, mask, OUT_KIND)
+        acc = tl.maximum(acc, tl.where(v == v, tl.abs(v), float("inf")))
     lanes = tl.arange(0, BN)
-    tile_max = tl.zeros([BN], tl.float32) + tl.max(tl.max(a, axis=1), axis=0)
-    tl.store(part_ptr + (pid_m * tl.num_programs(1) + pid_n) + lanes * 0, tile_max, mask=lanes == 0)
+    tile_max = tl.zeros([BN], tl.float32) + tl.max(tl.max(acc, axis=1), axis=0)
+    tl.store(part_ptr + pid + lanes * 0, tile_max, mask=lanes == 0)
 
 
 @triton.jit
-def _tensor_cast_kernel(x_ptr, g_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, sinv_ptr, dbias_ptr, M, N,
-                        stride_xm, stride_gm,
+def _tensor_cast_kernel(x_ptr, g_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, sinv_ptr, dbias_ptr, part_ptr, n_parts,
+                        M, N, stride_xm, stride_gm,
                         FMAX: tl.constexpr, MBITS: tl.constexpr, EMIN: tl.constexpr, EPS: tl.constexpr,
                         POW2: tl.constexpr, MODE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
                         PRE: tl.constexpr, ACT: tl.constexpr, X_BF16: tl.constexpr, G_BF16: tl.constexpr,
-                        OUT_KIND: tl.constexpr, GPU: tl.constexpr, DBIAS: tl.constexpr,
+                        OUT_KIND: tl.constexpr, GPU: tl.constexpr, DBIAS: tl.constexpr, PARTS: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr):
     """One BM x BN tile of a per-tensor cast of the source tile (see ``_source_tile``).
 
     MODE 0: ``scale`` given (delayed scaling), each program's amax written to ``amax[program]``;
-    1: the scale computed from the fp32 ``amax`` given (current scaling, all-reduced when sharded).
+    1: the scale computed from the fp32 ``amax`` given (current scaling, all-reduced when sharded);
+    2: current scaling from the amax pass's ``n_parts`` partial maxima (``part``, at most PARTS), which every
+    program reduces as it loads them (max is exact in any order); the first program writes the amax to ``amax``.
     The first program writes ``scale_inv``. ROW writes the FP8 bytes [M, N], COL their transpose
     [N, M]; DBIAS writes the tile's fp32 column sums to ``dbias[pid_m, :]`` (summed after)."""
     pid_m = tl.program_id(0)
@@ -181,8 +192,13 @@ def _tensor_cast_kernel(x_ptr, g_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, sin
         tile_max = zero + tl.max(tl.max(a, axis=1), axis=0)
         tl.store(amax_ptr + (pid_m * tl.num_programs(1) + pid_n) + lanes * 0, tile_max, mask=lanes == 0)
         s = zero + tl.load(scale_ptr)
-    else:
+    elif MODE == 1:
         s = _block_scale(zero + tl.load(amax_ptr), FMAX, EPS, POW2)
+    else:
+        p = tl.arange(0, PARTS)
+        amax = zero + tl.max(tl.load(part_ptr + p, mask=p < n_parts, other=0.0), axis=0)
+        tl.store(amax_ptr + lanes * 0, amax, mask=first)
+        s = _block_scale(amax, FMAX, EPS, POW2)
     tl.store(sinv_ptr + lanes * 0, tl.math.div_rn(zero + 1.0, s), mask=first)
     q = _fp8_bytes(_scaled(v, s[None, :]), FMAX, MBITS, EMIN, GPU)
     if ROW:
@@ -285,6 +301,9 @@ TENSOR_CAST_TILES = {(True, False): (32, 128, 4), (False, True): (64, 64, 4), (T
 # against 0.264 ms, [28672, 4096] 8% faster; [2048, 8192] 10% slower, hence the rows bound)
 TALL_ROWS, TALL_CAST_TILE = 4096, (64, 128, 4)
 AMAX_TILE = (32, 128, 4)
+# programs of the amax pass at most (each takes every AMAX_PROGRAMS-th tile): the cast kernel loads all their
+# partial maxima in each program and reduces them itself, with no reduction launched in between
+AMAX_PROGRAMS = 512
 BLOCK_CAST_WARPS = 8  # warps of a 128x128-tile block cast
 # 1x128 blocks, both planes: one 128x128-tile pass (False) or a pass per plane with narrow tiles (True);
 # (rows, warps) of the rowwise pass's [rows, 128] tiles, (cols, warps) of the columnwise pass's [128, cols]
@@ -534,15 +553,19 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
                                   amax_reduction_group, dbias, traced)
     mbits, emin = _FP8_BITS[fmt]
     pre = src["PRE"]
+    part, n_parts = None, 0
     if scale is None and amax is None:  # current scaling: the amax pass first
         BM, BN, warps = AMAX_TILE
-        agrid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-        part = torch.empty(agrid[0] * agrid[1], **f32)
+        programs = min(triton.cdiv(M, BM) * triton.cdiv(N, BN), AMAX_PROGRAMS)
+        part = torch.empty(programs, **f32)
         out = torch.empty((M, N), dtype=x.dtype, device=dev) if pre else None  # the source, for the cast pass
-        launch(_tensor_amax_kernel)[agrid](xb, gb, part, part if out is None else _source_arg(out, gpu), M, N,
-                                           x.stride(0), g.stride(0), STORE=out is not None, BM=BM, BN=BN,
-                                           num_warps=warps, **src)
-        amax = all_reduce_amax(part.amax(), amax_reduction_group)
+        launch(_tensor_amax_kernel)[(programs,)](xb, gb, part, part if out is None else _source_arg(out, gpu), M, N,
+                                                 x.stride(0), g.stride(0), STORE=out is not None, BM=BM, BN=BN,
+                                                 num_warps=warps, **src)
+        if amax_reduction_group is not None:  # all-reduced first: the cast takes the amax
+            amax, part = all_reduce_amax(part.amax(), amax_reduction_group), None
+        else:  # the cast kernel reduces the partial maxima itself
+            n_parts = programs
         if out is not None:  # the cast pass reads the written source: no prologue
             x, xb, g, gb = out, _source_arg(out, gpu), out, _source_arg(out, gpu)
             src = dict(src, PRE=0, ACT=0, X_BF16=_bits_flag(out, gpu), G_BF16=_bits_flag(out, gpu))
@@ -552,6 +575,9 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     if scale is not None:  # delayed: the given scale; the amax comes from the same pass
         mode, amax = 0, torch.empty(grid[0] * grid[1], **f32)  # per-tile maxima, reduced below
         scale = scale.to(**f32).reshape(())
+    elif part is not None:  # current: the amax written by the cast kernel from the partial maxima
+        mode, amax = 2, torch.empty((), **f32)
+        scale = part
     else:
         mode, amax, scale = 1, amax.to(**f32).reshape(()), amax
     dtype = FP8_DTYPES[fmt]
@@ -561,10 +587,13 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     db = torch.empty((grid[0], N), **f32) if dbias else None
     dummy = row if row is not None else col
     launch(_tensor_cast_kernel)[grid](xb, gb, _plane_arg(row, dummy, gpu), _plane_arg(col, dummy, gpu), scale,
-                                      amax, scale_inv, db if dbias else scale_inv, M, N, x.stride(0), g.stride(0),
+                                      amax, scale_inv, db if dbias else scale_inv, scale if part is None else part,
+                                      n_parts, M, N, x.stride(0), g.stride(0),
                                       FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
                                       POW2=bool(power_of_2_scales), MODE=mode, ROW=bool(rowwise),
-                                      COL=bool(columnwise), DBIAS=bool(dbias), BM=BM, BN=BN, num_warps=warps, **src)
+                                      COL=bool(columnwise), DBIAS=bool(dbias),
+                                      PARTS=triton.next_power_of_2(max(n_parts, 1)), BM=BM, BN=BN, num_warps=warps,
+                                      **src)
     if mode == 0:
         amax = amax.amax()
     planes = []

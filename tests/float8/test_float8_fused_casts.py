@@ -61,6 +61,35 @@ def test_plain_cast_with_given_amax_and_dbias(dtype, fmt):
     assert torch.equal(_bytes(q2, 1), _bytes(want, 1))
 
 
+@pytest.mark.parametrize("programs", [1, 3, 4096])
+@pytest.mark.parametrize("special", ["none", "inf", "nan", "max_in_last_tile"])
+def test_current_scaling_amax_pass_with_few_programs(programs, special, monkeypatch):
+    """The amax pass runs at most AMAX_PROGRAMS programs, each over every AMAX_PROGRAMS-th tile, and the cast
+    kernel reduces their partial maxima itself: the reference's amax, scale_inv and bytes wherever the largest
+    value (or an Inf / NaN) lies, with one program, a few, or one per tile; with a prologue (its source stored
+    by the amax pass) too."""
+    monkeypatch.setattr(float8_cast, "AMAX_PROGRAMS", programs)
+    x = _h(100, 300, torch.bfloat16, seed=4)  # 4 x 3 tiles of 32 x 128, ragged at both edges
+    if special == "inf":
+        x[70, 290] = float("-inf")
+    elif special == "nan":
+        x[99, 5] = float("nan")
+    elif special == "max_in_last_tile":
+        x[98, 299] = 1000.0
+    want = quantize_float8(x, "fp8_e4m3", axes=(1, 0))
+    q, _ = tensor_cast_float8(x, "fp8_e4m3", rowwise=True, columnwise=True)
+    assert torch.equal(q.amax.cpu(), want.amax.cpu()) or (special == "nan" and q.amax.isinf())
+    assert torch.equal(q.scale_inv.cpu(), want.scale_inv.cpu())
+    assert torch.equal(_bytes(q, 1), _bytes(want, 1)) and torch.equal(_bytes(q, 0), _bytes(want, 0))
+    r, _ = tensor_cast_float8(x, "fp8_e4m3", rowwise=True, act="relu")  # prologue: the source stored, then cast
+    want_r = quantize_float8(torch.relu(x), "fp8_e4m3", axes=(1,))
+    assert torch.equal(r.amax.cpu(), want_r.amax.cpu()) or (special == "nan" and r.amax.isinf())
+    assert torch.equal(r.scale_inv.cpu(), want_r.scale_inv.cpu())
+    got, ref = _bytes(r, 1), _bytes(want_r, 1)
+    nan = (ref & 0x7F) == 0x7F  # a NaN's code: its sign is what the arithmetic left (torch's relu sets it)
+    assert torch.equal((got & 0x7F) == 0x7F, nan) and torch.equal(got[~nan], ref[~nan])
+
+
 @pytest.mark.parametrize("act", ["relu", "squared_relu", "gelu", "silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_prologue(act, dtype):
