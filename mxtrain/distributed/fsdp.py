@@ -55,7 +55,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import types
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -72,6 +71,7 @@ from mxtrain.autocast import get_recipe
 from mxtrain.formats import parse_format
 from mxtrain.kernels.cuda_cast import cast_planes_into
 from mxtrain.kernels.dispatch import quantize
+from mxtrain.kernels.shard_cast import shard_amaxes, shard_codes
 from mxtrain.kernels.transpose import transpose_bytes, transpose_bytes_many
 from mxtrain.quantization import MXTensor
 from mxtrain.quantization.float8 import (
@@ -233,8 +233,9 @@ def _triton_float8_casts_for(device: torch.device, dtype: torch.dtype, backend: 
 
 def _batched_casts(device: torch.device) -> bool:
     """Whether the FP8 gathers' per-tensor, current-scaled amaxes and casts run batched: every FP8-gathered
-    weight of the step at once, in two compiled calls (``_shard_amaxes``, ``_shard_codes``), at the step's first
-    FP8 gather. MXTRAIN_FSDP_BATCHED_CASTS: ``auto`` on CUDA (a cast per weight and gather cost the host about
+    weight of the step at once, at the step's first FP8 gather (``mxtrain.kernels.shard_cast``: one launch for
+    the amaxes and one for the codes on CUDA; the reference, per weight, elsewhere unless the Triton interpreter
+    runs them). MXTRAIN_FSDP_BATCHED_CASTS: ``auto`` on CUDA (a cast per weight and gather cost the host about
     0.2 ms there, more than the GPU took), ``1`` anywhere, ``0`` never. Never while dynamo traces the hooks (a
     compiled FSDP2 step traces them itself)."""
     mode = config.current().fsdp_batched_casts
@@ -244,66 +245,13 @@ def _batched_casts(device: torch.device) -> bool:
 
 
 def _batchable(shards: list, param_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``_shard_amaxes`` / ``_shard_codes`` serve these shards: batching on for ``device``, every shard a
-    non-empty, contiguous 2-D tensor there, already in ``param_dtype`` or fp32 to be rounded to bf16 (the one
-    rounding ``_rounded`` makes exactly under compile; others, fp16 params, cast per weight)."""
-    return _batched_casts(device) and all(
-        d.dim() == 2 and d.numel() and d.is_contiguous() and d.device == device
+    """Whether ``shard_amaxes`` / ``shard_codes`` serve these shards: batching on for ``device``, every shard a
+    non-empty, contiguous 2-D tensor there, all of one dtype, ``param_dtype`` or fp32 to be rounded to bf16 (others,
+    fp32 masters of fp16 params, cast per weight)."""
+    return bool(shards) and _batched_casts(device) and all(
+        d.dim() == 2 and d.numel() and d.is_contiguous() and d.device == device and d.dtype == shards[0].dtype
         and (d.dtype == param_dtype or (d.dtype == torch.float32 and param_dtype == torch.bfloat16))
         for d in shards)
-
-
-def _shard_amaxes(shards: list) -> torch.Tensor:
-    """fp32 ``[len(shards)]``: each shard's max |x| (NaN kept)."""
-    return torch.stack([x.abs().amax() for x in shards]).float()
-
-
-def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)`` for the cast that follows: fp32 ``x`` rounded to bf16 by integer arithmetic on its bits
-    (round to nearest even, NaN kept), which a compiled graph keeps; inductor computes bf16 in fp32 and dropped
-    ``x.to(bf16).float()``'s rounding on the GPU even with ``emulate_precision_casts``. Any other pair: ``to``."""
-    if x.dtype != torch.float32 or dtype != torch.bfloat16:
-        return x.to(dtype)
-    nan = x.isnan()
-    bits = torch.where(nan, 0.0, x).view(torch.int32)  # no NaN: the sum below stays inside int32
-    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
-    return torch.where(nan, x, bits.view(torch.float32))
-
-
-def _shard_codes(shards: list, scale: torch.Tensor, param_dtype: torch.dtype, fmt: str) -> list:
-    """Each shard rounded to ``param_dtype``, then cast to FP8 at its scale (``scale[i]``): ``cast_to_fp8``'s
-    bits, as the per-weight cast makes them (a NaN code's sign aside, as GPU arithmetic leaves it)."""
-    return [cast_to_fp8(_rounded(x, param_dtype), scale[i], fmt) for i, x in enumerate(shards)]
-
-
-_COMPILED_COPIES: list = []  # the function copies compiled so far, one a signature (tests count their graphs)
-
-
-@functools.cache
-def _compiled(fn, signature: tuple):
-    """``fn`` under ``torch.compile`` (static shapes, one graph) for one ``signature`` of its arguments: one call
-    launches every shard's kernels from inductor's wrapper, with no Python per shard. Each signature compiles a
-    copy of ``fn`` (its own code object: dynamo's cache and its limit of 8 graphs belong to the copy), so one
-    process batching for several models, formats or member orders compiles each once and never reaches the
-    limit (past it, a fullgraph compile raises)."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    _COMPILED_COPIES.append(copy)
-    return torch.compile(copy, dynamic=False, fullgraph=True)
-
-
-def _signature(args: tuple) -> tuple:
-    """What a compiled batch is specialised on: each tensor's shape, dtype and device (lists of tensors
-    included), the other arguments as they are, and the grad mode."""
-    def one(a):
-        if isinstance(a, torch.Tensor):
-            return (tuple(a.shape), a.dtype, a.device)
-        if isinstance(a, (list, tuple)):
-            return tuple(one(t) for t in a)
-        return a
-    return (*(one(a) for a in args), torch.is_grad_enabled())
-
-
-_BATCH_FAILED: list = []  # the first error of a batched call in this process (then the casts go per weight)
 
 
 def _first_line(e: Exception) -> str:
@@ -311,22 +259,25 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
+_BATCH_FAILED: list = []  # the first error of a batched cast in this process (then the casts go per weight)
+
+
 def _batched_call(fn, *args):
-    """``fn(*args)`` compiled (``_compiled``), or None where batching failed: if compiling or running the
-    compiled call raises (no compiler for inductor's CPU code, an inductor error), a warning says so once and
-    every later batch returns None too, so the gathers cast per weight (the same bits). Each rank decides alone,
-    and the collectives do not depend on it. Running out of memory raises as any cast would."""
+    """``fn(*args)`` (``shard_amaxes`` / ``shard_codes``: one launch for every shard on CUDA), or None where
+    batching failed: if it raises (a kernel that does not build here), a warning says so once and every later
+    batch returns None too, so the gathers cast per weight (the same bits). Each rank decides alone, and the
+    collectives do not depend on it. Running out of memory raises as any cast would."""
     if _BATCH_FAILED:
         return None
     try:
-        return _compiled(fn, _signature(args))(*args)
+        return fn(*args)
     except torch.OutOfMemoryError:
         raise
-    except Exception as e:  # noqa: BLE001 (any failure of the compiler stack; the per-weight casts remain)
+    except Exception as e:  # noqa: BLE001 (a kernel that fails to build or launch; the per-weight casts remain)
         _BATCH_FAILED.append(_first_line(e))
-        warnings.warn(f"mxtrain FP8 all-gather: the batched casts could not be compiled ({_BATCH_FAILED[0]}); "
-                      "each weight is cast in its own gather from now on (MXTRAIN_FSDP_BATCHED_CASTS=0 does so "
-                      "from the start)", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"mxtrain FP8 all-gather: the batched casts failed ({_BATCH_FAILED[0]}); each weight is cast "
+                      "in its own gather from now on (MXTRAIN_FSDP_BATCHED_CASTS=0 does so from the start)",
+                      RuntimeWarning, stacklevel=2)
         return None
 
 
@@ -409,7 +360,7 @@ def _amax_key(spec, param_dtype: torch.dtype) -> tuple:
 def _rebatch_codes(group, pg, spec, param_dtype: torch.dtype, device: torch.device) -> None:
     """A forward gather that finds no batched codes for its weight while the step's scales still hold (a later
     micro-batch of gradient accumulation, an evaluation forward after training, a second forward): the codes of
-    every peer group's members whose scales still hold, at those scales, in one compiled call (no amax pass, no
+    every peer group's members whose scales still hold, at those scales, in one batched cast (no amax pass, no
     all-reduce), as ``_fp8_scales`` makes them. Members whose weights changed are left to their own gathers.
     Only where every peer group has sent its codes (a new forward); a group gathered twice in one forward (a
     module called twice) casts its own members only, so the codes other groups have not sent yet stay."""
@@ -426,7 +377,8 @@ def _rebatch_codes(group, pg, spec, param_dtype: torch.dtype, device: torch.devi
     datas = [d for _, _, d, _ in jobs]
     if not jobs or any(sc is None for *_, sc in jobs) or not _batchable(datas, param_dtype, device):
         return
-    codes = _batched_call(_shard_codes, datas, torch.stack([sc for *_, sc in jobs]), param_dtype, spec.fmt)
+    codes = _batched_call(shard_codes, datas, torch.stack([sc for *_, sc in jobs]).float(), param_dtype,
+                          spec.fmt)
     if codes is None:
         return
     made: dict = {}
@@ -920,11 +872,11 @@ class MXAllGatherWeight(torch.Tensor):
         weights = [self if fp is fsdp_param else fp._sharded_local_tensor for fp in members]
         sizes = [tuple(fp._orig_size) for fp in members]
         datas = [w._data for w in weights]
-        # per-tensor current scaling of non-empty 2-D shards: every member's amax, then its codes, in one compiled
-        # call each (the gathers then send the codes made here)
+        # per-tensor current scaling of non-empty 2-D shards: every member's amax, then its codes, in one launch
+        # each on CUDA (mxtrain.kernels.shard_cast; the gathers then send the codes made here)
         batched = spec.block is None and spec.scaling != "delayed" and _batchable(datas, param_dtype, self.device)
-        flat = _batched_call(_shard_amaxes, datas) if batched else None
-        batched = flat is not None  # (None: the batch failed to compile; the per-weight path, the same values)
+        flat = _batched_call(shard_amaxes, datas) if batched else None
+        batched = flat is not None  # (None: the batch failed; the per-weight path, the same values)
         if batched:
             shapes = None
         elif spec.block is None:
@@ -952,7 +904,7 @@ class MXAllGatherWeight(torch.Tensor):
             scale = compute_scale(flat, FP8_MAX[spec.fmt], power_of_2=spec.power_of_2_scales,
                                   epsilon=spec.amax_epsilon)
             scale_inv = torch.reciprocal(scale)
-        codes = _batched_call(_shard_codes, datas, scale, param_dtype, spec.fmt) if batched else None
+        codes = _batched_call(shard_codes, datas, scale, param_dtype, spec.fmt) if batched else None
         if shapes is None:  # one 0-d view per weight
             if scale_inv is not None:  # each on a 16-byte boundary: cuBLASLt reads a GEMM's scale there only
                 spaced = scale_inv.new_zeros((scale_inv.numel(), 4))

@@ -72,15 +72,6 @@ def grads(recipe, compiled: bool, device, rank: int, reshard: bool = True, steps
             None if p.grad is None else p.grad.full_tensor().clone() for name, p in blocks.named_parameters()}
 
 
-def _internal_graphs() -> int:
-    """Graphs compiled so far for mxtrain's own compiled helpers (mxtrain.distributed.fsdp._compiled)."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    from mxtrain.distributed import fsdp
-
-    return sum(len(_debug_get_cache_entry_list(f.__code__)) for f in fsdp._COMPILED_COPIES)
-
-
 def scenario_compile(rank: int, device) -> dict:
     import warnings
 
@@ -104,15 +95,10 @@ def scenario_compile(rank: int, device) -> dict:
         common._WARNED_EAGER_GATHERED.clear()
         steps = []
 
-        internal = [_internal_graphs()]
-
         def after_step():
-            # the blocks' graphs: dynamo's count less those of mxtrain's own compiled helpers (the FP8 gathers'
-            # batched amaxes and casts, on CUDA by default), counted apart
-            internal.append(_internal_graphs())
-            steps.append((sum(counters["graph_break"].values()),
-                          counters["stats"]["unique_graphs"] - (internal[-1] - internal[-2]),
-                          internal[-1] - internal[-2]))
+            # every graph dynamo compiled in the step: the blocks' (the FP8 gathers' batched casts are kernel
+            # launches, not compiled functions)
+            steps.append((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]))
             counters.clear()
 
         mxdist.reset_all_gather_stats()
@@ -124,9 +110,8 @@ def scenario_compile(rank: int, device) -> dict:
             "params": sorted(ref),
             "warned": sorted({str(w.message).split("one graph break: ")[1].split(" ")[0] for w in seen
                               if "runs its GEMM path eagerly" in str(w.message)}),
-            "graph_breaks": [b for b, _, _ in steps],  # per step
-            "graphs": [g for _, g, _ in steps],  # graphs compiled, per step
-            "internal_graphs": [i for _, _, i in steps],  # mxtrain's compiled helpers, per step
+            "graph_breaks": [b for b, _ in steps],  # per step
+            "graphs": [g for _, g in steps],  # graphs compiled, per step
             "no_grad": sorted(n for n, g in compiled.items() if g is None or not g.abs().max() > 0),
             "differ": sorted(n for n, g in compiled.items()
                              if g is not None and ref.get(n) is not None and not torch.equal(g, ref[n])),

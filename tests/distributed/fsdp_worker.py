@@ -658,16 +658,24 @@ def scenario_fp8_batched(rank, world, device):
     # and a second one without a step in between (the same scales: batched anew, no all-reduce)
     res["eval"] = fp8_eval_forwards(rank, world, device, recipe)
     # compiled blocks (traced gathers: forward gathers lay out both planes, backward gathers resend the codes)
-    from compile_worker import _internal_graphs, grads
+    from torch._dynamo.utils import counters
+
+    from compile_worker import grads
 
     eager = grads(recipe, False, device, rank, True, steps=3)
     torch._dynamo.reset()
+    counters.clear()
     steps = []
     mxdist.reset_all_gather_stats()
-    compiled = grads(recipe, True, device, rank, True, steps=3, after_step=lambda: steps.append(_internal_graphs()))
+
+    def after_step():
+        steps.append(counters["stats"]["unique_graphs"])
+        counters.clear()
+
+    compiled = grads(recipe, True, device, rank, True, steps=3, after_step=after_step)
     stats = mxdist.all_gather_stats()
     res["compiled"] = {"differ": sorted(n for n, g in compiled.items() if not torch.equal(g, eager[n])),
-                       "internal_graphs": steps, "batched": stats["batched"], "transposes": stats["transposes"],
+                       "graphs": steps, "batched": stats["batched"], "transposes": stats["transposes"],
                        "batched_transposes": stats["batched_transposes"]}
     return res
 

@@ -46,10 +46,8 @@ def test_blocks_compiled_before_fully_shard_trace_whole(compiled, recipe, config
     # one per kind of block: the two alike Linears share theirs (each gathered weight's own sharded parameter
     # once made dynamo guard on it, and every decoder layer of a model recompiled, past dynamo's limit); later
     # steps' gathers (into the same buffers) recompile nothing
+    # (every graph dynamo compiled: the FP8 gathers' batched casts on CUDA are kernel launches, not compiled helpers)
     assert r["graphs"] == [3, 0, 0]
-    # mxtrain's own compiled helpers (the FP8 gathers' batched amaxes and casts, on CUDA) count apart; the last
-    # step compiles none either
-    assert r["internal_graphs"][2] == 0
 
 
 @pytest.mark.parametrize("recipe", ["fp8_current", "mxfp8"])

@@ -219,5 +219,6 @@ def test_batched_casts_under_compiled_blocks(fp8_batched):
     # the backward gathers transpose the dgrad planes into the arenas the traced forward gathers laid out (and the
     # compiled forward saved): LayerNormMLP's two in one launch, every step
     assert r["transposes"] == 3 * 5 and r["batched_transposes"] == 3 * 2
-    # mxtrain's compiled helpers (amaxes, casts) compile in the first step, then nothing
-    assert r["internal_graphs"][0] == r["internal_graphs"][-1] > 0
+    # the blocks compile in the first steps, the third compiles nothing (the batched casts are launches, no
+    # compiled helper: gathers of updated weights in later steps compile nothing either)
+    assert r["graphs"][0] > 0 and r["graphs"][-1] == 0
