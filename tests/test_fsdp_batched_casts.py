@@ -198,3 +198,26 @@ def test_batchable_shards(mx_config):
     assert not fsdp._batchable([w.reshape(-1)], fp32, cpu)  # not 2-D
     mx_config(fsdp_batched_casts="0")
     assert not fsdp._batchable([w], fp32, cpu)
+
+
+def test_shard_casts_refuse_bad_arguments():
+    x = torch.ones(4, 8)
+    with pytest.raises(ValueError, match=r"shard_amaxes: no tensors given"):
+        shard_amaxes([])
+    with pytest.raises(ValueError, match=r"shard_amaxes: tensor 1 must be a float32, bfloat16 or float16 tensor, "
+                                         r"got torch.int32"):
+        shard_amaxes([x, x.int()])
+    with pytest.raises(ValueError, match=r"every tensor must have one dtype and device; tensor 1 is torch.bfloat16"):
+        shard_amaxes([x, x.bfloat16()])
+    with pytest.raises(ValueError, match=r"tensor 0 must be non-empty and contiguous \(shape \(8, 4\)"):
+        shard_amaxes([x.t()])
+    with pytest.raises(ValueError, match=r"tensor 1 must be non-empty and contiguous \(shape \(0, 8\)"):
+        shard_amaxes([x, x[:0]])
+    with pytest.raises(ValueError, match=r"param_dtype must be the tensors' dtype \(torch.bfloat16\), or bfloat16 for "
+                                         r"float32 tensors; got torch.float32"):
+        shard_codes([x.bfloat16()], torch.ones(1), torch.float32)
+    with pytest.raises(ValueError, match=r"scale must be a float32 tensor of shape \(2,\) on cpu, got torch.float32 "
+                                         r"of shape \(1,\)"):
+        shard_codes([x, x], torch.ones(1), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"unknown FP8 format 'int8'; expected 'fp8_e4m3' or 'fp8_e5m2'"):
+        shard_codes([x], torch.ones(1), torch.bfloat16, "int8")
