@@ -305,10 +305,8 @@ def _batch_transposes(weight, buf: torch.Tensor, meta: dict, state) -> None:
     allocated), and its fill finds ``state.transposed`` set to the metadata it is given, and skips its transpose.
     Only where ``_batched_casts`` holds; one weight alone transposes in its fill. If the launch fails (a kernel
     that does not build here), a warning says so once and every fill transposes its own from then on."""
-    if _TRANSPOSES_FAILED or not _batched_casts(buf.device):
-        return
-    mine = _dgrad_job(buf, meta, state)
-    if mine is None:
+    mine = _dgrad_job(buf, meta, state)  # (first: a forward gather that leaves its dgrad plane returns here)
+    if mine is None or _TRANSPOSES_FAILED or not _batched_casts(buf.device):
         return
     fsdp_param, group = _find_fsdp_param(weight)
     jobs, marks = [mine], []
