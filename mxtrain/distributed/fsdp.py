@@ -266,12 +266,13 @@ def _batched_call(fn, *args):
     """``fn(*args)`` (``shard_amaxes`` / ``shard_codes``: one launch for every shard on CUDA), or None where
     batching failed: if it raises (a kernel that does not build here), a warning says so once and every later
     batch returns None too, so the gathers cast per weight (the same bits). Each rank decides alone, and the
-    collectives do not depend on it. Running out of memory raises as any cast would."""
+    collectives do not depend on it. Running out of memory raises as any cast would, and so do arguments the casts
+    refuse (ValueError, TypeError: a caller's bug, not a kernel's)."""
     if _BATCH_FAILED:
         return None
     try:
         return fn(*args)
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, ValueError, TypeError):  # (out of memory, or arguments the casts refuse: a bug)
         raise
     except Exception as e:  # noqa: BLE001 (a kernel that fails to build or launch; the per-weight casts remain)
         _BATCH_FAILED.append(_first_line(e))

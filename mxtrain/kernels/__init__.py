@@ -6,6 +6,7 @@ a GPU kernel or the exact reference in :mod:`mxtrain.quantization` (identical bi
 """
 
 import os
+import warnings
 
 import torch
 
@@ -17,6 +18,7 @@ __all__ = ["mx_gemm", "gemm_operand", "quantize", "explain", "static_launch"]
 
 # inductor's switch (torch >= 2.8) and the variable that forces it, read by each compile worker as it starts
 _STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
+_STATIC_LAUNCH_SET_BY = "MXTRAIN_SET_STATIC_LAUNCH"  # "1": mxtrain set that variable (here, or in a parent process)
 
 
 def static_launch(environ=None) -> str:
@@ -26,19 +28,28 @@ def static_launch(environ=None) -> str:
     Under compile, a step launches the FP8 casts, norms and activations of every layer from inductor's code. Torch
     launches user-defined Triton kernels through Triton's Python launcher by default (about 40 us of host time a
     launch on an H100 host), its own through a static launcher (a few us); an FSDP2 step of a 1B Llama is
-    host-bound on them. Where a kernel cannot launch statically, inductor launches it as before.
+    host-bound on them. Where a kernel cannot launch statically, inductor launches it as before. The switch is
+    inductor's, for the process: other user-defined Triton kernels launch statically too.
 
     Runs when :mod:`mxtrain.kernels` is imported on a machine with CUDA, before any compile: it sets inductor's
     ``static_launch_user_defined_triton_kernels`` and the variable ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_
-    TRITON_KERNELS=1`` in ``environ`` (default ``os.environ``), which the compile workers started later read.
-    Nothing changes with ``MXTRAIN_STATIC_LAUNCH=0``, where the variable is already set (the user's choice), or
-    where this torch has no such switch."""
+    TRITON_KERNELS=1`` in ``environ`` (default ``os.environ``), which the compile workers started later read (and
+    so do child processes: ``MXTRAIN_STATIC_LAUNCH=0`` must be set where the first process that imports mxtrain
+    starts; a child that asks for it while a parent's mxtrain set the variable is warned that it cannot take
+    effect there). Nothing changes with ``MXTRAIN_STATIC_LAUNCH=0``, where the user set the variable, or where
+    this torch has no such switch."""
     from mxtrain import config
 
     environ = os.environ if environ is None else environ
+    inherited = environ.get(_STATIC_LAUNCH_SET_BY) == "1" and environ.get(_STATIC_LAUNCH_ENV) == "1"
     if not config.current().static_launch:
+        if inherited:
+            warnings.warn(f"MXTRAIN_STATIC_LAUNCH=0 cannot take effect in this process: a parent process that "
+                          f"imported mxtrain set {_STATIC_LAUNCH_ENV}=1, which torch reads as it starts; set "
+                          "MXTRAIN_STATIC_LAUNCH=0 before that parent process starts", RuntimeWarning, stacklevel=2)
+            return "on (set by a parent process; MXTRAIN_STATIC_LAUNCH=0 comes too late here)"
         return "off (MXTRAIN_STATIC_LAUNCH=0)"
-    if _STATIC_LAUNCH_ENV in environ:
+    if _STATIC_LAUNCH_ENV in environ and not inherited:
         return f"left as set ({_STATIC_LAUNCH_ENV}={environ[_STATIC_LAUNCH_ENV]})"
     try:
         import torch._inductor.config as inductor_config
@@ -48,7 +59,11 @@ def static_launch(environ=None) -> str:
         return f"not in torch {torch.__version__}"
     inductor_config.static_launch_user_defined_triton_kernels = True
     environ[_STATIC_LAUNCH_ENV] = "1"
+    environ[_STATIC_LAUNCH_SET_BY] = "1"
+    if not getattr(inductor_config, "use_static_cuda_launcher", True):
+        return "on, but inductor's static launcher itself is off (TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0)"
     return "on"
+
 
 _KERNELS_LOADED = False
 

@@ -173,7 +173,8 @@ def _tensor_cast_kernel(x_ptr, g_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, sin
 
     MODE 0: ``scale`` given (delayed scaling), each program's amax written to ``amax[program]``;
     1: the scale computed from the fp32 ``amax`` given (current scaling, all-reduced when sharded);
-    2: current scaling from the amax pass's ``n_parts`` partial maxima (``part``, at most PARTS), which every
+    2: current scaling from the amax pass's ``n_parts`` partial maxima (``part``, at most PARTS: one block size
+    whatever the tensor's, so sizes share a compiled kernel), which every
     program reduces as it loads them (max is exact in any order); the first program writes the amax to ``amax``.
     The first program writes ``scale_inv``. ROW writes the FP8 bytes [M, N], COL their transpose
     [N, M]; DBIAS writes the tile's fp32 column sums to ``dbias[pid_m, :]`` (summed after)."""
@@ -592,7 +593,8 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
                                       FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
                                       POW2=bool(power_of_2_scales), MODE=mode, ROW=bool(rowwise),
                                       COL=bool(columnwise), DBIAS=bool(dbias),
-                                      PARTS=triton.next_power_of_2(max(n_parts, 1)), BM=BM, BN=BN, num_warps=warps,
+                                      PARTS=triton.next_power_of_2(AMAX_PROGRAMS) if mode == 2 else 1, BM=BM, BN=BN,
+                                      num_warps=warps,
                                       **src)
     if mode == 0:
         amax = amax.amax()

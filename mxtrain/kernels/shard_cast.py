@@ -17,6 +17,8 @@ fp16) on one device; ``param_dtype`` their dtype, or bf16 for fp32 tensors.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from mxtrain.kernels import registry
@@ -114,12 +116,14 @@ def _same_codes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan_a, nan_b) and torch.equal(a[~nan_a], b[~nan_a])
 
 
-_VERIFIED: set = set()  # (operation, device) pairs whose first Triton launch matched the reference
+_VERIFIED: set = set()  # kernel variants (operation, device, dtypes, format, steps) whose first launch matched
 
 
-def _verify_once(op: str, call: ShardsCall, got) -> None:
-    """The first launch of ``op`` on a device against the reference (a synchronisation, once)."""
-    if (op, call.device) in _VERIFIED:
+def _verify_once(op: str, call: ShardsCall, got, steps: int) -> None:
+    """The first launch of each compiled variant of ``op`` on a device (its dtypes, format and steps) against the
+    reference: a synchronisation, once a variant. A mismatch warns and raises ``KernelUnavailable``."""
+    variant = (op, call.device, call.shards[0].dtype, call.param_dtype, call.fmt, steps)
+    if variant in _VERIFIED:
         return
     if op == "float8_shard_amaxes":
         ok = torch.allclose(got, _reference_amaxes(call), rtol=0, atol=0, equal_nan=True)  # (NaN where NaN)
@@ -128,13 +132,22 @@ def _verify_once(op: str, call: ShardsCall, got) -> None:
                          [torch.empty_like(o) for o in call.outs])
         ok = all(_same_codes(g, r) for g, r in zip(got, _reference_codes(ref)))
     if not ok:
-        raise registry.KernelUnavailable(f"the Triton {op} kernel wrote wrong values on its first launch")
-    _VERIFIED.add((op, call.device))
+        why = f"the Triton {op} kernel wrote wrong values on its first launch"
+        warnings.warn(f"mxtrain: {why} on {call.device} ({call.shards[0].dtype} tensors); the reference runs "
+                      "from now on (one op per tensor)", RuntimeWarning, stacklevel=2)
+        raise registry.KernelUnavailable(why)
+    _VERIFIED.add(variant)
 
 
-if HAVE_TRITON:
-    from mxtrain.kernels.cast import _round_to_dtype, _widen
-    from mxtrain.kernels.float8_cast import _FP8_BITS, _fp8_bytes, _scaled, _store_bits
+_KERNELS = HAVE_TRITON
+if _KERNELS:
+    try:  # a broken Triton install: the reference alone (as the other kernel modules do)
+        from mxtrain.kernels.cast import _round_to_dtype, _widen
+        from mxtrain.kernels.float8_cast import _FP8_BITS, _fp8_bytes, _scaled, _store_bits
+    except ImportError:
+        _KERNELS = False
+
+if _KERNELS:
 
     @triton.jit
     def _shard_source(table, t, KIND: tl.constexpr, BF16_BITS: tl.constexpr):
@@ -170,7 +183,7 @@ if HAVE_TRITON:
                 m = tl.maximum(m, tl.where(v != v, 0.0, tl.abs(v)))
         top = tl.zeros([BLOCK], tl.float32) + tl.max(m, axis=0)
         top = tl.where((tl.zeros([BLOCK], tl.int32) + tl.max(bad, axis=0)) > 0, float("nan"), top)
-        tl.store(part_ptr + (t * CHUNKS + c) + lanes * 0, top, mask=lanes == 0)
+        tl.store(part_ptr + (t.to(tl.int64) * CHUNKS + c) + lanes * 0, top, mask=lanes == 0)
 
     @triton.jit
     def _shard_cast_kernel(src_table, dst_table, numel_table, scale_ptr, KIND: tl.constexpr,
@@ -229,7 +242,7 @@ if HAVE_TRITON:
         _shard_amax_kernel[(tensors, chunks)](table[0], table[1], part, chunks, BLOCK=block, STEPS=steps,
                                               num_warps=warps, **_kinds(call), **launch_options())
         got = part.amax(1)
-        _verify_once("float8_shard_amaxes", call, got)
+        _verify_once("float8_shard_amaxes", call, got, steps)
         return got
 
     def _triton_codes(call: ShardsCall) -> list:
@@ -242,7 +255,7 @@ if HAVE_TRITON:
                                               PARAM_KIND=DTYPE_IDS[call.param_dtype], FMAX=FP8_MAX[call.fmt],
                                               MBITS=mbits, EMIN=emin, GPU=not interpret_mode(), BLOCK=block,
                                               STEPS=steps, num_warps=warps, **_kinds(call), **launch_options())
-        _verify_once("float8_shard_codes", call, call.outs)
+        _verify_once("float8_shard_codes", call, call.outs, steps)
         return list(call.outs)
 
 
@@ -253,6 +266,6 @@ def _make_call(*, shards, scale=None, param_dtype=None, fmt=None, outs=None):
 for _op, _ref in (("float8_shard_amaxes", _reference_amaxes), ("float8_shard_codes", _reference_codes)):
     registry.define(registry.Operation(_op, _make_call))
     registry.register(_op, "reference", _ref)
-if HAVE_TRITON:
+if _KERNELS:
     registry.register("float8_shard_amaxes", "triton", _triton_amaxes, supports=_triton_supports)
     registry.register("float8_shard_codes", "triton", _triton_codes, supports=_triton_supports)

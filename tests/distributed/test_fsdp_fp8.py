@@ -222,3 +222,4 @@ def test_batched_casts_under_compiled_blocks(fp8_batched):
     # the blocks compile in the first steps, the third compiles nothing (the batched casts are launches, no
     # compiled helper: gathers of updated weights in later steps compile nothing either)
     assert r["graphs"][0] > 0 and r["graphs"][-1] == 0
+    assert fp8_batched["shard_kernels_broken"] == {}

@@ -4,25 +4,35 @@ and the variable the compile workers read; CUDA: a compiled cast with static lau
 import pytest
 import torch
 
-from mxtrain.kernels import _STATIC_LAUNCH_ENV, static_launch
+from mxtrain.kernels import _STATIC_LAUNCH_ENV, _STATIC_LAUNCH_SET_BY, static_launch
 
 inductor_config = pytest.importorskip("torch._inductor.config")
+def _patch(**values):
+    """inductor_config.patch of the switches this torch has (use_static_cuda_launcher is older than the other)."""
+    return inductor_config.patch(**{k: v for k, v in values.items() if hasattr(inductor_config, k)})
+
+
 needs_switch = pytest.mark.skipif(not hasattr(inductor_config, "static_launch_user_defined_triton_kernels"),
                                   reason=f"torch {torch.__version__} has no static launch of user Triton kernels")
 
 
 @needs_switch
 def test_sets_the_switch_and_the_workers_variable(mx_config):
+    mx_config(static_launch=True)
     env = {"OTHER": "x"}
-    with inductor_config.patch(static_launch_user_defined_triton_kernels=False):
+    with _patch(static_launch_user_defined_triton_kernels=False, use_static_cuda_launcher=True):
         assert static_launch(env) == "on"
         assert inductor_config.static_launch_user_defined_triton_kernels is True
-    assert env == {"OTHER": "x", _STATIC_LAUNCH_ENV: "1"}
+    assert env == {"OTHER": "x", _STATIC_LAUNCH_ENV: "1", _STATIC_LAUNCH_SET_BY: "1"}
+    # a child process of this one finds both: it sets the switch again
+    with _patch(static_launch_user_defined_triton_kernels=False, use_static_cuda_launcher=True):
+        assert static_launch(env) == "on" and inductor_config.static_launch_user_defined_triton_kernels is True
 
 
 @needs_switch
 @pytest.mark.parametrize("value", ["0", "1"])
-def test_a_variable_the_user_set_is_left_alone(value):
+def test_a_variable_the_user_set_is_left_alone(value, mx_config):
+    mx_config(static_launch=True)
     env = {_STATIC_LAUNCH_ENV: value}
     with inductor_config.patch(static_launch_user_defined_triton_kernels=False):
         assert static_launch(env) == f"left as set ({_STATIC_LAUNCH_ENV}={value})"
@@ -37,6 +47,28 @@ def test_off_by_the_mxtrain_switch(mx_config):
         assert static_launch(env) == "off (MXTRAIN_STATIC_LAUNCH=0)"
         assert inductor_config.static_launch_user_defined_triton_kernels is False
     assert env == {}
+
+
+def test_turning_it_off_where_a_parent_process_turned_it_on_warns(mx_config):
+    """A child of a process that imported mxtrain inherits the variable, which torch read as the child started:
+    MXTRAIN_STATIC_LAUNCH=0 there comes too late, and says so."""
+    mx_config(static_launch=False)
+    env = {_STATIC_LAUNCH_ENV: "1", _STATIC_LAUNCH_SET_BY: "1"}
+    with pytest.warns(RuntimeWarning, match=r"MXTRAIN_STATIC_LAUNCH=0 cannot take effect in this process: a parent "
+                                            r"process that imported mxtrain set TORCHINDUCTOR_STATIC_LAUNCH_USER_"
+                                            r"DEFINED_TRITON_KERNELS=1"):
+        assert static_launch(env).startswith("on (set by a parent process")
+    assert env == {_STATIC_LAUNCH_ENV: "1", _STATIC_LAUNCH_SET_BY: "1"}
+
+
+@needs_switch
+def test_says_when_inductors_static_launcher_is_off(mx_config):
+    mx_config(static_launch=True)
+    env: dict = {}
+    if not hasattr(inductor_config, "use_static_cuda_launcher"):
+        pytest.skip("this torch has no use_static_cuda_launcher switch")
+    with _patch(static_launch_user_defined_triton_kernels=False, use_static_cuda_launcher=False):
+        assert static_launch(env).startswith("on, but inductor's static launcher itself is off")
 
 
 def test_the_environment_switch_parses():
