@@ -150,9 +150,18 @@ if _KERNELS:
 if _KERNELS:
 
     @triton.jit
-    def _shard_source(table, t, KIND: tl.constexpr, BF16_BITS: tl.constexpr):
-        """Tensor ``t``'s address from the table, as a pointer to its dtype (bf16 as int16 bits: ``_widen``)."""
+    def _address(table, t, ALIGNED: tl.constexpr):
+        """Entry ``t`` of an address table; ALIGNED: every address in it is a multiple of 16 (checked by the
+        caller), which lets the compiler vectorise the loads and stores through it."""
         addr = tl.load(table + t)
+        if ALIGNED:
+            addr = tl.multiple_of(addr, 16)
+        return addr
+
+    @triton.jit
+    def _shard_source(table, t, KIND: tl.constexpr, BF16_BITS: tl.constexpr, ALIGNED: tl.constexpr):
+        """Tensor ``t``'s address from the table, as a pointer to its dtype (bf16 as int16 bits: ``_widen``)."""
+        addr = _address(table, t, ALIGNED)
         if KIND == 2:
             return addr.to(tl.pointer_type(tl.float32))
         elif KIND == 1:
@@ -164,7 +173,7 @@ if _KERNELS:
 
     @triton.jit
     def _shard_amax_kernel(src_table, numel_table, part_ptr, CHUNKS, KIND: tl.constexpr, BF16_BITS: tl.constexpr,
-                           BLOCK: tl.constexpr, STEPS: tl.constexpr):
+                           ALIGNED: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
         """``part[t, c]``: max |x| over elements [c * BLOCK * STEPS, (c + 1) * BLOCK * STEPS) of tensor t (0 past its
         end), NaN where they hold a NaN (torch's amax of the partials keeps it)."""
         t = tl.program_id(0)
@@ -175,7 +184,7 @@ if _KERNELS:
         m = tl.zeros([BLOCK], tl.float32)
         bad = tl.zeros([BLOCK], tl.int32)
         if start < n:
-            src = _shard_source(src_table, t, KIND, BF16_BITS)
+            src = _shard_source(src_table, t, KIND, BF16_BITS, ALIGNED)
             for i in range(STEPS):
                 offs = start + i * BLOCK + lanes
                 v = _widen(tl.load(src + offs, mask=offs < n, other=0), BF16_BITS)
@@ -187,7 +196,7 @@ if _KERNELS:
 
     @triton.jit
     def _shard_cast_kernel(src_table, dst_table, numel_table, scale_ptr, KIND: tl.constexpr,
-                           BF16_BITS: tl.constexpr, PARAM_KIND: tl.constexpr, FMAX: tl.constexpr,
+                           BF16_BITS: tl.constexpr, ALIGNED: tl.constexpr, PARAM_KIND: tl.constexpr, FMAX: tl.constexpr,
                            MBITS: tl.constexpr, EMIN: tl.constexpr, GPU: tl.constexpr, BLOCK: tl.constexpr,
                            STEPS: tl.constexpr):
         """FP8 bytes of elements [c * BLOCK * STEPS, (c + 1) * BLOCK * STEPS) of tensor t: rounded to the parameter
@@ -198,8 +207,8 @@ if _KERNELS:
         start = c.to(tl.int64) * (BLOCK * STEPS)
         if start < n:
             lanes = tl.arange(0, BLOCK)
-            src = _shard_source(src_table, t, KIND, BF16_BITS)
-            dst = tl.load(dst_table + t).to(tl.pointer_type(tl.uint8))
+            src = _shard_source(src_table, t, KIND, BF16_BITS, ALIGNED)
+            dst = _address(dst_table, t, ALIGNED).to(tl.pointer_type(tl.uint8))
             s = tl.zeros([BLOCK], tl.float32) + tl.load(scale_ptr + t)
             for i in range(STEPS):
                 offs = start + i * BLOCK + lanes
@@ -232,7 +241,8 @@ if _KERNELS:
 
     def _kinds(call: ShardsCall) -> dict:
         dtype = call.shards[0].dtype
-        return {"KIND": DTYPE_IDS[dtype], "BF16_BITS": dtype == torch.bfloat16 and interpret_mode()}
+        aligned = all(t.data_ptr() % 16 == 0 for t in (*call.shards, *(call.outs or ())))
+        return {"KIND": DTYPE_IDS[dtype], "BF16_BITS": dtype == torch.bfloat16 and interpret_mode(), "ALIGNED": aligned}
 
     def _triton_amaxes(call: ShardsCall) -> torch.Tensor:
         block, _, warps = SHARD_BLOCK
