@@ -94,7 +94,8 @@ def _reference_amaxes(call: ShardsCall) -> torch.Tensor:
 
 
 def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` rounded to ``dtype`` (fp32 to bf16: to nearest even on the bits, NaN kept), as fp32 values."""
+    """``x`` rounded to ``dtype``: fp32 to bf16 by round to nearest even on the bits (NaN kept; the kernel's
+    ``_round_to_dtype``), returned as fp32 values; any other pair by ``to``."""
     if x.dtype == torch.float32 and dtype == torch.bfloat16:
         nan = x.isnan()
         bits = torch.where(nan, 0.0, x).view(torch.int32)
