@@ -451,6 +451,34 @@ def profile_side(side: str, cfg, batch: int, seq: int, args, device) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
+def summary_lines(results: list, sides: list, fsdp: bool) -> list[str]:
+    """The table after the rounds: each side's best tokens/s, its step time over the rounds (min-max), its speed
+    against the hf side of the same round (min-max), issue time, peak memory, loss (and all-gather bytes and time
+    with FSDP); a note where the hf baseline itself moved by more than 5% between rounds (it runs no mxtrain code:
+    that spread is the machine's, and every ratio carries it)."""
+    lines = []
+    hf_ms = {r["round"]: r["ms"] for r in results if r["side"] == "hf" and "ms" in r}
+    extra = f"{'AG MiB':>9}{'AG ms':>8}" if fsdp else ""
+    lines.append(f"\n{'side':<26}{'tok/s (best)':>13}{'ms (rounds)':>16}{'vs hf':>12}{'issue ms':>10}{'peak GiB':>10}"
+                 f"{'loss':>9}{extra}")
+    for side in sides:
+        rows = [r for r in results if r["side"] == side and "ms" in r]
+        if not rows:
+            lines.append(f"{side:<26}{'failed':>13}")
+            continue
+        best = max(rows, key=lambda r: r["tokens_per_s"])
+        ratios = [hf_ms[r["round"]] / r["ms"] for r in rows if r["round"] in hf_ms]
+        ratio = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-"
+        spread = f"{min(r['ms'] for r in rows):.1f}-{max(r['ms'] for r in rows):.1f}"
+        extra = f"{best['allgather_mib']:>9.1f}{best['allgather_ms']:>8.1f}" if fsdp else ""
+        lines.append(f"{side:<26}{best['tokens_per_s']:>13.0f}{spread:>16}{ratio:>12}{best['issue_ms']:>10.1f}"
+                     f"{best['peak_gib']:>10.1f}{best['loss']:>9.4f}{extra}")
+    if len(hf_ms) > 1 and max(hf_ms.values()) > 1.05 * min(hf_ms.values()):
+        lines.append(f"note: the hf baseline moved by {100 * (max(hf_ms.values()) / min(hf_ms.values()) - 1):.0f}% "
+                     "between rounds (the machine's noise): compare sides within a round, or run more rounds")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="llama-1b")
@@ -563,20 +591,8 @@ def main():
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             torch._dynamo.reset()
-    hf_ms = {r["round"]: r["ms"] for r in results if r["side"] == "hf" and "ms" in r}
-    extra = f"{'AG MiB':>9}{'AG ms':>8}" if args.fsdp else ""
-    say(f"\n{'side':<26}{'tok/s (best)':>13}{'vs hf':>12}{'issue ms':>10}{'peak GiB':>10}{'loss':>9}{extra}")
-    for side in sides:
-        rows = [r for r in results if r["side"] == side and "ms" in r]
-        if not rows:
-            say(f"{side:<26}{'failed':>13}")
-            continue
-        best = max(rows, key=lambda r: r["tokens_per_s"])
-        ratios = [hf_ms[r["round"]] / r["ms"] for r in rows if r["round"] in hf_ms]
-        ratio = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-"
-        extra = f"{best['allgather_mib']:>9.1f}{best['allgather_ms']:>8.1f}" if args.fsdp else ""
-        say(f"{side:<26}{best['tokens_per_s']:>13.0f}{ratio:>12}{best['issue_ms']:>10.1f}"
-            f"{best['peak_gib']:>10.1f}{best['loss']:>9.4f}{extra}")
+    for line in summary_lines(results, sides, args.fsdp):
+        say(line)
     if args.json and rank == 0:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": name, "world": world, "versions": versions,

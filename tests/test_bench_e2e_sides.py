@@ -53,3 +53,30 @@ def test_profiled_sides_must_be_run(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "--host-phases names sides that --sides does not run: mx:none (--sides: hf)" in proc.stderr
+
+
+def _row(side, rnd, ms, **more):
+    return {"side": side, "round": rnd, "ms": ms, "tokens_per_s": 8192 / ms * 1e3, "issue_ms": ms * 0.8,
+            "peak_gib": 10.0, "loss": 2.5, **more}
+
+
+def test_summary_shows_each_sides_step_time_over_the_rounds_and_the_baselines_noise():
+    results = [_row("hf", 0, 140.0), _row("mx:fp8", 0, 170.0), _row("mx:fp8", 1, 160.0), _row("hf", 1, 160.0),
+               {"side": "ao", "round": 0, "error": "RuntimeError: boom"}]
+    lines = bench_e2e.summary_lines(results, ["hf", "mx:fp8", "ao"], fsdp=False)
+    head, hf, fp8, ao, note = lines
+    assert "ms (rounds)" in head and "vs hf" in head and "AG MiB" not in head
+    assert hf.split()[:4] == ["hf", "58514", "140.0-160.0", "1.00-1.00x"]
+    # best tokens/s is round 1's; against hf of the same round: 140/170 = 0.82, 160/160 = 1.00
+    assert fp8.split()[:4] == ["mx:fp8", "51200", "160.0-170.0", "0.82-1.00x"]
+    assert ao.split() == ["ao", "failed"]
+    assert note == ("note: the hf baseline moved by 14% between rounds (the machine's noise): compare sides within "
+                    "a round, or run more rounds")
+
+
+def test_summary_has_no_noise_note_for_a_steady_baseline_and_shows_gathers_under_fsdp():
+    results = [_row("hf", 0, 150.0, allgather_mib=1918.6, allgather_ms=23.5),
+               _row("hf", 1, 153.0, allgather_mib=1918.6, allgather_ms=30.0)]
+    lines = bench_e2e.summary_lines(results, ["hf"], fsdp=True)
+    assert len(lines) == 2 and "AG MiB" in lines[0]
+    assert lines[1].split()[-2:] == ["1918.6", "23.5"]  # the best round's (150 ms)
