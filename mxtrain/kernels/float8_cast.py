@@ -578,7 +578,7 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
         scale = scale.to(**f32).reshape(())
     elif part is not None:  # current: the amax written by the cast kernel from the partial maxima
         mode, amax = 2, torch.empty((), **f32)
-        scale = part
+        scale = part  # (no scale in MODE 2: the partial maxima fill both pointer arguments)
     else:
         mode, amax, scale = 1, amax.to(**f32).reshape(()), amax
     dtype = FP8_DTYPES[fmt]
@@ -588,7 +588,7 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
     db = torch.empty((grid[0], N), **f32) if dbias else None
     dummy = row if row is not None else col
     launch(_tensor_cast_kernel)[grid](xb, gb, _plane_arg(row, dummy, gpu), _plane_arg(col, dummy, gpu), scale,
-                                      amax, scale_inv, db if dbias else scale_inv, scale if part is None else part,
+                                      amax, scale_inv, db if dbias else scale_inv, scale,
                                       n_parts, M, N, x.stride(0), g.stride(0),
                                       FMAX=FP8_MAX[fmt], MBITS=mbits, EMIN=emin, EPS=float(amax_epsilon),
                                       POW2=bool(power_of_2_scales), MODE=mode, ROW=bool(rowwise),
