@@ -577,14 +577,16 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
         mode, amax = 0, torch.empty(grid[0] * grid[1], **f32)  # per-tile maxima, reduced below
         scale = scale.to(**f32).reshape(())
     elif part is not None:  # current: the amax written by the cast kernel from the partial maxima
-        mode, amax = 2, torch.empty((), **f32)
+        mode, amax = 2, torch.empty(1, **f32)  # (1 element, viewed as 0-d after the launch: see below)
         scale = part  # (no scale in MODE 2: the partial maxima fill both pointer arguments)
     else:
         mode, amax, scale = 1, amax.to(**f32).reshape(()), amax
     dtype = FP8_DTYPES[fmt]
     row = torch.empty((M, N), dtype=dtype, device=dev) if rowwise else None
     col = torch.empty((N, M), dtype=dtype, device=dev) if columnwise else None
-    scale_inv = torch.empty((), **f32)
+    # written by the kernel: 1-element tensors, viewed as 0-d after the launch (inductor fills an empty 0-d tensor of
+    # a traced graph with a kernel of its own, a launch each; an empty 1-D one it only allocates)
+    scale_inv = torch.empty(1, **f32)
     db = torch.empty((grid[0], N), **f32) if dbias else None
     dummy = row if row is not None else col
     launch(_tensor_cast_kernel)[grid](xb, gb, _plane_arg(row, dummy, gpu), _plane_arg(col, dummy, gpu), scale,
@@ -596,8 +598,8 @@ def _tensor_cast_impl(x, fmt, rowwise, columnwise, act, grad, scale, amax, power
                                       PARTS=triton.next_power_of_2(AMAX_PROGRAMS) if mode == 2 else 1, BM=BM, BN=BN,
                                       num_warps=warps,
                                       **src)
-    if mode == 0:
-        amax = amax.amax()
+    amax = amax.amax() if mode == 0 else amax.view(())
+    scale_inv = scale_inv.view(())
     planes = []
     if rowwise:
         planes.append(Float8Plane(row, scale_inv, 1))

@@ -101,3 +101,32 @@ def test_compiled_cast_launches_statically_with_eager_bits():
     for a, b in zip(eager, compiled):
         assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
                            b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_current_scaled_cast_is_two_launches():
+    """A compiled per-tensor current-scaled cast launches mxtrain's two kernels (amax pass, cast) and nothing else:
+    its scalar outputs (scale_inv, amax) are 1-element buffers, which inductor allocates without a kernel (an empty
+    0-d tensor of a traced graph it fills with one launch each, 256 launches a step of a 16-layer Llama)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from mxtrain.kernels.float8_cast import tensor_cast_float8
+
+    x = torch.randn(256, 384, device="cuda", dtype=torch.bfloat16)
+
+    def cast(t):
+        q, _ = tensor_cast_float8(t, rowwise=True, columnwise=True)
+        return q.planes[0].data, q.planes[1].data, q.scale_inv, q.amax
+
+    eager = cast(x)
+    torch._dynamo.reset()
+    compiled, codes = run_and_get_code(torch.compile(cast, fullgraph=True), x)
+    torch._dynamo.reset()
+    launches = [m for code in codes for m in re.findall(r"^\s*(\w+)\.run\(", code, flags=re.M)]
+    assert sorted(k.rsplit("_", 1)[0] for k in launches) == ["_tensor_amax_kernel", "_tensor_cast_kernel"], launches
+    assert compiled[2].shape == () and compiled[3].shape == ()
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
