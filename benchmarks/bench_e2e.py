@@ -500,7 +500,8 @@ def main():
     p.add_argument("--host-trace", default="", metavar="SIDES",
                    help="after timing these sides, torch.profiler over 3 steps of each on rank 0 (hostprof.py): the "
                         "host's time a step by region (FSDP2's annotations, compiled graphs, optimizer, backward "
-                        "nodes), with kernel launches; lighter than --host-profile's cProfile")
+                        "nodes), with kernel launches; lighter than --host-profile's cProfile. On CUDA also the GPU's "
+                        "side: the compute stream's busy and idle time a step, kernel time by kind, NCCL's overlap")
     p.add_argument("--host-trace-out", default=None, metavar="DIR", help="also keep the chrome traces here")
     p.add_argument("--host-phases", default="", metavar="SIDES",
                    help="after timing these sides, 10 more steps without a profiler: every rank's host time a step in "

@@ -171,7 +171,24 @@ def host_trace(step, steps: int, label: str, rows: int = 30, sync=None, out_dir:
         with gzip.open(os.path.join(out_dir, re.sub(r"[^A-Za-z0-9_.-]", "_", label) + ".json.gz"), "wt") as f:
             json.dump(trace, f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return f"## {label} ({steps} steps under torch.profiler)\n" + summarize_trace(events, steps, rows)
+    return (f"## {label} ({steps} steps under torch.profiler)\n" + summarize_trace(events, steps, rows)
+            + gpu_summary(events, steps))
+
+
+def gpu_summary(events, steps: int) -> str:
+    """The GPU side of a profiled trace, a step (``profile_fsdp.analyze_events``): the kernels' span, the compute
+    stream's busy and idle time (busy well under the step: the GPU waits for the host), kernel time by category,
+    NCCL time and its overlap with the compute stream. Empty without CUDA kernels."""
+    from profile_fsdp import analyze_events  # benchmarks/ is on sys.path
+
+    k = analyze_events(events, steps)
+    if k is None:
+        return ""
+    cats = ", ".join(f"{c} {v:.1f}" for c, v in k["categories_ms"].items())
+    return (f"\nGPU a step: kernels span {k['span_ms']:.1f} ms; compute stream busy {k['compute_busy_ms']:.1f} ms, "
+            f"idle {k['compute_idle_ms']:.1f} ms; kernel ms by kind: {cats}; NCCL {k['nccl_ms']:.1f} ms "
+            f"({k['nccl_overlap_compute_ms']:.1f} over compute)\n"
+            + "".join(f"  {v:8.2f} ms  {n}\n" for n, v in k["top_kernels_ms"]))
 
 
 # --------------------------------------------------------------------------- unprofiled: host time by phase

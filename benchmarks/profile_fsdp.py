@@ -45,7 +45,7 @@ import mxtrain  # noqa: E402
 
 GEMM = re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|wgmma", re.IGNORECASE)
 NCCL = re.compile(r"nccl", re.IGNORECASE)
-MX = re.compile(r"mx_|_mx|cast|quant|dequant|norm_cast|act", re.IGNORECASE)
+MX = re.compile(r"mx_|_mx|cast|quant|dequant|norm_cast|act|amax|transpose", re.IGNORECASE)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # blocking
 
 
@@ -97,9 +97,15 @@ def _overlap(a, b):
 
 
 def analyze_trace(path, steps):
-    """Per-step kernel figures (ms) from a chrome trace of ``steps`` profiled steps."""
+    """Per-step kernel figures (ms) from a chrome trace of ``steps`` profiled steps (:func:`analyze_events`)."""
     with open(path) as f:
-        events = json.load(f)["traceEvents"]
+        return analyze_events(json.load(f)["traceEvents"], steps)
+
+
+def analyze_events(events, steps):
+    """Per-step kernel figures (ms) from the events of a chrome trace of ``steps`` profiled steps; None without
+    kernels. The compute stream is the one whose non-NCCL kernels take longest; its busy time is the union of its
+    kernels' intervals, its idle time the rest of the span from the first kernel to the last."""
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     runtime = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"]
     marks = [e for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"

@@ -42,6 +42,29 @@ def test_own_time_goes_to_the_innermost_region():
     assert out.splitlines()[-1] == "by kind: FSDP 60.0 ms, backward node 30.0 ms, compiled 10.0 ms, outside 4.0 ms"
 
 
+def _kernel(name, ts, dur, stream):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_gpu_summary_of_a_made_up_trace():
+    """Two steps: a GEMM, an amax pass and an inductor kernel on stream 7, an all-gather on stream 20 over part of
+    them. Busy is the union on the compute stream, idle the rest of the span, NCCL's overlap the intersection."""
+    events = [_kernel("sm90_xmma_gemm_bf16", 0, 100, 7), _kernel("_tensor_amax_kernel", 150, 50, 7),
+              _kernel("ncclDevKernel_AllGather_RING", 50, 200, 20), _kernel("triton_poi_fused_add", 300, 100, 7),
+              _ev("aten::mm", 0, 10)]
+    from profile_fsdp import analyze_events
+
+    k = analyze_events(events, 2)
+    assert k["compute_stream"] == 7
+    assert k["span_ms"] == pytest.approx(0.2) and k["compute_busy_ms"] == pytest.approx(0.125)
+    assert k["compute_idle_ms"] == pytest.approx(0.075)
+    assert k["nccl_ms"] == pytest.approx(0.1) and k["nccl_overlap_compute_ms"] == pytest.approx(0.05)
+    assert k["categories_ms"] == pytest.approx({"nccl": 0.1, "gemm": 0.05, "other": 0.05, "mx/cast": 0.025})
+    text = hostprof.gpu_summary(events, 2)
+    assert "compute stream busy 0.1 ms, idle 0.1 ms" in text and "_tensor_amax_kernel" in text
+    assert hostprof.gpu_summary([_ev("aten::mm", 0, 10)], 2) == ""  # no kernels (the CPU): nothing to add
+
+
 def test_host_trace_of_real_ops():
     x = torch.randn(64, 64)
     out = hostprof.host_trace(lambda: (x @ x).sum(), 2, "matmul")
