@@ -288,7 +288,8 @@ _TRANSPOSES_FAILED: list = []  # the first error of a group's one-launch transpo
 def _dgrad_job(buf: torch.Tensor, meta: dict, state) -> tuple | None:
     """``(codes [N, K], dgrad arena [K, N])`` as bytes, where this FP8 gather's fill transposes (a dgrad plane that
     is not left to a later gather, into an arena of the right size); else None."""
-    if meta.get("kind") != "fp8" or 0 not in meta["specs"] or meta.get("dgrad_later") or buf.dtype != torch.uint8:
+    if (meta.get("kind") != "fp8" or 0 not in meta["specs"] or meta.get("dgrad_later") or meta.get("dgrad_in_graph")
+            or buf.dtype != torch.uint8):
         return None
     n, k = meta["shape"]
     arena = state.inner[0] if state.inner else None
@@ -709,6 +710,14 @@ class MXAllGatherWeight(torch.Tensor):
         # FP8: the dgrad plane of a traced forward gather is written by the backward gather before any use (the
         # traced forward only saves it): the transpose waits for that gather
         meta["dgrad_later"] = again and bool(info.traced)
+        # FP8 per-tensor current scaling, traced, gathered once for forward and backward (no reshard after forward):
+        # the compiled backward transposes the gathered codes itself (inductor's kernel, launched from its code), so
+        # the fill leaves the dgrad plane out: no transpose launched from Python (about 250 us of host a group on an
+        # H100 host), no plane held from forward to backward. (DelayedScaling weights run eagerly, and block scaling
+        # keeps the plane: their fills transpose, in one launch a group.)
+        meta["dgrad_in_graph"] = (meta["kind"] == "fp8" and bool(info.traced) and phase == TrainingState.FORWARD
+                                  and not group._reshard_after_forward and 0 in meta["specs"] and meta["block"] is None
+                                  and meta["specs"][0].scaling != "delayed")
         # MX: a traced weight's planes stay in their places (_PlaneLayout); a gather that sends one writes it there
         meta["in_place"] = bool(info.traced) and meta["kind"] == "mx"
         layout = (inputs[0].numel(), inputs[0].dtype)
@@ -1190,6 +1199,8 @@ class _GatheredState:
         self.pending, self.layout = frozenset(), None
         self._mark_layout()
         for axis, spec in meta["specs"].items():
+            if axis == 0 and meta.get("dgrad_in_graph"):
+                continue  # the compiled backward transposes the rowwise codes (mx_gathered_plane)
             if axis == 1:
                 plane = Float8Plane(row, scale_inv, 1, block)
             else:

@@ -117,9 +117,13 @@ def test_backward_gathers_send_the_forward_gathers_bytes_without_casting_again(c
 @pytest.mark.parametrize("config", CONFIGS)
 def test_fp8_dgrad_planes_are_transposed_once_a_step(compiled, recipe, config):
     # a traced forward gather lays the dgrad plane out for the backward gather to write (before, every gather
-    # of a traced weight transposed: the forward's transpose was overwritten before backward read it)
+    # of a traced weight transposed: the forward's transpose was overwritten before backward read it). Traced
+    # without a reshard after forward (one gather a step), current scaling: the compiled backward transposes the
+    # gathered codes itself, so no gather does (the gradients are eager's: the tests above)
     r = compiled[f"{recipe}-{config}"]
-    assert r["gathers"]["transposes"] == r["eager_gathers"]["transposes"] == WEIGHTS * STEPS
+    assert r["eager_gathers"]["transposes"] == WEIGHTS * STEPS
+    in_graph = config == "keep" and recipe == "fp8_current"
+    assert r["gathers"]["transposes"] == (0 if in_graph else WEIGHTS * STEPS)
 
 
 @pytest.mark.parametrize("config", ["reshard", "reshard-inner"])
