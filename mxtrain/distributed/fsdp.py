@@ -711,10 +711,12 @@ class MXAllGatherWeight(torch.Tensor):
         # traced forward only saves it): the transpose waits for that gather
         meta["dgrad_later"] = again and bool(info.traced)
         # FP8 per-tensor current scaling, traced, gathered once for forward and backward (no reshard after forward):
-        # the compiled backward transposes the gathered codes itself (inductor's kernel, launched from its code), so
-        # the fill leaves the dgrad plane out: no transpose launched from Python (about 250 us of host a group on an
-        # H100 host), no plane held from forward to backward. (DelayedScaling weights run eagerly, and block scaling
-        # keeps the plane: their fills transpose, in one launch a group.)
+        # the compiled graph transposes the gathered codes itself (mx_gathered_plane: inductor's kernel, launched
+        # from its code; the partitioner places it), so the fill leaves the dgrad plane out: no transpose launched
+        # from Python (about 250 us of host a group on an H100 host). A module of the group that runs eagerly (a
+        # graph break) transposes each weight in its backward. Blocks that reshard after forward keep the plane (a
+        # model mixing both compiles one more graph: dynamo guards on the planes present). DelayedScaling weights
+        # run eagerly, and block scaling keeps the plane: their fills transpose, in one launch a group.
         meta["dgrad_in_graph"] = (meta["kind"] == "fp8" and bool(info.traced) and phase == TrainingState.FORWARD
                                   and not group._reshard_after_forward and 0 in meta["specs"] and meta["block"] is None
                                   and meta["specs"][0].scaling != "delayed")

@@ -79,6 +79,14 @@ def test_checkpointed_compiled_blocks_get_eagers_gradients(compiled, recipe):
     assert len(r["params"]) == 12 and r["differ"] == []
 
 
+def test_checkpointed_compiled_blocks_without_reshard_transpose_in_the_graph(compiled):
+    # FP8 current scaling, no reshard after forward: the gathers leave the dgrad plane out (no gather transposes), the
+    # recompute reads the rowwise codes, the compiled backward transposes them: eager's gradients
+    r = compiled["fp8_current-checkpoint-keep"]
+    assert len(r["params"]) == 12
+    assert r["differ"] == [] and r["transposes"] == 0
+
+
 def test_delayed_scaling_under_mxtrain_checkpoint_with_fp8_gathers_says_what_to_use(compiled):
     # the recompute casts at its forward's scales; the backward gather's codes carry the updated ones
     assert "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)" in compiled["fp8_delayed-checkpoint"]["error"]
