@@ -710,16 +710,16 @@ class MXAllGatherWeight(torch.Tensor):
         # FP8: the dgrad plane of a traced forward gather is written by the backward gather before any use (the
         # traced forward only saves it): the transpose waits for that gather
         meta["dgrad_later"] = again and bool(info.traced)
-        # FP8 per-tensor current scaling, traced, gathered once for forward and backward (no reshard after forward):
-        # the compiled graph transposes the gathered codes itself (mx_gathered_plane: inductor's kernel, launched
-        # from its code; the partitioner places it), so the fill leaves the dgrad plane out: no transpose launched
-        # from Python (about 250 us of host a group on an H100 host). A module of the group that runs eagerly (a
-        # graph break) transposes each weight in its backward. Blocks that reshard after forward keep the plane (a
-        # model mixing both compiles one more graph: dynamo guards on the planes present). DelayedScaling weights
+        # FP8 per-tensor current scaling, traced: the compiled graph transposes the gathered rowwise codes for the dgrad
+        # plane itself (mx_gathered_plane: inductor's kernel, launched from its code; the partitioner places it), so
+        # the fill leaves the plane out: no transpose launched from Python (about 250 us of host a group on an H100
+        # host). A forward gather that a backward gather follows keeps nothing for it: the backward reads the codes
+        # the forward saw, refilled in place by the backward gather (as FSDP2 refills a plain parameter). A module of
+        # the group that runs eagerly (a graph break) transposes each weight in its backward. DelayedScaling weights
         # run eagerly, and block scaling keeps the plane: their fills transpose, in one launch a group.
-        meta["dgrad_in_graph"] = (meta["kind"] == "fp8" and bool(info.traced) and phase == TrainingState.FORWARD
-                                  and not group._reshard_after_forward and 0 in meta["specs"] and meta["block"] is None
-                                  and meta["specs"][0].scaling != "delayed")
+        meta["dgrad_in_graph"] = (meta["kind"] == "fp8" and bool(info.traced) and meta["block"] is None
+                                  and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
+                                  and 0 in meta["specs"] and meta["specs"][0].scaling != "delayed")
         # MX: a traced weight's planes stay in their places (_PlaneLayout); a gather that sends one writes it there
         meta["in_place"] = bool(info.traced) and meta["kind"] == "mx"
         layout = (inputs[0].numel(), inputs[0].dtype)

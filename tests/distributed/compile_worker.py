@@ -98,7 +98,8 @@ def scenario_compile(rank: int, device) -> dict:
         def after_step():
             # every graph dynamo compiled in the step: the blocks' (the FP8 gathers' batched casts are kernel
             # launches, not compiled functions)
-            steps.append((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]))
+            steps.append((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
+                          mxdist.all_gather_stats()["transposes"] - sum(t for *_, t in steps)))
             counters.clear()
 
         mxdist.reset_all_gather_stats()
@@ -110,8 +111,9 @@ def scenario_compile(rank: int, device) -> dict:
             "params": sorted(ref),
             "warned": sorted({str(w.message).split("one graph break: ")[1].split(" ")[0] for w in seen
                               if "runs its GEMM path eagerly" in str(w.message)}),
-            "graph_breaks": [b for b, _ in steps],  # per step
-            "graphs": [g for _, g in steps],  # graphs compiled, per step
+            "graph_breaks": [b for b, _, _ in steps],  # per step
+            "graphs": [g for _, g, _ in steps],  # graphs compiled, per step
+            "transposes": [t for _, _, t in steps],  # FP8 dgrad planes transposed outside the graphs, per step
             "no_grad": sorted(n for n, g in compiled.items() if g is None or not g.abs().max() > 0),
             "differ": sorted(n for n, g in compiled.items()
                              if g is not None and ref.get(n) is not None and not torch.equal(g, ref[n])),
