@@ -39,6 +39,8 @@ def values_request(ndim: int, axis, dequantized, keep_codes, dtype) -> tuple[tup
     ``axis`` needs its codes or its values. Remembered per argument tuple (every cast of a
     training step asks it, with a handful of distinct requests).
     """
+    if torch.compiler.is_compiling():  # traced as it is (dynamo warns on every lru_cache it traces through)
+        return _values_request(ndim, axis, dequantized, keep_codes, dtype)
     try:
         return _values_request_cached(ndim, axis, dequantized, keep_codes, dtype)
     except TypeError:  # unhashable arguments (lists): worked out afresh

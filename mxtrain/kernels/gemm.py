@@ -80,7 +80,9 @@ def native_mx_gemm(device: torch.device) -> bool:
     if not config.current().mx_scaled_mm or device.type != "cuda" or not hasattr(torch, "float8_e8m0fnu"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return index not in _SCALED_MM_BROKEN and _capability(index) >= (10, 0)
+    # traced: torch's own call (dynamo warns on every lru_cache it traces through, and reads the capability anyway)
+    capability = torch.cuda.get_device_capability(index) if torch.compiler.is_compiling() else _capability(index)
+    return index not in _SCALED_MM_BROKEN and capability >= (10, 0)
 
 
 def blocked_scales(scale: torch.Tensor) -> torch.Tensor:

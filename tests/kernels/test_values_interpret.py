@@ -224,3 +224,23 @@ def test_strip_kernel_stochastic_same_stream(mx_config, kdevice):
     mx_config(cast_strip=(8, 16, 64, 4))
     b = cast.triton_quantize(x, "fp4_e2m1", axis=(-1, 0), rounding="stochastic", seed=3)
     assert not planes_equal(a, b)
+
+
+def test_values_request_traces_without_dynamos_lru_cache_warning():
+    """Under torch.compile the request is worked out as plain Python: dynamo warns on every lru_cache-wrapped
+    function it traces through (a user saw one such warning per compiled module on CUDA). Same answer as eager."""
+    import warnings
+
+    want = dispatch.values_request(2, (0, 1), (1,), None, torch.bfloat16)
+
+    def f(x):
+        deq, keep = dispatch.values_request(2, (0, 1), (1,), None, torch.bfloat16)
+        return x * (len(deq) + 10 * len(keep))
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(3))
+    torch._dynamo.reset()
+    assert not [w for w in seen if "lru_cache" in str(w.message)], [str(w.message)[:200] for w in seen]
+    assert torch.equal(got, torch.ones(3) * (len(want[0]) + 10 * len(want[1])))
