@@ -716,10 +716,12 @@ class MXAllGatherWeight(torch.Tensor):
         # host). A forward gather that a backward gather follows keeps nothing for it: the backward reads the codes
         # the forward saw, refilled in place by the backward gather (as FSDP2 refills a plain parameter). A module of
         # the group that runs eagerly (a graph break) transposes each weight in its backward. DelayedScaling weights
-        # run eagerly, and block scaling keeps the plane: their fills transpose, in one launch a group.
+        # and the modules of a recipe with an amax_reduction_group run eagerly (their casts cannot be compiled), and
+        # block scaling keeps the plane: their fills transpose, in one launch a group.
         meta["dgrad_in_graph"] = (meta["kind"] == "fp8" and bool(info.traced) and meta["block"] is None
                                   and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
-                                  and 0 in meta["specs"] and meta["specs"][0].scaling != "delayed")
+                                  and 0 in meta["specs"] and meta["specs"][0].scaling != "delayed"
+                                  and getattr(recipe, "amax_reduction_group", None) is None)
         # MX: a traced weight's planes stay in their places (_PlaneLayout); a gather that sends one writes it there
         meta["in_place"] = bool(info.traced) and meta["kind"] == "mx"
         layout = (inputs[0].numel(), inputs[0].dtype)
