@@ -45,7 +45,8 @@ import mxtrain  # noqa: E402
 
 GEMM = re.compile(r"gemm|cutlass|nvjet|sm90_xmma|cublas|wgmma", re.IGNORECASE)
 NCCL = re.compile(r"nccl", re.IGNORECASE)
-MX = re.compile(r"mx_|_mx|cast|quant|dequant|norm_cast|act|amax|transpose", re.IGNORECASE)
+# mxtrain's kernels (inductor's own are named triton_..._<origins>: a "transpose" there is a view, not a kernel of ours)
+MX = re.compile(r"mx_|_mx|cast|quant|dequant|norm_cast|act|amax_kernel|transpose(_group)?_kernel", re.IGNORECASE)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")  # blocking
 
 

@@ -47,10 +47,12 @@ def _kernel(name, ts, dur, stream):
 
 
 def test_gpu_summary_of_a_made_up_trace():
-    """Two steps: a GEMM, an amax pass and an inductor kernel on stream 7, an all-gather on stream 20 over part of
-    them. Busy is the union on the compute stream, idle the rest of the span, NCCL's overlap the intersection."""
+    """Two steps: a GEMM, an amax pass and an inductor kernel (its name says transpose: "other") on stream 7, an
+    all-gather on stream 20 over part of them. Busy is the union on the compute stream, idle the rest of the span,
+    NCCL's overlap the intersection."""
     events = [_kernel("sm90_xmma_gemm_bf16", 0, 100, 7), _kernel("_tensor_amax_kernel", 150, 50, 7),
-              _kernel("ncclDevKernel_AllGather_RING", 50, 200, 20), _kernel("triton_poi_fused_add", 300, 100, 7),
+              _kernel("ncclDevKernel_AllGather_RING", 50, 200, 20),
+              _kernel("triton_poi_fused_add_cat_mul_neg_split_transpose_view_1", 300, 100, 7),  # inductor's: other
               _ev("aten::mm", 0, 10)]
     from profile_fsdp import analyze_events
 
