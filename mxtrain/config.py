@@ -119,8 +119,8 @@ class Settings:
     grouped_mm: str = "auto"  # MXTRAIN_GROUPED_MM: auto (CUDA only) | 1 (always) | 0 (never) torch grouped GEMM
     gather_values: bool | str = "auto"  # MXTRAIN_GATHER_VALUES: 0 | 1 | auto, FSDP gathers dequantize to bf16
     # MXTRAIN_FSDP_BATCHED_CASTS: auto (CUDA) | 1 (any device) | 0 (never): the FP8 all-gathers' per-tensor
-    # current-scaled casts of every weight in two launches a step (amaxes, codes), not a cast per weight and gather, and a
-    # group's dgrad transposes after a gather in one launch for up to four weights
+    # current-scaled casts of every weight in two launches a step (amaxes, codes), not a cast per weight and
+    # gather, and a group's dgrad transposes after a gather in one launch for up to four weights
     fsdp_batched_casts: str = "auto"
     compat_reference: bool = False  # MXTRAIN_COMPAT_REFERENCE=1: compat.mx runs the reference quantizer
     # data and tests

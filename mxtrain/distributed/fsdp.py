@@ -288,8 +288,7 @@ _TRANSPOSES_FAILED: list = []  # the first error of a group's one-launch transpo
 def _dgrad_job(buf: torch.Tensor, meta: dict, state) -> tuple | None:
     """``(codes [N, K], dgrad arena [K, N])`` as bytes, where this FP8 gather's fill transposes (a dgrad plane that
     is not left to a later gather, into an arena of the right size); else None."""
-    if (meta.get("kind") != "fp8" or 0 not in meta["specs"] or meta.get("dgrad_later") or meta.get("dgrad_in_graph")
-            or buf.dtype != torch.uint8):
+    if meta.get("kind") != "fp8" or 0 not in meta["specs"] or meta.get("dgrad_later") or buf.dtype != torch.uint8:
         return None
     n, k = meta["shape"]
     arena = state.inner[0] if state.inner else None
@@ -718,10 +717,11 @@ class MXAllGatherWeight(torch.Tensor):
         # the group that runs eagerly (a graph break) transposes each weight in its backward. DelayedScaling weights
         # and the modules of a recipe with an amax_reduction_group run eagerly (their casts cannot be compiled), and
         # block scaling keeps the plane: their fills transpose, in one launch a group.
-        meta["dgrad_in_graph"] = (meta["kind"] == "fp8" and bool(info.traced) and meta["block"] is None
-                                  and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
-                                  and 0 in meta["specs"] and meta["specs"][0].scaling != "delayed"
-                                  and getattr(recipe, "amax_reduction_group", None) is None)
+        if (meta["kind"] == "fp8" and bool(info.traced) and meta["block"] is None
+                and phase in (TrainingState.FORWARD, TrainingState.PRE_BACKWARD)
+                and 0 in meta["specs"] and meta["specs"][0].scaling != "delayed"
+                and getattr(recipe, "amax_reduction_group", None) is None):
+            meta["specs"] = {a: spec for a, spec in meta["specs"].items() if a != 0}  # the fill makes the rowwise one
         # MX: a traced weight's planes stay in their places (_PlaneLayout); a gather that sends one writes it there
         meta["in_place"] = bool(info.traced) and meta["kind"] == "mx"
         layout = (inputs[0].numel(), inputs[0].dtype)
@@ -1203,8 +1203,6 @@ class _GatheredState:
         self.pending, self.layout = frozenset(), None
         self._mark_layout()
         for axis, spec in meta["specs"].items():
-            if axis == 0 and meta.get("dgrad_in_graph"):
-                continue  # the compiled backward transposes the rowwise codes (mx_gathered_plane)
             if axis == 1:
                 plane = Float8Plane(row, scale_inv, 1, block)
             else:
