@@ -59,6 +59,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -453,13 +454,15 @@ def profile_side(side: str, cfg, batch: int, seq: int, args, device) -> None:
 
 def summary_lines(results: list, sides: list, fsdp: bool) -> list[str]:
     """The table after the rounds: each side's best tokens/s, its step time over the rounds (min-max), its speed
-    against the hf side of the same round (min-max), issue time, peak memory, loss (and all-gather bytes and time
-    with FSDP); a note where the hf baseline itself moved by more than 5% between rounds (it runs no mxtrain code:
-    that spread is the machine's, and every ratio carries it)."""
+    against the hf side of the same round (min-max, and the median over the rounds: the figure to quote where the
+    machine's noise moves single rounds), issue time, peak memory, loss (and all-gather bytes and time with
+    FSDP); a note where the hf baseline itself moved by more than 5% between rounds (it runs no mxtrain code: that
+    spread is the machine's, and every ratio carries it)."""
     lines = []
     hf_ms = {r["round"]: r["ms"] for r in results if r["side"] == "hf" and "ms" in r}
     extra = f"{'AG MiB':>9}{'AG ms':>8}" if fsdp else ""
-    lines.append(f"\n{'side':<26}{'tok/s (best)':>13}{'ms (rounds)':>16}{'vs hf':>12}{'issue ms':>10}{'peak GiB':>10}"
+    lines.append(f"\n{'side':<26}{'tok/s (best)':>13}{'ms (rounds)':>16}{'vs hf':>12}{'median':>8}{'issue ms':>10}"
+                 f"{'peak GiB':>10}"
                  f"{'loss':>9}{extra}")
     for side in sides:
         rows = [r for r in results if r["side"] == side and "ms" in r]
@@ -469,9 +472,11 @@ def summary_lines(results: list, sides: list, fsdp: bool) -> list[str]:
         best = max(rows, key=lambda r: r["tokens_per_s"])
         ratios = [hf_ms[r["round"]] / r["ms"] for r in rows if r["round"] in hf_ms]
         ratio = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-"
+        median = f"{statistics.median(ratios):.2f}x" if ratios else "-"
         spread = f"{min(r['ms'] for r in rows):.1f}-{max(r['ms'] for r in rows):.1f}"
         extra = f"{best['allgather_mib']:>9.1f}{best['allgather_ms']:>8.1f}" if fsdp else ""
-        lines.append(f"{side:<26}{best['tokens_per_s']:>13.0f}{spread:>16}{ratio:>12}{best['issue_ms']:>10.1f}"
+        lines.append(f"{side:<26}{best['tokens_per_s']:>13.0f}{spread:>16}{ratio:>12}{median:>8}"
+                     f"{best['issue_ms']:>10.1f}"
                      f"{best['peak_gib']:>10.1f}{best['loss']:>9.4f}{extra}")
     if len(hf_ms) > 1 and max(hf_ms.values()) > 1.05 * min(hf_ms.values()):
         lines.append(f"note: the hf baseline moved by {100 * (max(hf_ms.values()) / min(hf_ms.values()) - 1):.0f}% "

@@ -69,6 +69,7 @@ def test_summary_shows_each_sides_step_time_over_the_rounds_and_the_baselines_no
     assert hf.split()[:4] == ["hf", "58514", "140.0-160.0", "1.00-1.00x"]
     # best tokens/s is round 1's; against hf of the same round: 140/170 = 0.82, 160/160 = 1.00
     assert fp8.split()[:4] == ["mx:fp8", "51200", "160.0-170.0", "0.82-1.00x"]
+    assert "median" in head and fp8.split()[4] == "0.91x" and hf.split()[4] == "1.00x"  # (0.82 + 1.00) / 2
     assert ao.split() == ["ao", "failed"]
     assert note == ("note: the hf baseline moved by 14% between rounds (the machine's noise): compare sides within "
                     "a round, or run more rounds")
