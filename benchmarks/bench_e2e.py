@@ -462,8 +462,7 @@ def summary_lines(results: list, sides: list, fsdp: bool) -> list[str]:
     hf_ms = {r["round"]: r["ms"] for r in results if r["side"] == "hf" and "ms" in r}
     extra = f"{'AG MiB':>9}{'AG ms':>8}" if fsdp else ""
     lines.append(f"\n{'side':<26}{'tok/s (best)':>13}{'ms (rounds)':>16}{'vs hf':>12}{'median':>8}{'issue ms':>10}"
-                 f"{'peak GiB':>10}"
-                 f"{'loss':>9}{extra}")
+                 f"{'peak GiB':>10}{'loss':>9}{extra}")
     for side in sides:
         rows = [r for r in results if r["side"] == side and "ms" in r]
         if not rows:
@@ -476,8 +475,7 @@ def summary_lines(results: list, sides: list, fsdp: bool) -> list[str]:
         spread = f"{min(r['ms'] for r in rows):.1f}-{max(r['ms'] for r in rows):.1f}"
         extra = f"{best['allgather_mib']:>9.1f}{best['allgather_ms']:>8.1f}" if fsdp else ""
         lines.append(f"{side:<26}{best['tokens_per_s']:>13.0f}{spread:>16}{ratio:>12}{median:>8}"
-                     f"{best['issue_ms']:>10.1f}"
-                     f"{best['peak_gib']:>10.1f}{best['loss']:>9.4f}{extra}")
+                     f"{best['issue_ms']:>10.1f}{best['peak_gib']:>10.1f}{best['loss']:>9.4f}{extra}")
     if len(hf_ms) > 1 and max(hf_ms.values()) > 1.05 * min(hf_ms.values()):
         lines.append(f"note: the hf baseline moved by {100 * (max(hf_ms.values()) / min(hf_ms.values()) - 1):.0f}% "
                      "between rounds (the machine's noise): compare sides within a round, or run more rounds")
