@@ -18,8 +18,10 @@ alternated round by round in one process on one GPU. Sides:
   computes the loss as the ``hf`` sides do (``F.cross_entropy(logits.float(), targets)``).
 
 Throughput is timed with CUDA events over ``--steps`` steps after ``--warmup`` steps (compiling and capturing
-happen in the warm-up); ``vs hf`` divides by the ``hf`` side of the same round. ``issue ms`` is the host's
-time to issue one eager step (no synchronisation inside a step), which says whether the GPU waits for the host.
+happen in the warm-up); ``vs hf`` divides by the ``hf`` side of the same round, and the summary gives the median
+of those ratios over the rounds. ``issue ms`` is the host's time to issue one eager step (no synchronisation inside
+a step), which says whether the GPU waits for the host. Each round builds every side's model anew from the seed, so
+the loss is after warm-up + 3 + ``--steps`` steps (``loss@N``), next to its difference from hf's of the same round.
 
     python benchmarks/bench_e2e.py --model llama-1b                       # all default sides
     python benchmarks/bench_e2e.py --model smollm2-135m --sides hf,mx:mxfp8,mx:mxfp8+graph --rounds 2
@@ -452,17 +454,21 @@ def profile_side(side: str, cfg, batch: int, seq: int, args, device) -> None:
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
-def summary_lines(results: list, sides: list, fsdp: bool) -> list[str]:
+def summary_lines(results: list, sides: list, fsdp: bool, loss_step: int | None = None) -> list[str]:
     """The table after the rounds: each side's best tokens/s, its step time over the rounds (min-max), its speed
     against the hf side of the same round (min-max, and the median over the rounds: the figure to quote where the
-    machine's noise moves single rounds), issue time, peak memory, loss (and all-gather bytes and time with
-    FSDP); a note where the hf baseline itself moved by more than 5% between rounds (it runs no mxtrain code: that
-    spread is the machine's, and every ratio carries it)."""
+    machine's noise moves single rounds), issue time, peak memory, loss (the best round's, after ``loss_step``
+    steps where given: every round builds its model anew) and its difference from hf's loss of the same round
+    (the mean over the rounds, in percent), and all-gather bytes and time with FSDP; a note where the hf baseline
+    itself moved by more than 5% between rounds (it runs no mxtrain code: that spread is the machine's, and every
+    ratio carries it)."""
     lines = []
     hf_ms = {r["round"]: r["ms"] for r in results if r["side"] == "hf" and "ms" in r}
+    hf_loss = {r["round"]: r["loss"] for r in results if r["side"] == "hf" and "ms" in r}
     extra = f"{'AG MiB':>9}{'AG ms':>8}" if fsdp else ""
+    loss = "loss" if loss_step is None else f"loss@{loss_step}"
     lines.append(f"\n{'side':<26}{'tok/s (best)':>13}{'ms (rounds)':>16}{'vs hf':>12}{'median':>8}{'issue ms':>10}"
-                 f"{'peak GiB':>10}{'loss':>9}{extra}")
+                 f"{'peak GiB':>10}{loss:>9}{'vs hf':>9}{extra}")
     for side in sides:
         rows = [r for r in results if r["side"] == side and "ms" in r]
         if not rows:
@@ -473,9 +479,11 @@ def summary_lines(results: list, sides: list, fsdp: bool) -> list[str]:
         ratio = f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "-"
         median = f"{statistics.median(ratios):.2f}x" if ratios else "-"
         spread = f"{min(r['ms'] for r in rows):.1f}-{max(r['ms'] for r in rows):.1f}"
+        deltas = [100 * (r["loss"] / hf_loss[r["round"]] - 1) for r in rows if hf_loss.get(r["round"])]
+        delta = f"{sum(deltas) / len(deltas):+.2f}%" if deltas else "-"  # (a NaN loss prints nan)
         extra = f"{best['allgather_mib']:>9.1f}{best['allgather_ms']:>8.1f}" if fsdp else ""
         lines.append(f"{side:<26}{best['tokens_per_s']:>13.0f}{spread:>16}{ratio:>12}{median:>8}"
-                     f"{best['issue_ms']:>10.1f}{best['peak_gib']:>10.1f}{best['loss']:>9.4f}{extra}")
+                     f"{best['issue_ms']:>10.1f}{best['peak_gib']:>10.1f}{best['loss']:>9.4f}{delta:>9}{extra}")
     if len(hf_ms) > 1 and max(hf_ms.values()) > 1.05 * min(hf_ms.values()):
         lines.append(f"note: the hf baseline moved by {100 * (max(hf_ms.values()) / min(hf_ms.values()) - 1):.0f}% "
                      "between rounds (the machine's noise): compare sides within a round, or run more rounds")
@@ -595,7 +603,7 @@ def main():
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             torch._dynamo.reset()
-    for line in summary_lines(results, sides, args.fsdp):
+    for line in summary_lines(results, sides, args.fsdp, loss_step=args.warmup + 3 + args.steps):
         say(line)
     if args.json and rank == 0:
         with open(args.json, "w") as f:

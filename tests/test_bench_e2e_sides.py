@@ -70,6 +70,7 @@ def test_summary_shows_each_sides_step_time_over_the_rounds_and_the_baselines_no
     # best tokens/s is round 1's; against hf of the same round: 140/170 = 0.82, 160/160 = 1.00
     assert fp8.split()[:4] == ["mx:fp8", "51200", "160.0-170.0", "0.82-1.00x"]
     assert "median" in head and fp8.split()[4] == "0.91x" and hf.split()[4] == "1.00x"  # (0.82 + 1.00) / 2
+    assert head.split()[-3:] == ["loss", "vs", "hf"] and hf.split()[-1] == "+0.00%"
     assert ao.split() == ["ao", "failed"]
     assert note == ("note: the hf baseline moved by 14% between rounds (the machine's noise): compare sides within "
                     "a round, or run more rounds")
@@ -81,3 +82,14 @@ def test_summary_has_no_noise_note_for_a_steady_baseline_and_shows_gathers_under
     lines = bench_e2e.summary_lines(results, ["hf"], fsdp=True)
     assert len(lines) == 2 and "AG MiB" in lines[0]
     assert lines[1].split()[-2:] == ["1918.6", "23.5"]  # the best round's (150 ms)
+
+
+def test_summary_names_the_loss_step_and_each_sides_loss_against_hfs_of_the_same_round():
+    results = [_row("hf", 0, 140.0, loss=2.50), _row("mx:a", 0, 130.0, loss=2.55), _row("mx:b", 0, 150.0, loss=2.45),
+               _row("hf", 1, 150.0, loss=2.40), _row("mx:a", 1, 140.0, loss=2.40), _row("mx:b", 1, 160.0, loss=2.40),
+               _row("mx:c", 0, 150.0, loss=float("nan"))]
+    head, hf, a, b, c, _ = bench_e2e.summary_lines(results, ["hf", "mx:a", "mx:b", "mx:c"], fsdp=False, loss_step=50)
+    assert "loss@50" in head.split()
+    # round 0: +2.00% / -2.00%, round 1: +0.00% / +0.00%; the mean over the rounds
+    assert (hf.split()[-1], a.split()[-1], b.split()[-1]) == ("+0.00%", "+1.00%", "-1.00%")
+    assert c.split()[-2:] == ["nan", "+nan%"]  # a diverged side shows as such, not as a number

@@ -43,6 +43,7 @@ def test_fsdp_sides_train_and_quantized_gathers_send_less(tmp_path, torchrun2):
     # the same model and data: the mxtrain model without a recipe trains as Hugging Face's does
     assert res["mx:none"]["loss"] == pytest.approx(res["hf"]["loss"], rel=1e-3)
     assert "vs hf" in proc.stdout and "AG MiB" in proc.stdout
+    assert "loss@6" in proc.stdout  # 1 warm-up + 3 issue-timing + 2 timed steps
     # --host-profile: rank 0 profiles 3 more steps of the side while rank 1 runs them (the same collectives)
     assert "## host profile: mx:fp8_current rank 0 of 2 (3 steps under cProfile)" in proc.stdout
     # --host-trace: the same under torch.profiler, host time by region (FSDP2's annotations among them)
