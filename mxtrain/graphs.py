@@ -14,7 +14,8 @@ import torch
 __all__ = ["make_graphed_step"]
 
 
-def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: torch.cuda.Stream | None = None):
+def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: torch.cuda.Stream | None = None,
+                      group=None):
     """Capture ``step()`` in a CUDA graph and return a function that replays it.
 
     ``step`` runs a whole training step on static tensors: its inputs are read from tensors that
@@ -30,6 +31,15 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
     replay draws fresh random bits. A step that synchronises with the host (``.item()``, printing a
     tensor, a data-dependent shape) cannot be captured: the error names the operation. After a failed
     capture torch's own CUDA generator may refuse further draws in this process: fix the step and restart.
+
+    Distributed steps (FSDP2's ``fully_shard`` with NCCL, mxtrain's quantized all-gathers included) are
+    captured whole: every rank of ``group`` (default: all ranks) calls ``make_graphed_step`` at the same
+    point, as it would a collective, and each replay runs the step's all-gathers, reduce-scatters and casts
+    from the graph. The host decisions of the captured step are fixed: its recipe, which planes each gather
+    sends, FSDP2's reshard and prefetch settings, gradient synchronisation; capture again to change them. The
+    ranks agree after the capture (over a gloo group made for it): if any rank failed to capture, every rank
+    raises, instead of replaying a graph whose collectives would wait for that rank forever. Load checkpoints
+    before the capture: loading optimizer state replaces the tensors the graph reads.
     """
     if not callable(step):
         raise TypeError(f"make_graphed_step expects a callable step, got {type(step).__name__}")
@@ -57,14 +67,19 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
                                    "generator with a CUDA graph (CUDAGraph.register_generator_state); "
                                    "use a recipe without stochastic rounding or a newer torch")
             graph.register_generator_state(gen)
+    agree = _capture_agreement(group)
     try:
         with torch.cuda.graph(graph, stream=side):
             out = step()
     except RuntimeError as e:
+        if agree is not None:
+            agree(False)
         raise RuntimeError(
             f"make_graphed_step: the step could not be captured in a CUDA graph ({e}). Everything in it must "
             "run on the GPU without waiting for the host: no .item()/.cpu()/print of a tensor, no shapes that "
             "depend on values, no CPU tensors, and an optimizer built with capturable=True") from e
+    if agree is not None:
+        agree(True)
 
     def replay():
         graph.replay()
@@ -72,3 +87,40 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
 
     replay.graph = graph
     return replay
+
+
+_AGREEMENT_GROUPS: dict = {}
+
+
+def _capture_agreement(group):
+    """Under torch.distributed with more than one rank in ``group``: a function ``agree(ok)`` that every rank
+    calls after its capture; it raises on the ranks that captured when another did not. None otherwise.
+
+    The flags travel over a gloo group of the same ranks (made here, every rank at once, and kept): a failed
+    capture may leave the rank's NCCL stream unusable, and a CPU collective needs none."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("make_graphed_step: group was given but torch.distributed is not initialized")
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    if len(ranks) == 1:
+        return None
+    me = dist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"make_graphed_step: this rank ({me}) is not in group (ranks {list(ranks)}); call it with "
+                         "the group of the ranks that capture together")
+    gloo = _AGREEMENT_GROUPS.get(ranks)
+    if gloo is None:
+        gloo = _AGREEMENT_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+
+    def agree(ok: bool) -> None:
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in ranks]
+        dist.all_gather(flags, torch.tensor([int(ok)], dtype=torch.int32), group=gloo)
+        failed = [r for r, f in zip(ranks, flags) if not int(f)]
+        if failed and ok:
+            raise RuntimeError(f"make_graphed_step: rank(s) {failed} could not capture the step (their own error "
+                               "says why); this rank captured it, but its graph's collectives would wait for them "
+                               "in every replay, so it is not returned")
+    return agree

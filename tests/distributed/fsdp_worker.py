@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 fsdp_worker.py SCENARIO OUT_DIR
 
-Scenarios (each writes ``OUT_DIR/<scenario>.json`` from rank 0):
+Scenarios (each writes ``OUT_DIR/<scenario>.json`` from rank 0; ``compile`` and ``graph*`` live in
+compile_worker.py and graph_worker.py):
   core     gathered planes vs one-process quantization (several recipes, bf16 params),
            bytes per all-gather, training parity (MXFP8 / high precision; reshard after
            forward on/off; grad accumulation; activation checkpointing; mixed modules)
@@ -851,6 +852,18 @@ def main():
             from compile_worker import scenario_compile
 
             res = scenario_compile(rank, device)
+        elif scenario == "graph":
+            from graph_worker import scenario_graph
+
+            res = scenario_graph(rank, device)
+        elif scenario == "graph_fail":
+            from graph_worker import scenario_graph_fail
+
+            res = scenario_graph_fail(rank, device, out)
+        elif scenario == "graph_agree":
+            from graph_worker import scenario_graph_agree
+
+            res = scenario_graph_agree(rank)
         elif scenario == "ckpt":
             res = scenario_ckpt(rank, world, device, out)
             res["world"] = world
