@@ -35,7 +35,8 @@ optimizer step, torchao's best FSDP2 configuration); ``ao-rowwise`` in bf16 (tor
 ``mx:<recipe>`` quantized by ``mxtrain.distributed.enable_quantized_all_gather`` (MX bytes or FP8 codes), or in
 bf16 with ``+bf16ag``. ``+compile`` compiles each decoder layer (as torchtitan does); ``+graph`` captures the
 whole FSDP2 step (gathers, reduce-scatters, casts, optimizer) on every rank with ``make_graphed_step`` and replays
-it (its gathers are not timed: the AG columns show "-").
+it (its gathers are not timed: ``AG ms`` shows "-"; ``AG MiB`` is the last eager warm-up step's, which gathers
+what the captured step does).
 ``+unbatched``: Float8CurrentScaling's FP8 gathers cast each weight in its own gather, not all at the step's first
 (``MXTRAIN_FSDP_BATCHED_CASTS=0``; the batched casts are the CUDA default). ``+keep`` (any side): the decoder
 layers keep their gathered weights from forward to backward (``reshard_after_forward=False``: one gather a layer a
@@ -303,7 +304,21 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
         if args.fsdp:
             dist.barrier()
 
-    for _ in range(args.warmup - ("graph" in modes)):
+    eager_warmup = args.warmup - ("graph" in modes)
+    graph_bytes = None
+    for i in range(eager_warmup):
+        if args.fsdp and "graph" in modes and i == eager_warmup - 1:
+            # a replay's gathers run without the Python the timer hooks: count the bytes of the last eager step,
+            # which gathers what the captured one does
+            from bench_fsdp import AllGatherTimer
+
+            counter = AllGatherTimer(device, timed=False)
+            try:
+                run()
+            finally:
+                counter.close()
+            graph_bytes = counter.bytes
+            continue
         run()
     if "graph" in modes:  # the last warm-up step runs in make_graphed_step, the capture runs none
         next_batch()
@@ -335,6 +350,8 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
         if cuda:
             end.record()
         sync()
+        # the last timed step's loss (a graph side's replays write it in place: the profilers' steps would not)
+        loss = loss.detach().float().clone()
         ms = start.elapsed_time(end) / args.steps if cuda else 1e3 * (time.perf_counter() - t0) / args.steps
         if gather is not None:
             gather_ms, gather_bytes = 1e3 * gather.seconds() / args.steps, gather.bytes / args.steps
@@ -375,6 +392,8 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"), "loss": loss.item()}
     if gather is not None:
         res.update(allgather_ms=gather_ms, allgather_mib=gather_bytes / 2**20)
+    elif graph_bytes is not None:
+        res.update(allgather_mib=graph_bytes / 2**20)
     return res
 
 
@@ -481,8 +500,8 @@ def summary_lines(results: list, sides: list, fsdp: bool, loss_step: int | None 
         spread = f"{min(r['ms'] for r in rows):.1f}-{max(r['ms'] for r in rows):.1f}"
         deltas = [100 * (r["loss"] / hf_loss[r["round"]] - 1) for r in rows if hf_loss.get(r["round"])]
         delta = f"{sum(deltas) / len(deltas):+.2f}%" if deltas else "-"  # (a NaN loss prints nan)
-        extra = ((f"{best['allgather_mib']:>9.1f}{best['allgather_ms']:>8.1f}" if "allgather_ms" in best
-                  else f"{'-':>9}{'-':>8}") if fsdp else "")
+        extra = ((f"{best['allgather_mib']:>9.1f}" if "allgather_mib" in best else f"{'-':>9}")
+                 + (f"{best['allgather_ms']:>8.1f}" if "allgather_ms" in best else f"{'-':>8}") if fsdp else "")
         lines.append(f"{side:<{w}}{best['tokens_per_s']:>13.0f}{spread:>16}{ratio:>13}{median:>8}"
                      f"{best['issue_ms']:>10.1f}{best['peak_gib']:>10.1f}{best['loss']:>9.4f}{delta:>9}{extra}")
     if len(hf_ms) > 1 and max(hf_ms.values()) > 1.05 * min(hf_ms.values()):
@@ -594,8 +613,9 @@ def main():
                 res = {"side": side, "error": f"{type(e).__name__}: {str(e)[:300]}"}
                 print(f"rank {rank} round {r}: {side} failed: {res['error']}", flush=True)
             else:
-                gather = (f"  all-gather {res['allgather_mib']:7.1f} MiB {res['allgather_ms']:6.1f} ms"
-                          if "allgather_ms" in res else "")
+                gather = (f"  all-gather {res['allgather_mib']:7.1f} MiB"
+                          + (f" {res['allgather_ms']:6.1f} ms" if "allgather_ms" in res else " (in the graph)")
+                          if "allgather_mib" in res else "")
                 say(f"round {r}: {side:<24} {res['ms']:8.1f} ms  {res['tokens_per_s']:9.0f} tok/s  "
                     f"issue {res['issue_ms']:6.1f} ms  peak {res['peak_gib']:5.1f} GiB  loss {res['loss']:.4f}{gather}",
                     flush=True)

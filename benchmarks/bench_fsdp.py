@@ -57,8 +57,10 @@ class Stack(nn.Module):
 class AllGatherTimer:
     """Times FSDP2's all-gather collectives (patched on torch.distributed) and counts their bytes."""
 
-    def __init__(self, device):
+    def __init__(self, device, timed: bool = True):
+        """``timed=False``: count calls and bytes only (no events: usable while a CUDA graph is captured)."""
         self.device, self.events, self.wall, self.bytes, self.calls = device, [], 0.0, 0, 0
+        self.timed = timed
         self.names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
         self.origs = {n: getattr(dist, n) for n in self.names}
         for n in self.names:
@@ -68,6 +70,8 @@ class AllGatherTimer:
         def timed(output_tensor, input_tensor, *a, **k):
             self.bytes += input_tensor.numel() * input_tensor.element_size()
             self.calls += 1
+            if not self.timed:
+                return fn(output_tensor, input_tensor, *a, **k)
             if self.device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()

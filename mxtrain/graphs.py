@@ -29,8 +29,8 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
 
     mxtrain's stochastic-rounding generators on the device are registered with the graph, so each
     replay draws fresh random bits. A step that synchronises with the host (``.item()``, printing a
-    tensor, a data-dependent shape) cannot be captured: the error names the operation. After a failed
-    capture torch's own CUDA generator may refuse further draws in this process: fix the step and restart.
+    tensor, a data-dependent shape) cannot be captured: the error names the operation. The process stays
+    usable after a failed capture (the random generators the capture took are released from it).
 
     Distributed steps (FSDP2's ``fully_shard`` with NCCL, mxtrain's quantized all-gathers included) are
     captured whole: every rank of ``group`` (default: all ranks) calls ``make_graphed_step`` at the same
@@ -60,18 +60,20 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
     from mxtrain.modules._common import _GENERATORS
 
     device = torch.cuda.current_device()
-    for (_, dev), gen in _GENERATORS.items():
-        if dev.type == "cuda" and (dev.index is None or dev.index == device):
-            if not hasattr(graph, "register_generator_state"):
-                raise RuntimeError("make_graphed_step: this torch cannot register a stochastic-rounding "
-                                   "generator with a CUDA graph (CUDAGraph.register_generator_state); "
-                                   "use a recipe without stochastic rounding or a newer torch")
-            graph.register_generator_state(gen)
+    generators = [gen for (_, dev), gen in _GENERATORS.items()
+                  if dev.type == "cuda" and (dev.index is None or dev.index == device)]
+    for gen in generators:
+        if not hasattr(graph, "register_generator_state"):
+            raise RuntimeError("make_graphed_step: this torch cannot register a stochastic-rounding "
+                               "generator with a CUDA graph (CUDAGraph.register_generator_state); "
+                               "use a recipe without stochastic rounding or a newer torch")
+        graph.register_generator_state(gen)
     agree = _capture_agreement(group)
     try:
         with torch.cuda.graph(graph, stream=side):
             out = step()
     except RuntimeError as e:
+        _release_generators(generators, side)
         if agree is not None:
             agree(False)
         raise RuntimeError(
@@ -87,6 +89,22 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
 
     replay.graph = graph
     return replay
+
+
+def _release_generators(generators: list, stream) -> None:
+    """Take the random generators of a failed capture out of capture mode.
+
+    A capture marks torch's CUDA generator (and the ones registered with it) as capturing until the capture ends
+    well; one that fails leaves the mark, and every later draw outside a capture raised "Offset increment outside
+    graph capture encountered unexpectedly". An empty capture that ends well clears it."""
+    repair = torch.cuda.CUDAGraph()
+    for gen in generators:
+        repair.register_generator_state(gen)
+    try:
+        with torch.cuda.graph(repair, stream=stream):
+            pass
+    except RuntimeError:  # (the caller raises the capture's own error)
+        pass
 
 
 _AGREEMENT_GROUPS: dict = {}

@@ -98,8 +98,10 @@ def test_summary_names_the_loss_step_and_each_sides_loss_against_hfs_of_the_same
 def test_summary_keeps_long_side_names_apart_and_shows_no_gathers_for_graphed_fsdp_sides():
     # a replayed FSDP2 step runs its gathers from the graph, where the all-gather timer sees none: "-", not 0
     side = "mx:fp8_current+compile+keep+graph"
-    results = [_row("hf", 0, 150.0, allgather_mib=1918.6, allgather_ms=23.5), _row(side, 0, 6.0)]
-    head, hf, graphed = bench_e2e.summary_lines(results, ["hf", side], fsdp=True)
+    results = [_row("hf", 0, 150.0, allgather_mib=1918.6, allgather_ms=23.5), _row(side, 0, 6.0),
+               _row("mx:fp8_current+graph", 0, 7.5, allgather_mib=990.6)]
+    head, hf, graphed, counted = bench_e2e.summary_lines(results, ["hf", side, "mx:fp8_current+graph"], fsdp=True)
     assert graphed.split()[:5] == [side, "1365333", "6.0-6.0", "25.00-25.00x", "25.00x"]
     assert graphed.split()[-2:] == ["-", "-"] and hf.split()[-2:] == ["1918.6", "23.5"]
+    assert counted.split()[-2:] == ["990.6", "-"]  # bytes counted in an eager step, no time
     assert head.index("tok/s") > len(side)

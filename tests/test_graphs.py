@@ -78,8 +78,9 @@ def test_replays_equal_eager_steps(recipe, compiled):
 
 @pytest.mark.gpu
 @cuda
-def test_host_synchronisation_is_named():
-    # in a child process: a failed capture leaves torch's CUDA generator unusable in the process that tried
+def test_host_synchronisation_is_named_and_the_process_stays_usable():
+    # in a child process: torch left its CUDA generator in capture mode after a failed capture ("Offset increment
+    # outside graph capture"), so every later random draw failed; make_graphed_step ends that mode
     import subprocess
     import sys
 
@@ -87,7 +88,7 @@ def test_host_synchronisation_is_named():
 import torch, mxtrain
 w = torch.randn(8, device="cuda", requires_grad=True)
 def step():
-    loss = (w * 2).sum()
+    loss = (w * torch.rand(8, device="cuda")).sum()
     if loss.item() > 1e9:  # a host read: not capturable
         pass
     return loss
@@ -95,6 +96,11 @@ try:
     mxtrain.make_graphed_step(step, warmup=1)
 except RuntimeError as e:
     print("RAISED", e)
+print("DRAW", torch.rand(4, device="cuda").sum().item() > 0)
+replay = mxtrain.make_graphed_step(lambda: torch.rand(4, device="cuda") * w[:4], warmup=1)
+a, b = replay().clone(), replay().clone()
+print("AGAIN", not torch.equal(a, b))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "RAISED make_graphed_step: the step could not be captured" in out.stdout, out.stdout + out.stderr
+    assert "DRAW True" in out.stdout and "AGAIN True" in out.stdout, out.stdout + out.stderr
