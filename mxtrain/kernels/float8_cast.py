@@ -519,7 +519,7 @@ def tensor_cast_float8(x: torch.Tensor, fmt="fp8_e4m3", *, rowwise: bool = True,
         n = bool(rowwise) + bool(columnwise)
         if x.device.type == "cuda" and not interpret_mode():
             # the kernels as graph nodes (torch.library.triton_op): inductor launches them itself, with no
-            # Python per call on the host (an FSDP2 step, which no CUDA graph covers, waited on it)
+            # Python per call on the host (an FSDP2 step outside a CUDA graph waited on it)
             parts = torch.ops.mxtrain.tensor_cast_float8_triton(*args)
             if amax is not None:  # not returned: the amax given (an output may not alias an input)
                 parts = [*parts[:n + 1], amax.to(torch.float32).reshape(()), *parts[n + 1:]]
