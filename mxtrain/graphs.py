@@ -39,7 +39,9 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
     sends, FSDP2's reshard and prefetch settings, gradient synchronisation; capture again to change them. The
     ranks agree after the capture (over a gloo group made for it): if any rank failed to capture, every rank
     raises, instead of replaying a graph whose collectives would wait for that rank forever. Load checkpoints
-    before the capture: loading optimizer state replaces the tensors the graph reads.
+    before the capture: loading optimizer state replaces the tensors the graph reads. Eager forwards between
+    replays (evaluation) see the replays' weights: each replay reshards the groups an eager forward left
+    unsharded and marks the parameters it wrote as changed (``mxtrain.distributed.fsdp.ReplayBookkeeping``).
     """
     if not callable(step):
         raise TypeError(f"make_graphed_step expects a callable step, got {type(step).__name__}")
@@ -69,6 +71,7 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
                                "use a recipe without stochastic rounding or a newer torch")
         graph.register_generator_state(gen)
     agree = _capture_agreement(group)
+    books = _fsdp_bookkeeping()
     try:
         with torch.cuda.graph(graph, stream=side):
             out = step()
@@ -82,13 +85,32 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
             "depend on values, no CPU tensors, and an optimizer built with capturable=True") from e
     if agree is not None:
         agree(True)
+    if books is not None:
+        books.captured()
 
-    def replay():
-        graph.replay()
-        return out
+        def replay():
+            books.before_replay()
+            graph.replay()
+            books.after_replay()
+            return out
+    else:
+        def replay():
+            graph.replay()
+            return out
 
     replay.graph = graph
     return replay
+
+
+def _fsdp_bookkeeping():
+    """A ``ReplayBookkeeping`` where FSDP2 states exist in this process (the step may be sharded), else None."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    from mxtrain.distributed.fsdp import ReplayBookkeeping, _live_param_groups
+
+    return ReplayBookkeeping() if _live_param_groups() else None
 
 
 def _release_generators(generators: list, stream) -> None:

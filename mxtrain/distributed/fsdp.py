@@ -1481,6 +1481,72 @@ def _anchor_grad_to_param(anchor: torch.Tensor) -> None:
 
 # --------------------------------------------------------------------------- setup
 
+# --------------------------------------------------------------------------- CUDA-graphed steps
+
+def _live_param_groups() -> list:
+    """Every FSDP2 parameter group of a live FSDP state in this process (any model)."""
+    from torch.distributed._composable_state import _module_state_mapping
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    groups = []
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        if isinstance(state, FSDPState):
+            groups.extend(_param_groups(state))
+    return groups
+
+
+def _leaves(t: torch.Tensor) -> list:
+    """``t`` and, through ``__tensor_flatten__``, every tensor a wrapper subclass holds (a DTensor's local
+    tensor, an ``MXAllGatherWeight``'s data): each has a version counter of its own."""
+    out = [t]
+    if type(t) is not torch.Tensor and type(t) is not nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            inner = getattr(t, name)
+            if isinstance(inner, torch.Tensor):  # (a name may hold other objects: a DTensor's mesh, on some torch)
+                out.extend(_leaves(inner))
+    return out
+
+
+class ReplayBookkeeping:
+    """What a CUDA graph of an FSDP2 step owes FSDP2's and mxtrain's host state on each replay
+    (``mxtrain.make_graphed_step`` makes one around its capture when FSDP2 states exist).
+
+    A replay runs the step's gathers, GEMMs and optimizer without any Python, and two kinds of host state
+    must still tell the truth afterwards:
+
+    * which parameter groups are unsharded. An eager forward between replays (an evaluation) leaves the groups
+      that keep their weights after forward (``reshard_after_forward=False``, and FSDP2's root) unsharded; the
+      next eager forward would use those gathered weights, made before the replays updated the shards. Before a
+      replay, every unsharded group is resharded (the captured step began with every group sharded).
+    * the version counters of the sharded parameters. mxtrain's quantized gathers reuse a weight's amax, codes
+      and scales while its version is unchanged (``_fp8_cached``, ``_take_codes``, ``_SentShard``); an optimizer
+      step inside the graph changes the weight without counting. After a replay, the version of every tensor of
+      each parameter the captured step wrote is bumped (those whose version moved during the capture).
+    """
+
+    def __init__(self):
+        self._before = [(g, [(leaf, leaf._version) for fp in g.fsdp_params for leaf in _leaves(fp.sharded_param)])
+                        for g in _live_param_groups()]
+        self.written: list = []  # the leaves of the parameters the captured step wrote
+
+    def captured(self) -> None:
+        """Call after the capture: keep the parameters whose version moved in it."""
+        self.written = [leaf for _, leaves in self._before for leaf, version in leaves if leaf._version != version]
+        self._before = None
+
+    @staticmethod
+    def before_replay() -> None:
+        for group in _live_param_groups():
+            if group.is_unsharded:
+                group.reshard()
+
+    def after_replay(self) -> None:
+        if self.written:
+            torch.autograd.graph.increment_version(self.written)
+
+
 def check_shard_shape(name: str, shape: tuple, world: int, column_block_sizes=(32,)) -> None:
     """Raise ValueError when FSDP2's dim-0 shards of ``shape`` cannot carry exact MX planes.
 

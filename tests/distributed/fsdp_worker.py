@@ -860,6 +860,10 @@ def main():
             from graph_worker import scenario_graph_fail
 
             res = scenario_graph_fail(rank, device, out)
+        elif scenario == "graph_books":
+            from graph_worker import scenario_graph_books
+
+            res = scenario_graph_books(rank, device)
         elif scenario == "graph_agree":
             from graph_worker import scenario_graph_agree
 

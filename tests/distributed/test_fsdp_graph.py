@@ -39,6 +39,8 @@ def test_replayed_fsdp_steps_train_as_eager_steps(graphed, config):
     assert [v for i, v in enumerate(eager) if i != 2] == [v for v in replayed if v is not None]
     assert len(set(eager)) == len(eager), "the losses did not move: nothing trained"
     assert r["differ"] == [], f"parameters after the replays differing from eager: {r['differ']}"
+    # evaluations between replays (kept weights) see what the eager run's see
+    assert r["evals"] == (2 if config.endswith("-keep") else 0) and r["evals_differ"] == []
 
 
 @two_gpus
@@ -69,3 +71,18 @@ def test_make_graphed_step_needs_cuda_before_any_group():
         pytest.skip("checks the CPU-only error")
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         mxtrain.make_graphed_step(lambda: None, group=object())
+
+
+def test_replays_keep_fsdp_and_mxtrain_host_state_true(tmp_path):
+    # an evaluation between replays: FSDP2 keeps the gathered weights of kept groups, mxtrain reuses a weight's
+    # FP8 codes while its version is unchanged; both must see the replays' writes (emulated here: the shards
+    # written in place, their versions put back, as a graph's optimizer leaves them)
+    torchrun("graph_books", tmp_path, timeout=240)
+    r = json.loads((tmp_path / "graph_books.json").read_text())
+    full = r["full"]
+    # the tensors the optimizer's in-place updates counted: each parameter's local shard at least (and an FP8
+    # weight's data inside it); the DTensors themselves on torch versions that count them too
+    assert 12 <= full["written"] <= full["leaves"]
+    assert full["moved"] and full["equal"], "an evaluation after a replay did not see the replay's weights"
+    # each half alone leaves it stale: the kept gathered weights, or the cached FP8 codes
+    assert not r["none"]["equal"] and not r["reshard_only"]["equal"]
