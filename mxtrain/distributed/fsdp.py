@@ -45,7 +45,8 @@ registry (``torch.distributed._composable_state._module_state_mapping``),
 ``FSDPParam._orig_size`` / ``mesh_info.shard_process_group`` (FP8 amax all-reduces), and
 ``FSDPParam.all_gather_outputs`` (reset when the size of what a weight sends
 changes, e.g. MX in training then high precision in an evaluation outside
-``mx_autocast``).
+``mx_autocast``); for CUDA-graphed steps (``ReplayBookkeeping``),
+``FSDPParamGroup.is_unsharded`` / ``reshard()`` and ``FSDPParam.sharded_param``.
 """
 
 from __future__ import annotations
@@ -1479,8 +1480,6 @@ def _anchor_grad_to_param(anchor: torch.Tensor) -> None:
             param.grad += grad
 
 
-# --------------------------------------------------------------------------- setup
-
 # --------------------------------------------------------------------------- CUDA-graphed steps
 
 def _live_param_groups() -> list:
@@ -1546,6 +1545,8 @@ class ReplayBookkeeping:
         if self.written:
             torch.autograd.graph.increment_version(self.written)
 
+
+# --------------------------------------------------------------------------- setup
 
 def check_shard_shape(name: str, shape: tuple, world: int, column_block_sizes=(32,)) -> None:
     """Raise ValueError when FSDP2's dim-0 shards of ``shape`` cannot carry exact MX planes.
