@@ -50,9 +50,9 @@ batches, which every side memorises), so the sides' losses after N steps compare
 needs the corpus (``scripts/install_data.sh`` unpacks it; ``--data-dir`` or ``$MXTRAIN_DATA_DIR`` where it is)
 and the ``rdata`` package.
 
+    S=hf,ao-tensorwise+keep,mx:fp8_current+compile+keep+graph,mx:mxfp8+compile+keep+graph
     torchrun --nproc_per_node=2 benchmarks/bench_e2e.py --fsdp --model llama-1b --batch 2 --warmup 5 --steps 42 \
-        --data austen --rounds 3 --sides hf,ao-tensorwise+keep,mx:fp8_current+compile+keep+graph,\
-    mx:mxfp8+compile+keep+graph,mx:fp8_block+compile+keep+graph
+        --data austen --rounds 3 --sides $S,mx:fp8_block+compile+keep+graph
 """
 
 from __future__ import annotations
