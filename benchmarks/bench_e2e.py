@@ -306,21 +306,21 @@ def run_side(side: str, cfg, batch: int, seq: int, args, device) -> dict:
             dist.barrier()
 
     eager_warmup = args.warmup - ("graph" in modes)
-    graph_bytes = None
-    for i in range(eager_warmup):
-        if args.fsdp and "graph" in modes and i == eager_warmup - 1:
-            # a replay's gathers run without the Python the timer hooks: count the bytes of the last eager step,
-            # which gathers what the captured one does
-            from bench_fsdp import AllGatherTimer
-
-            counter = AllGatherTimer(device, timed=False)
-            try:
-                run()
-            finally:
-                counter.close()
-            graph_bytes = counter.bytes
-            continue
+    # a replay's gathers run without the Python the timer hooks: count the bytes of the last eager warm-up step,
+    # which gathers what the captured one does
+    count_last = args.fsdp and "graph" in modes and eager_warmup > 0
+    for _ in range(eager_warmup - count_last):
         run()
+    graph_bytes = None
+    if count_last:
+        from bench_fsdp import AllGatherTimer  # benchmarks/ is on sys.path when this file runs as a script
+
+        counter = AllGatherTimer(device, timed=False)
+        try:
+            run()
+        finally:
+            counter.close()
+        graph_bytes = counter.bytes
     if "graph" in modes:  # the last warm-up step runs in make_graphed_step, the capture runs none
         next_batch()
         graphed = mxtrain.make_graphed_step(train_step, warmup=1)

@@ -88,15 +88,13 @@ def make_graphed_step(step: Callable[[], object], *, warmup: int = 3, stream: to
     if books is not None:
         books.captured()
 
-        def replay():
+    def replay():
+        if books is not None:
             books.before_replay()
-            graph.replay()
+        graph.replay()
+        if books is not None:
             books.after_replay()
-            return out
-    else:
-        def replay():
-            graph.replay()
-            return out
+        return out
 
     replay.graph = graph
     return replay

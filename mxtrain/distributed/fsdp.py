@@ -160,18 +160,11 @@ def _find_fsdp_param(local: torch.Tensor):
         fsdp_param, group = cached[0](), cached[1]()
         if fsdp_param is not None and group is not None and fsdp_param._sharded_local_tensor is local:
             return fsdp_param, group
-    from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-
-    for ref in list(_module_state_mapping.values()):
-        state = ref()
-        if not isinstance(state, FSDPState):
-            continue
-        for group in _param_groups(state):
-            for fsdp_param in group.fsdp_params:
-                if fsdp_param._sharded_local_tensor is local:
-                    local._mx_fsdp_refs = (weakref.ref(fsdp_param), weakref.ref(group))
-                    return fsdp_param, group
+    for group in _live_param_groups():
+        for fsdp_param in group.fsdp_params:
+            if fsdp_param._sharded_local_tensor is local:
+                local._mx_fsdp_refs = (weakref.ref(fsdp_param), weakref.ref(group))
+                return fsdp_param, group
     raise RuntimeError(
         "mxtrain MX all-gather: FSDP2 called fsdp_pre_all_gather on a weight it does not seem to manage "
         f"(torch {torch.__version__}); this torch version's FSDP2 internals are not supported")
